@@ -1,0 +1,40 @@
+"""One place that decides where an op runs, and registers ops with ``torch.library``.
+
+* CUDA tensors run the Triton kernels.
+* CPU tensors run the pure-torch reference, unless ``TRITON_INTERPRET=1`` is set (read once, at
+  import, like Triton itself does), in which case they run the Triton kernels in the interpreter.
+  That is how CI tests the kernels without a GPU.
+* ``MOE_KERNELS_BACKEND=reference`` forces the reference everywhere (handy to bisect a GPU issue);
+  ``MOE_KERNELS_BACKEND=triton`` forces the kernels (CPU then needs ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+NAMESPACE = "moe_kernels"
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_BACKEND: str = os.environ.get("MOE_KERNELS_BACKEND", "auto").lower()
+if _BACKEND not in ("auto", "reference", "triton"):
+    raise ValueError(
+        f"MOE_KERNELS_BACKEND must be 'auto', 'reference' or 'triton', got {_BACKEND!r}"
+    )
+
+
+def use_triton(device: torch.device) -> bool:
+    """True when an op on ``device`` should run its Triton kernel, False for the reference."""
+    if _BACKEND == "reference":
+        return False
+    if _BACKEND == "triton":
+        return True
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and INTERPRET
+
+
+def op_name(name: str) -> str:
+    """The qualified custom-op name, ``moe_kernels::<name>``."""
+    return f"{NAMESPACE}::{name}"

@@ -1,0 +1,3 @@
+"""moe-tools: benchmarks and verification for moe-kernels and moe-model."""
+
+__version__ = "0.1.0"
