@@ -22,7 +22,7 @@ TORCH_TRITON = {
 }
 TORCH_VERSIONS = list(TORCH_TRITON)
 
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "virtualenv"
 
 
