@@ -1,0 +1,287 @@
+"""Triton kernels for token movement (gather / dispatch, scatter-add, combine) and their launchers.
+
+Every kernel moves D-long rows: one program per (block of BLOCK_N rows, chunk of BLOCK_D columns),
+16-byte vector accesses along D, masks for odd D, int64 row offsets. The launchers pick the block
+shape and warps from D, the element size and the row count. Nothing here checks arguments: the
+public module ``moe_kernels.tokens`` does that before any launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_kernels._dispatch import INTERPRET
+
+# Gather scale modes.
+SCALE_NONE, SCALE_ROW, SCALE_SCORES = 0, 1, 2
+
+
+@triton.jit
+def _gather_rows_kernel(
+    x_ptr,  # (T, D)
+    out_ptr,  # (N, D), contiguous
+    tok_ptr,  # (N,) int32/int64
+    exp_ptr,  # (N,) int32/int64 (SCALE_SCORES only)
+    scale_ptr,  # (N,) float (SCALE_ROW) or (T, E) float (SCALE_SCORES)
+    vtc_ptr,  # (1,) int: rows >= *vtc_ptr are zero (HAS_VTC only)
+    N,
+    D,
+    T,
+    E,
+    stride_xt,
+    stride_xd,
+    stride_st,
+    stride_se,
+    SCALE_MODE: tl.constexpr,
+    HAS_VTC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_in = rows < N
+    tok = tl.load(tok_ptr + rows, mask=row_in, other=-1).to(tl.int64)
+    live = row_in & (tok >= 0) & (tok < T)
+    if HAS_VTC:
+        live = live & (rows < tl.load(vtc_ptr).to(tl.int64))
+    if SCALE_MODE == 2:
+        exp = tl.load(exp_ptr + rows, mask=live, other=-1).to(tl.int64)
+        live = live & (exp >= 0) & (exp < E)
+        scale = tl.load(scale_ptr + tok * stride_st + exp * stride_se, mask=live, other=0.0)
+        scale = scale.to(tl.float32)
+    elif SCALE_MODE == 1:
+        scale = tl.load(scale_ptr + rows, mask=live, other=0.0).to(tl.float32)
+
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_in = cols < D
+    src = x_ptr + tok[:, None] * stride_xt + cols[None, :] * stride_xd
+    vals = tl.load(src, mask=live[:, None] & col_in[None, :], other=0.0)
+    if SCALE_MODE != 0:
+        vals = (vals.to(tl.float32) * scale[:, None]).to(out_ptr.dtype.element_ty)
+    dst = out_ptr + rows[:, None] * D + cols[None, :]
+    tl.store(dst, vals, mask=row_in[:, None] & col_in[None, :])
+
+
+@triton.jit
+def _scatter_add_kernel(
+    out_ptr,  # (T, D), updated in place
+    in_ptr,  # (N, D)
+    src_ptr,  # (N,) int: sources ordered by (destination row, ascending i)
+    bounds_ptr,  # (T+1,) int: row t's sources are src[bounds[t] : bounds[t+1]]
+    T,
+    D,
+    stride_ot,
+    stride_od,
+    stride_in,
+    stride_id,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_in = rows < T
+    start = tl.load(bounds_ptr + rows, mask=row_in, other=0).to(tl.int64)
+    count = tl.load(bounds_ptr + rows + 1, mask=row_in, other=0).to(tl.int64) - start
+    longest = tl.max(count, axis=0)
+
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_in = cols < D
+    touched = (count > 0)[:, None] & col_in[None, :]
+    dst = out_ptr + rows[:, None] * stride_ot + cols[None, :] * stride_od
+    acc = tl.load(dst, mask=touched, other=0.0).to(tl.float32)
+    for r in range(0, longest):
+        has = count > r
+        src = tl.load(src_ptr + start + r, mask=has, other=0).to(tl.int64)
+        v = tl.load(
+            in_ptr + src[:, None] * stride_in + cols[None, :] * stride_id,
+            mask=has[:, None] & col_in[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        # Round to out's dtype after every add: the sequential in-order sum in out's dtype.
+        total = (acc + v).to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = tl.where(has[:, None], total, acc)
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=touched)
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,  # (N, D)
+    w_ptr,  # (N,) float32 (WEIGHTED only)
+    inv_ptr,  # (T, K) int: sorted position of token t's j-th choice, -1 when not routed
+    out_ptr,  # (T, D), contiguous
+    T,
+    K,
+    N,
+    D,
+    stride_yn,
+    stride_yd,
+    stride_it,
+    stride_ik,
+    WEIGHTED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_in = rows < T
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_in = cols < D
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for j in range(0, K):
+        pos = tl.load(inv_ptr + rows * stride_it + j * stride_ik, mask=row_in, other=-1)
+        pos = pos.to(tl.int64)
+        ok = row_in & (pos >= 0) & (pos < N)
+        v = tl.load(
+            y_ptr + pos[:, None] * stride_yn + cols[None, :] * stride_yd,
+            mask=ok[:, None] & col_in[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if WEIGHTED:
+            w = tl.load(w_ptr + pos, mask=ok, other=0.0).to(tl.float32)
+            v = w[:, None] * v
+        # Skip (not add zero to) unrouted entries, so a -0.0 sum stays -0.0 like the reference.
+        acc = tl.where(ok[:, None], acc + v, acc)
+    dst = out_ptr + rows[:, None] * D + cols[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+
+
+def pick_config(num_rows: int, dim: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_D, num_warps) for moving ``num_rows`` rows of ``dim`` elements.
+
+    A program moves about 16 KiB (GPU) so each thread issues a few 16-byte accesses; small D
+    packs several rows per program. Under the interpreter blocks are large (numpy is fast per
+    element, slow per program).
+    """
+    elems = (64 * 1024 if INTERPRET else 16 * 1024) // elem_bytes
+    block_d = min(triton.next_power_of_2(max(dim, 1)), max(128, 4096 // elem_bytes))
+    block_d = max(block_d, 16)
+    block_n = max(1, min(elems // block_d, 64, triton.next_power_of_2(max(num_rows, 1))))
+    tile_bytes = block_n * block_d * elem_bytes
+    num_warps = 8 if tile_bytes >= 16 * 1024 else 4 if tile_bytes >= 4096 else 2
+    return block_n, block_d, num_warps
+
+
+def gather_rows(
+    x_TD: torch.Tensor,
+    token_indices_N: torch.Tensor,
+    *,
+    mode: int,
+    scale: torch.Tensor | None,
+    expert_indices_N: torch.Tensor | None = None,
+    valid_token_count: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """(N, D) in x's dtype: row i = x[tok[i]] (scaled per ``mode``), zero where dead."""
+    num_tokens, dim = x_TD.shape
+    num_rows = token_indices_N.shape[0]
+    out_ND = torch.empty((num_rows, dim), dtype=x_TD.dtype, device=x_TD.device)
+    if num_rows == 0 or dim == 0:
+        return out_ND
+    if num_tokens == 0:  # every row is dead
+        return out_ND.zero_()
+    block_n, block_d, num_warps = config or pick_config(num_rows, dim, x_TD.element_size())
+    num_experts = scale.shape[1] if mode == SCALE_SCORES else 0
+    stride_st, stride_se = scale.stride() if mode == SCALE_SCORES else (0, 0)
+    grid = (triton.cdiv(num_rows, block_n), triton.cdiv(dim, block_d))
+    _gather_rows_kernel[grid](
+        x_TD,
+        out_ND,
+        token_indices_N,
+        expert_indices_N if expert_indices_N is not None else token_indices_N,
+        scale if scale is not None else x_TD,
+        valid_token_count if valid_token_count is not None else token_indices_N,
+        num_rows,
+        dim,
+        num_tokens,
+        num_experts,
+        x_TD.stride(0),
+        x_TD.stride(1),
+        stride_st,
+        stride_se,
+        SCALE_MODE=mode,
+        HAS_VTC=valid_token_count is not None,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+    return out_ND
+
+
+def scatter_add_sorted(
+    out_TD: torch.Tensor,
+    in_ND: torch.Tensor,
+    src_N: torch.Tensor,
+    bounds_T1: torch.Tensor,
+    config: tuple[int, int, int] | None = None,
+) -> None:
+    """out[t] += in[src[b]] for b in bounds[t]..bounds[t+1]-1, in that order, rounding to out's
+    dtype after each add."""
+    num_tokens, dim = out_TD.shape
+    if num_tokens == 0 or dim == 0 or in_ND.shape[0] == 0:
+        return
+    elem_bytes = max(out_TD.element_size(), in_ND.element_size())
+    block_n, block_d, num_warps = config or pick_config(num_tokens, dim, elem_bytes)
+    grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d))
+    _scatter_add_kernel[grid](
+        out_TD,
+        in_ND,
+        src_N,
+        bounds_T1,
+        num_tokens,
+        dim,
+        out_TD.stride(0),
+        out_TD.stride(1),
+        in_ND.stride(0),
+        in_ND.stride(1),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+
+
+def combine(
+    y_ND: torch.Tensor,
+    inverse_TK: torch.Tensor,
+    weights_N: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """(T, D) out_dtype: sum_j weights[inverse[t, j]] * y[inverse[t, j]] in fp32, j order."""
+    num_rows, dim = y_ND.shape
+    num_tokens, top_k = inverse_TK.shape
+    out_TD = torch.empty((num_tokens, dim), dtype=out_dtype, device=y_ND.device)
+    if num_tokens == 0 or dim == 0:
+        return out_TD
+    if num_rows == 0:  # nothing routed
+        return out_TD.zero_()
+    block_n, block_d, num_warps = config or pick_config(num_tokens, dim, y_ND.element_size())
+    grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d))
+    _combine_kernel[grid](
+        y_ND,
+        weights_N if weights_N is not None else y_ND,
+        inverse_TK,
+        out_TD,
+        num_tokens,
+        top_k,
+        num_rows,
+        dim,
+        y_ND.stride(0),
+        y_ND.stride(1),
+        inverse_TK.stride(0),
+        inverse_TK.stride(1),
+        WEIGHTED=weights_N is not None,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+        enable_fp_fusion=False,  # w * y then + acc, two roundings, like the reference
+    )
+    return out_TD
