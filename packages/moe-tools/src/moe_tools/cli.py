@@ -1,0 +1,232 @@
+"""``moe-bench``: argument parsing only. Each sub-command calls one module's ``run`` and prints the
+environment header and the returned rows as a table (and writes JSON / a plot when asked)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from moe_tools import __version__, report
+
+PRESETS = ("tiny", "seed-moe")
+
+
+def _device(text: str) -> torch.device:
+    if text == "auto":
+        from moe_tools.timing import default_device
+
+        return default_device()
+    try:
+        dev = torch.device(text)
+    except RuntimeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device must be cpu or cuda, got {text!r}")
+    return dev
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _csv(text: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-bench",
+        description="Benchmarks and checks for moe-kernels and moe-model: speed, determinism, "
+        "drift, rollout throughput and VRAM, kernel bandwidth.",
+    )
+    parser.add_argument("--version", action="version", version=f"moe-bench {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--device", type=_device, default="auto", help="cpu, cuda, cuda:N or auto (default)"
+    )
+    common.add_argument("--json", metavar="PATH", help="also write the rows and environment here")
+    common.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    common.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    dtype = dict(choices=("bf16", "fp16", "fp32"), help="default: bf16 on CUDA, fp32 on CPU")
+
+    p = sub.add_parser("matrix", parents=[common], help="every MoELayer impl: speed and drift")
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=None,
+        help="layer sizes (default: seed-moe on CUDA, tiny on CPU)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=_positive,
+        default=None,
+        help="tokens per call (default: 2048 on CUDA, 64 on CPU)",
+    )
+    p.add_argument("--impls", type=_csv, default=None, help="comma-separated (default: all)")
+    p.add_argument("--dtype", **dtype)
+    p.add_argument("--warmup", type=_positive, default=None, help="untimed calls per variant")
+    p.add_argument("--iters", type=_positive, default=None, help="timed calls per variant")
+
+    p = sub.add_parser("rollout", parents=[common], help="a world-model rollout: fps and VRAM")
+    p.add_argument(
+        "--preset", choices=PRESETS, default=None, help="default: seed-moe on CUDA, tiny on CPU"
+    )
+    p.add_argument(
+        "--frames",
+        type=_positive,
+        default=None,
+        help="timed frames (default: 256 on CUDA, 16 on CPU)",
+    )
+    p.add_argument(
+        "--warmup-frames",
+        type=int,
+        default=None,
+        help="untimed frames first (default 8 on CUDA, 2 on CPU)",
+    )
+    p.add_argument("--impl", default=None, help="MoE implementation (default: the preset's)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--cuda-graph", action="store_true", help="capture a frame in a CUDA graph")
+    p.add_argument("--dtype", **dtype)
+    p.add_argument("--plot", metavar="PNG", help="per-frame time over the rollout")
+
+    p = sub.add_parser("kernels", parents=[common], help="each kernel vs torch and a clone")
+    p.add_argument("--quick", action="store_true", help="small shapes (always on CPU)")
+    p.add_argument("--ops", type=_csv, default=None, help="only these ops (e.g. route,combine)")
+    p.add_argument("--plot", metavar="PNG", help="GB/s against size, with the copy ceiling")
+
+    p = sub.add_parser("verify", parents=[common], help="every kernel vs its reference")
+    p.add_argument(
+        "--shapes",
+        type=_positive,
+        default=None,
+        help="random shapes per op (default: 8 on CUDA, 3 on CPU)",
+    )
+    p.add_argument("--ops", type=_csv, default=None, help="only these checks")
+
+    p = sub.add_parser("report", help="markdown page from saved JSON results")
+    p.add_argument("--results", required=True, metavar="DIR", help="folder of JSON results")
+    p.add_argument("--out", default="BENCHMARKS.md", metavar="PATH", help="markdown to write")
+    p.add_argument("--title", default=None)
+    return parser
+
+
+def _dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _run(args: argparse.Namespace) -> report.Result:
+    progress = not args.no_progress
+    if args.command == "matrix":
+        from moe_tools import matrix
+
+        return matrix.run(
+            device=args.device,
+            preset=args.preset,
+            tokens=args.tokens,
+            impls=args.impls,
+            dtype=_dtype(args.dtype, args.device),
+            warmup=args.warmup,
+            iters=args.iters,
+            seed=args.seed,
+            progress=progress,
+        )
+    if args.command == "rollout":
+        from moe_tools import rollout
+
+        return rollout.run(
+            device=args.device,
+            preset=args.preset,
+            frames=args.frames,
+            warmup_frames=args.warmup_frames,
+            impl=args.impl,
+            compile=args.compile,
+            cuda_graph=args.cuda_graph,
+            dtype=_dtype(args.dtype, args.device),
+            seed=args.seed,
+            progress=progress,
+        )
+    if args.command == "kernels":
+        from moe_tools import kernels
+
+        return kernels.run(
+            device=args.device, quick=args.quick, ops=args.ops, seed=args.seed, progress=progress
+        )
+    if args.command == "verify":
+        from moe_tools import verify
+
+        return verify.run(
+            device=args.device, shapes=args.shapes, ops=args.ops, seed=args.seed, progress=progress
+        )
+    raise AssertionError(args.command)
+
+
+def _args_dict(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, torch.device) else v) for k, v in vars(args).items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``moe-bench``; returns the exit status (1 when ``verify`` finds a failure)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+
+    if args.command == "report":
+        text = report.markdown_report(args.results, title=args.title)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {args.out}")
+        return 0
+
+    if getattr(args, "plot", None):
+        report.require_matplotlib()  # fail before the measurements, not after
+    env = report.environment(args.device)
+    print(report.format_environment(env), flush=True)
+    result = _run(args)
+    print(report.format_table(result.rows, result.columns))
+    for line in result.extra.get("notes", []):
+        print(f"# {line}")
+    if args.json:
+        doc = report.make_document(
+            result.command,
+            result.rows,
+            env,
+            columns=result.columns,
+            args=_args_dict(args),
+            cmdline=shlex.join(["moe-bench", *argv]),
+            extra=result.extra,
+        )
+        print(f"# wrote {report.write_json(args.json, doc)}")
+    if getattr(args, "plot", None):
+        if args.command == "kernels":
+            out = report.plot_kernels(result.rows, result.extra.get("ceiling_gbps"), args.plot)
+        else:
+            out = report.plot_rollout(
+                result.extra.get("frame_ms", []), args.plot, title=result.extra.get("title", "")
+            )
+        print(f"# wrote {out}")
+    if args.command == "verify" and result.extra.get("failed", 0):
+        print(f"# verify: {result.extra['failed']} check(s) FAILED", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""``moe-bench matrix``: every ``moe_model.MoELayer`` implementation on the same weights and input.
+
+Per implementation: eager and ``torch.compile(fullgraph=True)`` medians, determinism (eager vs a
+second eager call), drift from the eager ``baseline`` and between compiled and eager. Errors are
+measured in fp32 on the layer outputs. One layer is built and its ``impl`` switched, so every
+implementation sees the same parameters; Dynamo is reset between implementations.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from moe_tools.report import Result, Row
+from moe_tools.timing import default_device, time_fn
+
+COLUMNS = [
+    "impl",
+    "eager_ms",
+    "compiled_ms",
+    "speedup",
+    "self_max",
+    "self_mean",
+    "vs_base_max",
+    "vs_base_mean",
+    "comp_vs_base_max",
+    "comp_vs_base_mean",
+    "comp_vs_eager_max",
+    "comp_vs_eager_mean",
+    "compile_s",
+    "status",
+]
+
+BASELINE = "baseline"
+# Why the baseline cannot be compiled with fullgraph=True (it is the reference, not a contender).
+BASELINE_COMPILE_REASON = "baseline syncs with the host per expert"
+
+
+def short_error(exc: BaseException, limit: int = 120) -> str:
+    """One line naming the exception: 'Type: first line of the message' (clipped)."""
+    msg = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {msg[0]}" if msg else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def diff_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max, mean) absolute difference in fp32; inf when shapes differ or values are not finite."""
+    if a.shape != b.shape:
+        return float("inf"), float("inf")
+    d = (a.float() - b.float()).abs()
+    d = torch.where(torch.isnan(d), torch.full_like(d, float("inf")), d)
+    return float(d.max()), float(d.mean())
+
+
+def layer_sizes(preset: str) -> dict[str, Any]:
+    """The MoE layer of a world-model preset: MoELayer's constructor arguments."""
+    from moe_model import WorldModelConfig
+
+    cfg = WorldModelConfig.from_preset(preset)
+    return {
+        "d_model": cfg.d_model,
+        "n_experts": cfg.n_experts,
+        "top_k": cfg.top_k,
+        "hidden": cfg.moe_hidden,
+        "gated": cfg.gated,
+        "score_fn": cfg.score_fn,
+        "renormalize": cfg.renormalize,
+    }
+
+
+def _progress(items: Sequence[str], enabled: bool, desc: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, disable=not enabled, leave=False, unit="impl")
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True)
+
+
+def run(
+    *,
+    device: torch.device | str | None = None,
+    preset: str | None = None,
+    tokens: int | None = None,
+    impls: Sequence[str] | None = None,
+    dtype: torch.dtype | None = None,
+    warmup: int | None = None,
+    iters: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    compile: bool = True,
+) -> Result:
+    """Measure every implementation; one row each, in ``impls`` order (default: ``MOE_IMPLS``)."""
+    device = torch.device(device) if device is not None else default_device()
+    cuda = device.type == "cuda"
+    preset = preset or ("seed-moe" if cuda else "tiny")
+    tokens = tokens or (2048 if cuda else 64)
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    warmup = warmup or (5 if cuda else 1)
+    iters = iters or (20 if cuda else 3)
+    extra: dict[str, Any] = {
+        "preset": preset,
+        "tokens": tokens,
+        "dtype": str(dtype).removeprefix("torch."),
+        "warmup": warmup,
+        "iters": iters,
+    }
+    try:
+        from moe_model import MOE_IMPLS, MoELayer
+
+        sizes = layer_sizes(preset)
+    except Exception as exc:  # moe_model missing or broken: one row says so
+        reason = f"unavailable: moe_model: {short_error(exc)}"
+        return Result(
+            "matrix", [_empty_row(i, reason) for i in (impls or [BASELINE])], COLUMNS, extra
+        )
+    extra["layer"] = sizes
+    impls = list(impls or MOE_IMPLS)
+
+    gen = torch.Generator().manual_seed(seed)
+    x_TD = torch.randn(tokens, sizes["d_model"], generator=gen).to(device=device, dtype=dtype)
+    torch.manual_seed(seed)
+    layer = MoELayer(
+        sizes["d_model"],
+        sizes["n_experts"],
+        sizes["top_k"],
+        sizes["hidden"],
+        gated=sizes["gated"],
+        score_fn=sizes["score_fn"],
+        renormalize=sizes["renormalize"],
+        impl=BASELINE,
+    ).to(device=device, dtype=dtype)
+    layer.eval()
+
+    with torch.no_grad():
+        y_base = None
+        try:
+            y_base = layer(x_TD).clone()
+        except Exception as exc:  # the reference itself failed: drift columns stay empty
+            extra["baseline_error"] = short_error(exc)
+        rows = []
+        for impl in _progress(impls, progress, "matrix"):
+            if impl not in MOE_IMPLS:
+                rows.append(
+                    _empty_row(impl, f"unavailable: unknown impl (known: {', '.join(MOE_IMPLS)})")
+                )
+                continue
+            rows.append(_measure(layer, impl, x_TD, y_base, device, warmup, iters, compile=compile))
+            _free(device)
+    torch._dynamo.reset()
+    return Result("matrix", rows, COLUMNS, extra)
+
+
+def _empty_row(impl: str, status: str) -> Row:
+    row: Row = {c: None for c in COLUMNS}
+    row.update(impl=impl, status=status)
+    return row
+
+
+def _measure(
+    layer: torch.nn.Module,
+    impl: str,
+    x_TD: torch.Tensor,
+    y_base: torch.Tensor | None,
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    *,
+    compile: bool,
+) -> Row:
+    row = _empty_row(impl, "ok")
+    try:
+        layer.impl = impl
+        y1 = layer(x_TD).clone()
+        y2 = layer(x_TD).clone()
+    except Exception as exc:
+        row["status"] = f"unavailable: {short_error(exc)}"
+        return row
+    row["self_max"], row["self_mean"] = diff_stats(y1, y2)
+    if y_base is not None:
+        row["vs_base_max"], row["vs_base_mean"] = diff_stats(y1, y_base)
+    row["eager_ms"] = time_fn(lambda: layer(x_TD), device, warmup=warmup, iters=iters).median_ms
+    if not compile:
+        return row
+
+    import time
+
+    try:
+        t0 = time.perf_counter()
+        compiled = _compile(layer)
+        yc = compiled(x_TD).clone()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        row["compile_s"] = time.perf_counter() - t0
+        row["compiled_ms"] = time_fn(
+            lambda: compiled(x_TD), device, warmup=warmup, iters=iters
+        ).median_ms
+    except Exception as exc:
+        reason = short_error(exc)
+        if impl == BASELINE:
+            row["status"] = f"expected: {BASELINE_COMPILE_REASON} ({reason})"
+        else:
+            row["status"] = f"compile failed: {reason}"
+        return row
+    finally:
+        torch._dynamo.reset()
+    row["speedup"] = row["eager_ms"] / row["compiled_ms"] if row["compiled_ms"] else None
+    if y_base is not None:
+        row["comp_vs_base_max"], row["comp_vs_base_mean"] = diff_stats(yc, y_base)
+    row["comp_vs_eager_max"], row["comp_vs_eager_mean"] = diff_stats(yc, y1)
+    return row

@@ -1,0 +1,387 @@
+"""Presentation: the environment header, aligned tables, JSON documents, plots, markdown pages.
+
+Rows are plain dicts (column name -> value); every command returns a list of them and this module
+turns them into text, JSON or a figure. Nothing here measures anything.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Row = dict[str, Any]
+
+
+@dataclass
+class Result:
+    """What a command returns: its rows, the columns to print (in order), and extra data that is
+    not a row (a ceiling, a per-frame series), all JSON-able."""
+
+    command: str
+    rows: list[Row]
+    columns: list[str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+SCHEMA = "moe-bench/1"
+PACKAGES = ("moe-kernels", "moe-model", "moe-tools", "triton", "fbgemm-gpu", "torchao", "numpy")
+
+
+# ----------------------------------------------------------------------------------------------
+# environment
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device | str | None = None) -> dict[str, Any]:
+    """What the numbers were measured on: versions, GPU, OS (a flat JSON-able dict)."""
+    device = torch.device(device) if device is not None else None
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "os": platform.platform(),
+        "machine": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device) if device is not None else None,
+        "gpu": None,
+        "gpu_memory_gib": None,
+        "gpu_capability": None,
+        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+        "MOE_KERNELS_BACKEND": os.environ.get("MOE_KERNELS_BACKEND"),
+    }
+    for dist in PACKAGES:
+        env[dist] = _version(dist)
+    if torch.cuda.is_available():
+        idx = device.index if device is not None and device.type == "cuda" else None
+        props = torch.cuda.get_device_properties(idx if idx is not None else 0)
+        env["gpu"] = props.name
+        env["gpu_memory_gib"] = round(props.total_memory / float(1 << 30), 1)
+        env["gpu_capability"] = f"{props.major}.{props.minor}"
+    return env
+
+
+def format_environment(env: Mapping[str, Any]) -> str:
+    """A few aligned lines: the header every command prints before its table."""
+    gpu = "none"
+    if env.get("gpu"):
+        gpu = f"{env['gpu']} ({env['gpu_memory_gib']} GiB, sm {env['gpu_capability']})"
+    pkgs = ", ".join(f"{p} {env[p]}" for p in PACKAGES if env.get(p) and p != "triton")
+    lines = [
+        ("torch", f"{env.get('torch')} (CUDA {env.get('cuda') or 'none'})"),
+        ("triton", str(env.get("triton") or "not installed")),
+        ("device", f"{env.get('device')}  GPU: {gpu}"),
+        ("os", f"{env.get('os')}, Python {env.get('python')}, {env.get('cpu_count')} CPUs"),
+        ("packages", pkgs or "-"),
+    ]
+    flags = [f"{k}={env[k]}" for k in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND") if env.get(k)]
+    if flags:
+        lines.append(("env", " ".join(flags)))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"# {k.ljust(width)}  {v}" for k, v in lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# tables
+
+
+def format_value(value: Any) -> str:
+    """How one cell prints: '-' for missing, 3-4 significant digits, scientific for tiny errors."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        if value == 0.0:
+            return "0"
+        mag = abs(value)
+        if mag < 1e-2 or mag >= 1e6:
+            return f"{value:.2e}"
+        if mag >= 100:
+            return f"{value:.1f}"
+        return f"{value:.3g}" if mag < 1 else f"{value:.3f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
+def _columns(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None) -> list[str]:
+    if columns is not None:
+        return list(columns)
+    seen: dict[str, None] = {}
+    for row in rows:
+        for key in row:
+            seen.setdefault(key, None)
+    return list(seen)
+
+
+def _is_numeric(values: Iterable[Any]) -> bool:
+    vals = [v for v in values if v is not None]
+    return bool(vals) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """An aligned plain-text table: numbers right-aligned, text left-aligned."""
+    cols = _columns(rows, columns)
+    if not cols:
+        return "(no rows)"
+    cells = [[format_value(row.get(c)) for c in cols] for row in rows]
+    numeric = [_is_numeric(row.get(c) for row in rows) for c in cols]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+
+    def line(vals: Sequence[str]) -> str:
+        out = [
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(vals, widths, numeric, strict=True)
+        ]
+        return "  ".join(out).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cols), sep] + [line(r) for r in cells])
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """The same table as GitHub markdown."""
+    cols = _columns(rows, columns)
+    if not cols:
+        return "_(no rows)_"
+    numeric = [_is_numeric(row.get(c) for row in rows) for c in cols]
+    head = "| " + " | ".join(cols) + " |"
+    align = "| " + " | ".join("---:" if n else "---" for n in numeric) + " |"
+    body = [
+        "| " + " | ".join(format_value(row.get(c)).replace("|", "\\|") for c in cols) + " |"
+        for row in rows
+    ]
+    return "\n".join([head, align, *body])
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # strict JSON has no NaN/inf
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (torch.device, torch.dtype, Path)):
+        return str(value)
+    return value
+
+
+def make_document(
+    command: str,
+    rows: Sequence[Mapping[str, Any]],
+    env: Mapping[str, Any],
+    *,
+    columns: Sequence[str] | None = None,
+    args: Mapping[str, Any] | None = None,
+    cmdline: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The JSON document a command writes with ``--json``: rows plus the environment."""
+    return _jsonable(
+        {
+            "schema": SCHEMA,
+            "command": command,
+            "cmdline": cmdline if cmdline is not None else " ".join(["moe-bench", *sys.argv[1:]]),
+            "args": dict(args or {}),
+            "env": dict(env),
+            "columns": _columns(rows, columns),
+            "rows": [dict(r) for r in rows],
+            "extra": dict(extra or {}),
+        }
+    )
+
+
+def write_json(path: str | os.PathLike[str], document: Mapping[str, Any]) -> Path:
+    """Write ``document`` (strict JSON, indented) to ``path``, creating parent folders."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_jsonable(document), indent=2, allow_nan=False) + "\n")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# plots
+
+
+def require_matplotlib() -> None:
+    """Raise a clear RuntimeError when the optional ``plot`` extra is missing."""
+    _pyplot()
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise RuntimeError(
+            "--plot needs matplotlib: pip install 'moe-tools[plot]' (or matplotlib>=3.7)"
+        ) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_kernels(
+    rows: Sequence[Mapping[str, Any]], ceiling_gbps: float | None, path: str | os.PathLike[str]
+) -> Path:
+    """GB/s against bytes moved, one series per implementation, the copy ceiling as a line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    series: dict[str, list[tuple[float, float, str]]] = {}
+    for r in rows:
+        if r.get("gbps") and r.get("bytes"):
+            series.setdefault(str(r["impl"]), []).append(
+                (float(r["bytes"]), float(r["gbps"]), str(r["op"]))
+            )
+    markers = "os^vD<>xP*"
+    for i, (impl, pts) in enumerate(sorted(series.items())):
+        pts.sort()
+        ax.scatter(
+            [p[0] for p in pts], [p[1] for p in pts], label=impl, marker=markers[i % len(markers)]
+        )
+        if impl != "clone":
+            for x, y, op in pts:
+                ax.annotate(
+                    op, (x, y), fontsize=6, alpha=0.7, xytext=(3, 3), textcoords="offset points"
+                )
+    if ceiling_gbps:
+        ax.axhline(
+            ceiling_gbps, color="k", linestyle="--", label=f"copy ceiling {ceiling_gbps:.0f} GB/s"
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes moved per call (read + written)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("moe-bench kernels: effective bandwidth")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_rollout(
+    frame_ms: Sequence[float], path: str | os.PathLike[str], *, title: str = ""
+) -> Path:
+    """Per-frame time over the rollout."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.plot(range(len(frame_ms)), list(frame_ms), linewidth=1)
+    ax.set_xlabel("frame")
+    ax.set_ylabel("ms per frame")
+    ax.set_title(title or "moe-bench rollout: time per frame")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# markdown page from saved JSON
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _pytest_benchmark_rows(doc: Mapping[str, Any]) -> list[Row]:
+    rows = []
+    for b in doc.get("benchmarks", []):
+        stats = b.get("stats", {})
+        row: Row = {
+            "benchmark": b.get("name"),
+            "median_ms": 1e3 * stats["median"] if "median" in stats else None,
+            "min_ms": 1e3 * stats["min"] if "min" in stats else None,
+            "rounds": stats.get("rounds"),
+        }
+        for k, v in sorted((b.get("extra_info") or {}).items()):
+            if isinstance(v, (int, float, str, bool)) or v is None:
+                row[k] = v
+        rows.append(row)
+    return rows
+
+
+def _env_from_pytest_benchmark(doc: Mapping[str, Any]) -> dict[str, Any]:
+    mi = doc.get("machine_info", {})
+    return {
+        "date": doc.get("datetime"),
+        "machine": mi.get("node"),
+        "os": f"{mi.get('system', '')} {mi.get('release', '')}".strip(),
+        "python": mi.get("python_version"),
+        **{k: v for k, v in (mi.get("moe_bench") or {}).items()},
+    }
+
+
+def markdown_report(results_dir: str | os.PathLike[str], *, title: str | None = None) -> str:
+    """A markdown page from every moe-bench and pytest-benchmark JSON file under ``results_dir``:
+    the environment, then per file the command that reproduces it and its table."""
+    root = Path(results_dir)
+    files = sorted(p for p in root.rglob("*.json") if p.is_file())
+    parts = [f"# {title or 'Benchmarks'}", ""]
+    parts.append(
+        f"Generated by `moe-bench report --results {root.as_posix()}` from {len(files)} "
+        "JSON file(s). Regenerate after re-running the commands below."
+    )
+    first_env = True
+    for path in files:
+        doc = _load(path)
+        if doc is None:
+            continue
+        rel = path.relative_to(root).as_posix()
+        if doc.get("schema") == SCHEMA:
+            env, rows, cols = doc.get("env", {}), doc.get("rows", []), doc.get("columns")
+            heading = f"`moe-bench {doc.get('command')}`"
+            cmd = doc.get("cmdline")
+        elif "benchmarks" in doc and "machine_info" in doc:
+            env, rows, cols = _env_from_pytest_benchmark(doc), _pytest_benchmark_rows(doc), None
+            heading = "pytest-benchmark suite"
+            cmd = (doc.get("commit_info") or {}).get("cmdline") or "nox -s benchmarks"
+        else:
+            continue
+        if first_env and env:
+            parts += ["", "## Environment", "", "```", format_environment(env), "```"]
+            first_env = False
+        parts += ["", f"## {heading} ({rel})", ""]
+        if cmd:
+            parts += ["```bash", str(cmd), "```", ""]
+        parts.append(markdown_table(rows, cols))
+        extra = doc.get("extra") or {}
+        scalars = {k: v for k, v in extra.items() if isinstance(v, (int, float, str))}
+        if scalars:
+            parts += ["", ", ".join(f"{k}: {format_value(v)}" for k, v in scalars.items())]
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,181 @@
+"""``moe-bench rollout``: a world-model rollout, frame by frame: throughput, latency, VRAM.
+
+A few warm-up frames first (they include compilation and CUDA-graph capture, reported as
+``warmup_s``), then ``engine.reset()`` and the timed rollout: every frame bracketed by CUDA events
+(perf_counter on CPU), frames per second from the wall time of the whole timed rollout, the peak
+allocator figures over it, and the allocated memory after frame 16 and after the last frame.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from moe_tools.matrix import short_error
+from moe_tools.report import Result, Row
+from moe_tools.timing import (
+    EventTimer,
+    default_device,
+    memory_gib,
+    peak_memory_gib,
+    reset_peak_memory,
+    synchronize,
+)
+
+COLUMNS = [
+    "preset",
+    "impl",
+    "compile",
+    "cuda_graph",
+    "frames",
+    "fps",
+    "frame_ms_median",
+    "frame_ms_p99",
+    "peak_alloc_gib",
+    "peak_reserved_gib",
+    "vram_f16_gib",
+    "vram_last_gib",
+    "params",
+    "active_params",
+    "warmup_s",
+    "status",
+]
+
+SNAPSHOT_FRAME = 16  # VRAM is read after this frame (1-based) and after the last one
+
+
+def build_engine(
+    preset: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    impl: str | None,
+    compile: bool,
+    cuda_graph: bool,
+    seed: int,
+    overrides: dict[str, Any] | None = None,
+) -> Any:
+    """A ``moe_model.WorldEngine`` for ``preset`` with config ``overrides``."""
+    from moe_model import WorldEngine, WorldModelConfig
+
+    config = WorldModelConfig.from_preset(preset, **(overrides or {}))
+    return WorldEngine(
+        config,
+        device=device,
+        dtype=dtype,
+        impl=impl,
+        compile=compile,
+        cuda_graph=cuda_graph,
+        seed=seed,
+    )
+
+
+def measure_rollout(
+    engine: Any,
+    frames: int,
+    *,
+    device: torch.device,
+    warmup_frames: int,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Warm up, reset, then roll out ``frames`` frames; returns the figures and per-frame times."""
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    for _ in range(warmup_frames):
+        engine.gen_frame()
+    synchronize(device)
+    warmup_s = time.perf_counter() - t0
+
+    engine.reset()
+    reset_peak_memory(device)
+    timer = EventTimer(device)
+    vram_snap: float | None = None
+    synchronize(device)
+    t0 = time.perf_counter()
+    for i in tqdm(range(frames), desc="rollout", disable=not progress, leave=False, unit="frame"):
+        with timer:
+            engine.gen_frame()
+        if i + 1 == SNAPSHOT_FRAME:
+            vram_snap = memory_gib(device)[0]
+    synchronize(device)
+    wall_s = time.perf_counter() - t0
+    timing = timer.result()
+    peak_alloc, peak_reserved = peak_memory_gib(device)
+    return {
+        "fps": frames / wall_s if wall_s > 0 else None,
+        "frame_ms_median": timing.median_ms,
+        "frame_ms_p99": timing.p99_ms,
+        "peak_alloc_gib": peak_alloc,
+        "peak_reserved_gib": peak_reserved,
+        "vram_f16_gib": vram_snap,
+        "vram_last_gib": memory_gib(device)[0],
+        "warmup_s": warmup_s,
+        "frame_ms": timing.times_ms,
+    }
+
+
+def run(
+    *,
+    device: torch.device | str | None = None,
+    preset: str | None = None,
+    frames: int | None = None,
+    warmup_frames: int | None = None,
+    impl: str | None = None,
+    compile: bool = False,
+    cuda_graph: bool = False,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    overrides: dict[str, Any] | None = None,
+) -> Result:
+    """One row: the rollout's figures; ``extra["frame_ms"]`` holds the per-frame times."""
+    device = torch.device(device) if device is not None else default_device()
+    cuda = device.type == "cuda"
+    preset = preset or ("seed-moe" if cuda else "tiny")
+    frames = frames or (256 if cuda else 16)
+    warmup_frames = warmup_frames if warmup_frames is not None else (8 if cuda else 2)
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    row: Row = {c: None for c in COLUMNS}
+    row.update(preset=preset, impl=impl, compile=compile, cuda_graph=cuda_graph, frames=frames)
+    title = f"rollout {preset} impl={impl or 'default'} compile={compile} cuda_graph={cuda_graph}"
+    extra: dict[str, Any] = {
+        "title": title,
+        "dtype": str(dtype).removeprefix("torch."),
+        "warmup_frames": warmup_frames,
+        "overrides": overrides or {},
+    }
+    if cuda_graph and not cuda:
+        row["status"] = "unavailable: --cuda-graph needs a CUDA device"
+        return Result("rollout", [row], COLUMNS, extra)
+    try:
+        engine = build_engine(
+            preset,
+            device=device,
+            dtype=dtype,
+            impl=impl,
+            compile=compile,
+            cuda_graph=cuda_graph,
+            seed=seed,
+            overrides=overrides,
+        )
+    except Exception as exc:
+        row["status"] = f"unavailable: {short_error(exc)}"
+        return Result("rollout", [row], COLUMNS, extra)
+    row["impl"] = impl or getattr(getattr(engine, "config", None), "moe_impl", None)
+    row["params"] = int(engine.num_parameters())
+    row["active_params"] = int(engine.num_active_parameters())
+    try:
+        with torch.no_grad():
+            figures = measure_rollout(
+                engine, frames, device=device, warmup_frames=warmup_frames, progress=progress
+            )
+    except Exception as exc:
+        row["status"] = f"failed: {short_error(exc)}"
+        return Result("rollout", [row], COLUMNS, extra)
+    extra["frame_ms"] = figures.pop("frame_ms")
+    row.update(figures)
+    row["status"] = "ok"
+    return Result("rollout", [row], COLUMNS, extra)
