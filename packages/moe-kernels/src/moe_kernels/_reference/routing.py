@@ -1,0 +1,105 @@
+"""Pure-torch routing: the CPU path and the oracle of the Triton kernels in ``_triton/routing.py``.
+
+Everything stays on the input's device and never syncs (no ``.item()``, no data-dependent shapes),
+so it also runs under ``torch.compile(fullgraph=True)`` and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def route_reference(
+    scores_TE: torch.Tensor,
+    top_k: int,
+    valid_token_count: torch.Tensor | None,
+    start: int,
+    end: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, ...]:
+    """The routing plan, as ``(counts_L, offsets_L1, expert_indices_P, token_indices_P,
+    weights_P, inverse_TK)`` with L = end - start and P = T * top_k (see ``RoutingPlan``).
+
+    Top-k per token by score, NaN counted as -inf, -0.0 equal to +0.0, ties to the lower expert;
+    rows at or past ``valid_token_count`` (clamped to [0, T]) and experts outside [start, end)
+    are not routed. Routed pairs are sorted by (expert, token).
+    """
+    T, E = scores_TE.shape
+    L = end - start
+    P = T * top_k
+    dev = scores_TE.device
+    i32 = torch.int32
+    if T == 0:
+        return (
+            torch.zeros(L, dtype=i32, device=dev),
+            torch.zeros(L + 1, dtype=i32, device=dev),
+            torch.empty(0, dtype=i32, device=dev),
+            torch.empty(0, dtype=i32, device=dev),
+            torch.empty(0, dtype=torch.float32, device=dev),
+            torch.empty(0, top_k, dtype=i32, device=dev),
+        )
+    x_TE = scores_TE.float()
+    # Ranking key: NaN -> -inf, -0.0 -> +0.0. A stable descending sort keeps ties in expert order.
+    rank_TE = torch.where(torch.isnan(x_TE), float("-inf"), x_TE)
+    rank_TE = torch.where(rank_TE == 0, 0.0, rank_TE)
+    choice_TK = torch.sort(rank_TE, dim=1, descending=True, stable=True).indices[:, :top_k]
+    w_TK = x_TE.gather(1, choice_TK)  # the original fp32 scores (NaN and -0.0 kept)
+    if renormalize:
+        s_T = w_TK[:, 0]
+        for j in range(1, top_k):  # sequential sum: the kernel adds in the same order
+            s_T = s_T + w_TK[:, j]
+        w_TK = w_TK / s_T[:, None]
+
+    t_T = torch.arange(T, device=dev)
+    if valid_token_count is None:
+        row_ok_T = torch.ones(T, dtype=torch.bool, device=dev)
+    else:
+        n_valid = valid_token_count.reshape(()).to(torch.int64).clamp(0, T)
+        row_ok_T = t_T < n_valid
+    routed_TK = row_ok_T[:, None] & (choice_TK >= start) & (choice_TK < end)
+    local_TK = choice_TK - start
+    # Unique keys: routed pairs by (expert, token), then the unrouted ones after all of them.
+    flat_P = torch.arange(P, device=dev)
+    key_P = torch.where(
+        routed_TK, local_TK * T + t_T[:, None], L * T + flat_P.view(T, top_k)
+    ).flatten()
+    sorted_P, perm_P = torch.sort(key_P)
+    n = routed_TK.sum()
+    head_P = flat_P < n
+    expert_P = torch.where(head_P, sorted_P // T, -1).to(i32)
+    token_P = torch.where(head_P, sorted_P % T, -1).to(i32)
+    weight_P = torch.where(head_P, w_TK.flatten()[perm_P], 0.0)
+    inverse_P = torch.empty(P, dtype=torch.int64, device=dev).scatter_(0, perm_P, flat_P)
+    inverse_TK = torch.where(routed_TK, inverse_P.view(T, top_k), -1).to(i32)
+    bucket_P = torch.where(routed_TK, local_TK, L).flatten()
+    counts = torch.zeros(L + 1, dtype=torch.int64, device=dev)
+    counts = counts.scatter_add_(0, bucket_P, torch.ones_like(bucket_P))[:L]
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    return (
+        counts.to(i32),
+        offsets.to(i32),
+        expert_P,
+        token_P,
+        weight_P,
+        inverse_TK,
+    )
+
+
+def index_shuffling_reference(
+    scores_TE: torch.Tensor,
+    start: int,
+    end: int,
+    valid_token_count: torch.Tensor | None,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(token_count_per_expert (E+2,), expert_indices (T*top_k,), token_indices (T*top_k,))``,
+    all int32: [e] = pairs routed to expert e (0 outside [start, end)), [E] = T, [E+1] = n."""
+    T, E = scores_TE.shape
+    counts, offsets, expert_P, token_P, _, _ = route_reference(
+        scores_TE, top_k, valid_token_count, start, end, False
+    )
+    tcpe = torch.zeros(E + 2, dtype=torch.int32, device=scores_TE.device)
+    tcpe[start:end] = counts
+    tcpe[E] = T
+    tcpe[E + 1] = offsets[-1]
+    return tcpe, expert_P, token_P
