@@ -1,0 +1,204 @@
+"""Triton kernels for the cuBLAS blocked (128 x 4 tile) MX scale layout, with their launchers.
+
+One program per (output 128-row tile, column chunk): it loads a (128, BLOCK_C) slab of scales
+(zero outside the matrix / group), permutes it in registers into tile order
+(tile column, r % 32, r // 32, c) and writes it as one contiguous run of 128 * BLOCK_C bytes.
+For the per-group 2d layout the grid is static (R / 128 + G tiles): every program rebuilds the
+group start rows from the (G,) end offsets in registers (a cumsum over G), finds its group and
+exits when it lies past the last group. No host sync, no zero-fill of the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._dispatch import INTERPRET
+
+
+@triton.jit
+def _swizzle_tile(x, BLOCK_C: tl.constexpr):
+    """(128, BLOCK_C) -> flat (128 * BLOCK_C,) in blocked order."""
+    t = tl.reshape(x, (4, 32, BLOCK_C // 4, 4))
+    t = tl.permute(t, (2, 1, 0, 3))
+    return tl.reshape(t, (128 * BLOCK_C,))
+
+
+@triton.jit
+def _store_tile(out_ptr, tile_base, x, Cp, BLOCK_C: tl.constexpr):
+    pid_c = tl.program_id(1)
+    flat = tl.arange(0, 128 * BLOCK_C)
+    base = tile_base + pid_c * (BLOCK_C * 128)
+    tl.store(
+        out_ptr + base + flat,
+        _swizzle_tile(x, BLOCK_C),
+        (flat // 512) < (Cp // 4 - pid_c * (BLOCK_C // 4)),
+    )
+
+
+@triton.jit
+def _group_layout(ends_ptr, G, GP: tl.constexpr):
+    """From (G,) end offsets: (starts, sizes, cum) as (GP,) int32, cum[g] = start_rows[g + 1]."""
+    gi = tl.arange(0, GP)
+    gmask = gi < G
+    ends = tl.load(ends_ptr + gi, mask=gmask, other=0).to(tl.int32)
+    starts = tl.load(ends_ptr + gi - 1, mask=gmask & (gi > 0), other=0).to(tl.int32)
+    sizes = tl.where(gmask, ends - starts, 0)
+    cum = tl.cumsum((sizes + 127) // 128 * 128, axis=0)
+    return gi, gmask, starts, sizes, cum
+
+
+@triton.jit
+def _group_offsets_kernel(ends_ptr, sizes_ptr, start_rows_ptr, G, GP: tl.constexpr):
+    gi, gmask, starts, sizes, cum = _group_layout(ends_ptr, G, GP)
+    tl.store(sizes_ptr + gi, sizes, gmask)
+    tl.store(start_rows_ptr + gi, tl.zeros_like(gi), gi == 0)
+    tl.store(start_rows_ptr + 1 + gi, cum, gmask)
+
+
+@triton.jit
+def _blocked_2d_groups_kernel(
+    s_ptr,
+    ends_ptr,
+    out_ptr,
+    start_rows_ptr,
+    C,
+    Cp,
+    G,
+    stride_s,
+    GP: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    gi, gmask, starts, sizes, cum = _group_layout(ends_ptr, G, GP)
+    if (tile == 0) & (tl.program_id(1) == 0):
+        tl.store(start_rows_ptr + gi, tl.zeros_like(gi), gi == 0)
+        tl.store(start_rows_ptr + 1 + gi, cum, gmask)
+    row0 = tile * 128
+    g = tl.sum(((cum <= row0) & gmask).to(tl.int32), axis=0)  # groups wholly before this tile
+    if g < G:
+        start_row = tl.sum(tl.where(gi == g - 1, cum, 0), axis=0)
+        in_start = tl.sum(tl.where(gi == g, starts, 0), axis=0)
+        size = tl.sum(tl.where(gi == g, sizes, 0), axis=0)
+        local = row0 - start_row + tl.arange(0, 128)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        src = (in_start + local).to(tl.int64) * stride_s
+        mask = (local[:, None] < size) & (cols[None, :] < C)
+        x = tl.load(s_ptr + src[:, None] + cols[None, :], mask=mask, other=0)
+        _store_tile(out_ptr, row0.to(tl.int64) * Cp, x, Cp, BLOCK_C)
+
+
+@triton.jit
+def _blocked_3d_kernel(
+    s_ptr,
+    out_ptr,
+    N,
+    C,
+    Cp,
+    n_tiles,
+    stride_se,
+    stride_sn,
+    BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    e = (pid // n_tiles).to(tl.int64)
+    t = pid % n_tiles
+    rows = t * 128 + tl.arange(0, 128)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < N) & (cols[None, :] < C)
+    ptrs = s_ptr + e * stride_se + rows[:, None].to(tl.int64) * stride_sn + cols[None, :]
+    x = tl.load(ptrs, mask=mask, other=0)
+    tile_base = (e * n_tiles + t) * 128 * Cp
+    _store_tile(out_ptr, tile_base, x, Cp, BLOCK_C)
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _block_c(Cp: int, block_c: int | None) -> tuple[int, int]:
+    """Column chunk (a power of two >= 4) and warps: the largest of 128/64/32 dividing Cp, so no
+    lanes are masked (whole Cp, rounded up to a power of two, under the interpreter)."""
+    if block_c is None:
+        if INTERPRET:
+            block_c = max(4, triton.next_power_of_2(Cp))
+        else:
+            block_c = next((b for b in (128, 64, 32) if Cp % b == 0), 0)
+            block_c = block_c or min(64, max(4, triton.next_power_of_2(Cp)))
+    return block_c, 4 if block_c <= 32 else 8
+
+
+def group_offsets(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(G,) end offsets -> sizes (G,) int32, start_rows (G + 1,) int32."""
+    G = group_end_offsets.shape[0]
+    dev = group_end_offsets.device
+    sizes = torch.empty(G, dtype=torch.int32, device=dev)
+    start_rows = torch.empty(G + 1, dtype=torch.int32, device=dev)
+    _group_offsets_kernel[(1,)](
+        group_end_offsets, sizes, start_rows, G, GP=max(2, triton.next_power_of_2(G))
+    )
+    return sizes, start_rows
+
+
+def to_blocked_per_group_2d(
+    scale_RC: torch.Tensor, group_end_offsets: torch.Tensor, *, block_c: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, C) 8-bit scales + (G,) end offsets -> ((R + 128 G, Cp) blocked, (G + 1,) start rows)."""
+    if scale_RC.stride(-1) != 1:
+        scale_RC = scale_RC.contiguous()
+    R, C = scale_RC.shape
+    G = group_end_offsets.shape[0]
+    Cp = _ceil_to(C, 4)
+    dev = scale_RC.device
+    out = torch.empty((R + 128 * G, Cp), dtype=scale_RC.dtype, device=dev)
+    start_rows = torch.empty(G + 1, dtype=torch.int32, device=dev)
+    bc, warps = _block_c(Cp, block_c)
+    n_tiles = triton.cdiv(R, 128) + G
+    _blocked_2d_groups_kernel[(n_tiles, triton.cdiv(Cp, bc))](
+        scale_RC.view(torch.uint8),
+        group_end_offsets,
+        out.view(torch.uint8),
+        start_rows,
+        C,
+        Cp,
+        G,
+        scale_RC.stride(0),
+        GP=max(2, triton.next_power_of_2(G)),
+        BLOCK_C=bc,
+        num_warps=warps,
+    )
+    return out, start_rows
+
+
+def to_blocked_per_group_3d(scale_ENC: torch.Tensor, *, block_c: int | None = None) -> torch.Tensor:
+    """(E, N, C) 8-bit scales -> (E, Np * Cp), each expert's matrix in the blocked layout."""
+    if scale_ENC.stride(-1) != 1:
+        scale_ENC = scale_ENC.contiguous()
+    E, N, C = scale_ENC.shape
+    Np, Cp = _ceil_to(N, 128), _ceil_to(C, 4)
+    out = torch.empty((E, Np * Cp), dtype=scale_ENC.dtype, device=scale_ENC.device)
+    if out.numel() == 0:
+        return out
+    bc, warps = _block_c(Cp, block_c)
+    n_tiles = Np // 128
+    _blocked_3d_kernel[(E * n_tiles, triton.cdiv(Cp, bc))](
+        scale_ENC.view(torch.uint8),
+        out.view(torch.uint8),
+        N,
+        C,
+        Cp,
+        n_tiles,
+        scale_ENC.stride(0),
+        scale_ENC.stride(1),
+        BLOCK_C=bc,
+        num_warps=warps,
+    )
+    return out
+
+
+def to_blocked(scale_RC: torch.Tensor, *, block_c: int | None = None) -> torch.Tensor:
+    """(R, C) 8-bit scales -> (Rp, Cp) in the blocked layout (the 3d kernel with E = 1)."""
+    R, C = scale_RC.shape
+    out = to_blocked_per_group_3d(scale_RC.unsqueeze(0), block_c=block_c)
+    return out.view(_ceil_to(R, 128), _ceil_to(C, 4))

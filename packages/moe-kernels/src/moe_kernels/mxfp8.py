@@ -1,0 +1,421 @@
+"""MXFP8 (OCP microscaling, e4m3 data + e8m0 scales, blocks of 32): quantisation, dequantisation,
+the cuBLAS blocked scale layout (whole, per row group, per expert) and a grouped GEMM.
+
+Every op is a ``torch.library`` custom op (``moe_kernels::<name>``) with a fake implementation:
+safe under ``torch.compile(fullgraph=True)`` and CUDA-graph capture, no host sync, deterministic.
+CUDA runs Triton kernels, CPU the pure-torch reference (the kernels under ``TRITON_INTERPRET=1``);
+both are bit-exact to each other.
+
+Numerics of the casts (``to_mxfp8``, ``to_mxfp8_dim1``), per block of 32 values with fp32 amax:
+
+* scale exponent e: ``"floor"`` (OCP MX) floor(log2(amax)) - 8; ``"rceil"`` the smallest e with
+  2**e >= amax / 448 (computed exactly from the fp32 bits); clamped to [-127, 127]. An all-zero
+  (or fp32-subnormal-amax) block gets e = -127. Scale byte = e + 127 (``torch.float8_e8m0fnu``).
+* data = round-to-nearest-even(x / 2**e) saturated to +-448 (``torch.float8_e4m3fn``).
+* a block holding a NaN: scale byte 255 (NaN) and every data byte 0x7F (NaN).
+* a block holding +-inf (no NaN): e = 127 (byte 254); +-inf -> +-448 (so it dequantises to +-inf
+  in fp32/bf16), the finite values -> x / 2**127 rounded as above (in practice 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validate as v
+from ._dispatch import op_name, use_triton
+from ._reference import mxfp8 as _ref
+
+__all__ = [
+    "SCALING_MODES",
+    "to_mxfp8",
+    "to_mxfp8_dim1",
+    "from_mxfp8",
+    "to_blocked",
+    "compute_per_group_blocked_scale_offsets",
+    "to_blocked_per_group_2d",
+    "to_blocked_per_group_3d",
+    "mxfp8_grouped_mm",
+]
+
+SCALING_MODES = ("floor", "rceil")
+_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BLOCK = 32
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _tq():
+    from ._triton import mxfp8_quant
+
+    return mxfp8_quant
+
+
+def _tl():
+    from ._triton import mxfp8_layout
+
+    return mxfp8_layout
+
+
+def _check_mode(scaling_mode: object) -> str:
+    if not isinstance(scaling_mode, str):
+        raise TypeError(f"scaling_mode must be a str, got {type(scaling_mode).__name__}")
+    if scaling_mode not in SCALING_MODES:
+        raise ValueError(f"scaling_mode must be one of {SCALING_MODES}, got {scaling_mode!r}")
+    return scaling_mode
+
+
+def _check_x(x: torch.Tensor, dim: int) -> None:
+    v.dtype("x", x, v.FLOAT_DTYPES)
+    v.rank("x", x, 2)
+    if x.shape[dim] % BLOCK:
+        which = "K (dim 1)" if dim == 1 else "M (dim 0)"
+        raise ValueError(f"x's {which} must be a multiple of 32, got shape {tuple(x.shape)}")
+
+
+def _check_offsets(name: str, offs: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    v.dtype(name, offs, v.INDEX_DTYPES)
+    v.rank(name, offs, 1)
+    if offs.shape[0] < 1:
+        raise ValueError(f"{name} must hold at least one group, got shape {tuple(offs.shape)}")
+    v.same_device(ref_name, ref, **{name: offs})
+
+
+# --------------------------------------------------------------------------------------------
+# casts
+
+
+@torch.library.custom_op(op_name("to_mxfp8"), mutates_args=())
+def _to_mxfp8_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x.device):
+        return _tq().to_mxfp8(x, scaling_mode == "floor")
+    return _ref.to_mxfp8(x, scaling_mode)
+
+
+@_to_mxfp8_op.register_fake
+def _(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x.shape
+    return (
+        x.new_empty((M, K), dtype=torch.float8_e4m3fn),
+        x.new_empty((M, K // BLOCK), dtype=torch.float8_e8m0fnu),
+    )
+
+
+def to_mxfp8(x: torch.Tensor, *, scaling_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise MXFP8 cast, blocks of 32 along the last dim (numerics: see the module docstring).
+
+    x: (M, K) float32 / bfloat16 / float16, K % 32 == 0.
+    Returns data (M, K) ``float8_e4m3fn`` and scale (M, K // 32) ``float8_e8m0fnu``.
+    """
+    _check_x(x, 1)
+    return _to_mxfp8_op(x, _check_mode(scaling_mode))
+
+
+@torch.library.custom_op(op_name("to_mxfp8_dim1"), mutates_args=())
+def _to_mxfp8_dim1_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x.device):
+        return _tq().to_mxfp8_dim1(x, scaling_mode == "floor")
+    return _ref.to_mxfp8_dim1(x, scaling_mode)
+
+
+@_to_mxfp8_dim1_op.register_fake
+def _(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x.shape
+    return (
+        x.new_empty((K, M), dtype=torch.float8_e4m3fn),
+        x.new_empty((K, M // BLOCK), dtype=torch.float8_e8m0fnu),
+    )
+
+
+def to_mxfp8_dim1(
+    x: torch.Tensor, *, scaling_mode: str = "rceil"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column-wise MXFP8 cast, blocks of 32 down the rows; equal to ``to_mxfp8(x.t())`` without
+    materialising the transpose.
+
+    x: (M, K) float32 / bfloat16 / float16, M % 32 == 0.
+    Returns data (K, M) ``float8_e4m3fn`` and scale (K, M // 32) ``float8_e8m0fnu``.
+    """
+    _check_x(x, 0)
+    return _to_mxfp8_dim1_op(x, _check_mode(scaling_mode))
+
+
+@torch.library.custom_op(op_name("from_mxfp8"), mutates_args=())
+def _from_mxfp8_op(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if use_triton(data.device):
+        return _tq().from_mxfp8(data, scale, dtype)
+    return _ref.from_mxfp8(data, scale, dtype)
+
+
+@_from_mxfp8_op.register_fake
+def _(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return data.new_empty(data.shape, dtype=dtype)
+
+
+def from_mxfp8(
+    data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Dequantise: data (M, K) ``float8_e4m3fn`` (or uint8 bits), scale (M, K // 32)
+    ``float8_e8m0fnu`` (or uint8) -> (M, K) ``dtype`` (bfloat16 / float16 / float32).
+
+    value = data * 2**(byte - 127), exact in fp32 then rounded once to ``dtype``; byte 255 -> NaN.
+    """
+    v.dtype("data", data, (torch.float8_e4m3fn, torch.uint8))
+    v.dtype("scale", scale, _SCALE_DTYPES)
+    v.rank("data", data, 2)
+    v.rank("scale", scale, 2)
+    v.same_device("data", data, scale=scale)
+    if not isinstance(dtype, torch.dtype) or dtype not in _OUT_DTYPES:
+        raise TypeError(f"dtype must be one of {_OUT_DTYPES}, got {dtype}")
+    M, K = data.shape
+    if K % BLOCK:
+        raise ValueError(f"data's K must be a multiple of 32, got shape {tuple(data.shape)}")
+    if tuple(scale.shape) != (M, K // BLOCK):
+        raise ValueError(f"scale must have shape {(M, K // BLOCK)}, got {tuple(scale.shape)}")
+    return _from_mxfp8_op(data.view(torch.float8_e4m3fn), scale, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# blocked scale layouts
+
+
+def _check_scales(name: str, s: torch.Tensor, ndim: int) -> None:
+    v.dtype(name, s, _SCALE_DTYPES)
+    v.rank(name, s, ndim)
+
+
+@torch.library.custom_op(op_name("to_blocked"), mutates_args=())
+def _to_blocked_op(scale: torch.Tensor) -> torch.Tensor:
+    if use_triton(scale.device):
+        return _tl().to_blocked(scale)
+    return _ref.to_blocked(scale).clone()
+
+
+@_to_blocked_op.register_fake
+def _(scale: torch.Tensor) -> torch.Tensor:
+    R, C = scale.shape
+    return scale.new_empty((_ceil_to(R, 128), _ceil_to(C, 4)))
+
+
+def to_blocked(scale: torch.Tensor) -> torch.Tensor:
+    """cuBLAS "1D block scaling factors" layout of (R, C) scales, in its flat order.
+
+    Returns (ceil(R/128)*128, ceil(C/4)*4), same dtype (e8m0fnu or uint8). Each 128x4 tile is 512
+    contiguous bytes, element (r, c) of a tile at byte (r % 32) * 16 + (r // 32) * 4 + c, tiles in
+    row-of-tiles order; padding is zero.
+    """
+    _check_scales("scale", scale, 2)
+    return _to_blocked_op(scale)
+
+
+@torch.library.custom_op(op_name("compute_per_group_blocked_scale_offsets"), mutates_args=())
+def _group_offsets_op(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(group_end_offsets.device):
+        return _tl().group_offsets(group_end_offsets)
+    return _ref.compute_per_group_blocked_scale_offsets(group_end_offsets)
+
+
+@_group_offsets_op.register_fake
+def _(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    G = group_end_offsets.shape[0]
+    return (
+        group_end_offsets.new_empty((G,), dtype=torch.int32),
+        group_end_offsets.new_empty((G + 1,), dtype=torch.int32),
+    )
+
+
+def compute_per_group_blocked_scale_offsets(
+    group_end_offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group sizes and padded start rows of row groups in the per-group blocked layout.
+
+    group_end_offsets: (G,) int32/int64, non-decreasing, last = R (not checked: no sync).
+    Returns group_sizes (G,) int32 and start_rows (G + 1,) int32 with start_rows[0] = 0,
+    start_rows[g + 1] = start_rows[g] + ceil(size_g / 128) * 128. On the device, no sync.
+    """
+    v.dtype("group_end_offsets", group_end_offsets, v.INDEX_DTYPES)
+    v.rank("group_end_offsets", group_end_offsets, 1)
+    if group_end_offsets.shape[0] < 1:
+        raise ValueError("group_end_offsets must hold at least one group, got shape (0,)")
+    return _group_offsets_op(group_end_offsets)
+
+
+@torch.library.custom_op(op_name("to_blocked_per_group_2d"), mutates_args=())
+def _blocked_2d_op(
+    scales: torch.Tensor, group_end_offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(scales.device):
+        return _tl().to_blocked_per_group_2d(scales, group_end_offsets)
+    return _ref.to_blocked_per_group_2d(scales, group_end_offsets)
+
+
+@_blocked_2d_op.register_fake
+def _(scales: torch.Tensor, group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    R, C = scales.shape
+    G = group_end_offsets.shape[0]
+    return (
+        scales.new_empty((R + 128 * G, _ceil_to(C, 4))),
+        group_end_offsets.new_empty((G + 1,), dtype=torch.int32),
+    )
+
+
+def to_blocked_per_group_2d(
+    scales: torch.Tensor, group_end_offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocked layout of row groups, each group on its own (for MXFP8 grouped GEMMs along M).
+
+    scales: (R, C) e8m0fnu or uint8; group_end_offsets: (G,) int32/int64, non-decreasing, last = R
+    (not checked: no sync); any G >= 1, empty groups allowed.
+    Returns blocked (R + 128 * G, ceil(C/4)*4), same dtype: group g is ``to_blocked`` of its rows at
+    rows [start_rows[g], start_rows[g+1]) (zero padding inside its tiles); rows past start_rows[G]
+    are unspecified (not written). And start_rows (G + 1,) int32 as in
+    ``compute_per_group_blocked_scale_offsets``.
+    """
+    _check_scales("scales", scales, 2)
+    _check_offsets("group_end_offsets", group_end_offsets, "scales", scales)
+    return _blocked_2d_op(scales, group_end_offsets)
+
+
+@torch.library.custom_op(op_name("to_blocked_per_group_3d"), mutates_args=())
+def _blocked_3d_op(scales: torch.Tensor) -> torch.Tensor:
+    if use_triton(scales.device):
+        return _tl().to_blocked_per_group_3d(scales)
+    return _ref.to_blocked_per_group_3d(scales).clone()
+
+
+@_blocked_3d_op.register_fake
+def _(scales: torch.Tensor) -> torch.Tensor:
+    E, N, C = scales.shape
+    return scales.new_empty((E, _ceil_to(N, 128) * _ceil_to(C, 4)))
+
+
+def to_blocked_per_group_3d(scales: torch.Tensor) -> torch.Tensor:
+    """(E, N, C) scales -> (E, ceil(N/128)*128 * ceil(C/4)*4), same dtype: each expert's (N, C)
+    matrix laid out with ``to_blocked`` (flattened)."""
+    _check_scales("scales", scales, 3)
+    return _blocked_3d_op(scales)
+
+
+# --------------------------------------------------------------------------------------------
+# grouped GEMM
+
+
+def _scaled_grouped_mm_ok(device: torch.device) -> bool:
+    """Native MXFP8 grouped GEMM: CUDA compute capability 10.x and torch >= 2.9 (where
+    ``torch._scaled_grouped_mm`` takes e8m0 blocked scales for e4m3 operands)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    major_minor = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return major_minor >= (2, 9) and torch.cuda.get_device_capability(device)[0] == 10
+
+
+def _grouped_mm_ok(device: torch.device, out_dtype: torch.dtype, K: int, N: int) -> bool:
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    return (
+        out_dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(device)[0] >= 9
+        and K % 8 == 0
+        and N % 8 == 0
+    )
+
+
+def _quantize_operands(a: torch.Tensor, b: torch.Tensor):
+    """a rowwise along K; b per expert along K (the column-wise cast of each (K, N) matrix)."""
+    E, K, N = b.shape
+    if use_triton(a.device):
+        a_data, a_scale = _tq().to_mxfp8(a, False)
+        b_data, b_scale = _tq().to_mxfp8_dim1(b, False)  # (E, N, K), (E, N, K // 32)
+    else:
+        a_data, a_scale = _ref.to_mxfp8(a, "rceil")
+        bt = b.transpose(-2, -1).reshape(E * N, K)
+        b_data, b_scale = _ref.to_mxfp8(bt, "rceil")
+        b_data, b_scale = b_data.view(E, N, K), b_scale.view(E, N, K // BLOCK)
+    return a_data, a_scale, b_data, b_scale
+
+
+def _dequant(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if use_triton(data.device):
+        return _tq().from_mxfp8(data, scale, torch.bfloat16)
+    return _ref.from_mxfp8(data, scale, torch.bfloat16)
+
+
+def _zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    rows = torch.arange(out.shape[0], device=out.device, dtype=offsets.dtype)
+    return torch.where((rows < offsets[-1])[:, None], out, out.new_zeros(()))
+
+
+@torch.library.custom_op(op_name("mxfp8_grouped_mm"), mutates_args=())
+def _mxfp8_grouped_mm_op(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    M, K = a.shape
+    E, _, N = b.shape
+    a_data, a_scale, b_data, b_scale = _quantize_operands(a, b)
+    if _scaled_grouped_mm_ok(a.device):
+        a_blk, _ = _blocked_2d_op(a_scale, offsets)
+        b_blk = _blocked_3d_op(b_scale)
+        out = torch._scaled_grouped_mm(
+            a_data,
+            b_data.transpose(-2, -1),
+            a_blk,
+            b_blk,
+            offs=offsets,
+            out_dtype=out_dtype,
+        )
+        return _zero_tail(out, offsets)
+    # Emulation with the same numerics: the dequantised operands are exact in bf16.
+    a_dq = _dequant(a_data, a_scale)
+    b_dq = _dequant(b_data.view(E * N, K), b_scale.view(E * N, K // BLOCK))
+    b_dq = b_dq.view(E, N, K).transpose(-2, -1)  # (E, K, N), column-major per expert
+    if _grouped_mm_ok(a.device, out_dtype, K, N):
+        out = torch._grouped_mm(a_dq, b_dq, offs=offsets, out_dtype=out_dtype)
+        return _zero_tail(out, offsets)
+    return _ref.grouped_mm_dequantized(a_dq, b_dq, offsets, out_dtype)
+
+
+@_mxfp8_grouped_mm_op.register_fake
+def _(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype)
+
+
+def mxfp8_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Grouped GEMM in MXFP8: out[m] = q(a)[m] @ q(b)[g] for the rows m of group g.
+
+    a: (M, K) bfloat16, rows grouped by expert; b: (E, K, N) bfloat16; offsets: (E,) int32 end
+    offsets (non-decreasing, last <= M, as ``torch._grouped_mm`` takes them; not checked: no
+    sync); K % 32 == 0. Both operands are quantised with rceil scales along K: a row-wise
+    (``to_mxfp8``), each b[e] column-wise (``to_mxfp8_dim1``, blocks of 32 along K).
+    Returns (M, N) ``out_dtype`` (bfloat16 or float32); rows past offsets[-1] are zero.
+
+    Runs ``torch._scaled_grouped_mm`` with blocked scales on compute capability 10.x; elsewhere an
+    emulation with the same numerics (dequantise exactly to bf16, then ``torch._grouped_mm`` on
+    CUDA sm90+, or a per-expert masked GEMM with static shapes, fp32 accumulation). Inference only:
+    the op has no autograd formula (backward raises).
+    """
+    v.dtype("a", a, (torch.bfloat16,))
+    v.dtype("b", b, (torch.bfloat16,))
+    v.rank("a", a, 2)
+    v.rank("b", b, 3)
+    v.dtype("offsets", offsets, (torch.int32,))
+    v.rank("offsets", offsets, 1)
+    v.same_device("a", a, b=b, offsets=offsets)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    M, K = a.shape
+    E, Kb, N = b.shape
+    if K % BLOCK:
+        raise ValueError(f"a's K must be a multiple of 32, got shape {tuple(a.shape)}")
+    v.dim_size("b", b, 1, K, "K, matching a")
+    v.dim_size("offsets", offsets, 0, E, "one end offset per expert of b")
+    return _mxfp8_grouped_mm_op(a, b, offsets, out_dtype)
