@@ -1,3 +1,17 @@
-"""moe-model: an MoE transformer and a frame-autoregressive world model, built on moe-kernels."""
+"""moe-model: an MoE layer with interchangeable implementations, and a frame-autoregressive world
+model (diffusion transformer + KV ring buffer) built on moe-kernels."""
+
+from moe_model.config import PRESETS, WorldModelConfig
+from moe_model.engine import WorldEngine, count_parameters
+from moe_model.moe import MOE_IMPLS, MoELayer
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "MOE_IMPLS",
+    "PRESETS",
+    "MoELayer",
+    "WorldEngine",
+    "WorldModelConfig",
+    "count_parameters",
+]

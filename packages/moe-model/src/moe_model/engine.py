@@ -1,0 +1,386 @@
+"""``WorldEngine``: a frame-autoregressive diffusion transformer with a KV ring buffer.
+
+Per frame: ``denoise_steps`` rectified-flow Euler steps of a new latent, from seeded noise
+(sigma 1 -> 0), each one a denoise pass that reads the KV cache (only the scratch slot is written);
+then one cache pass on the clean latent (sigma 0) that writes the frame's keys/values into the ring
+and advances the device frame counter; optionally the decoder turns the latent into an image.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe_model.autoencoder import LatentDecoder
+from moe_model.blocks import Block
+from moe_model.config import WorldModelConfig
+from moe_model.kv_cache import KVRingCache
+from moe_model.moe import MoELayer, check_impl
+from moe_model.rope import Rope3D
+
+Ctrl = Mapping[str, object] | None
+
+
+def timestep_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding (dim,) fp32 of a 0-d noise level in [0, 1] (scaled by 1000)."""
+    half = dim // 2
+    freqs = torch.exp(
+        -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=sigma.device) / half
+    )
+    ang = sigma.float() * 1000.0 * freqs
+    return torch.cat([torch.cos(ang), torch.sin(ang)])
+
+
+class WorldModel(nn.Module):
+    """The transformer: patch embedding, conditioning, blocks, final layer, decoder."""
+
+    def __init__(self, cfg: WorldModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, c = cfg.d_model, cfg.cond_dim
+        self.patch_embed = nn.Linear(cfg.patch_dim, d)
+        self.t_embed = nn.Sequential(nn.Linear(cfg.freq_dim, c), nn.SiLU(), nn.Linear(c, c))
+        self.button_embed = nn.Linear(cfg.n_buttons, c, bias=False)
+        self.mouse_embed = nn.Linear(2, c)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.final_mod = nn.Linear(c, 2 * d)
+        self.final_proj = nn.Linear(d, cfg.patch_dim)
+        self.rope = Rope3D(cfg.head_dim, cfg.grid_h, cfg.grid_w, cfg.rope_theta)
+        self.decoder = LatentDecoder(cfg.latent_channels, cfg.decoder_channels)
+
+    def init_weights(self) -> None:
+        """Random weights (draws from the global RNG: seed it first)."""
+        for name, m in self.named_modules():
+            if isinstance(m, MoELayer):
+                m.reset_parameters()
+            elif isinstance(m, nn.Linear):
+                std = 0.02 if ("modulation" in name or "final_mod" in name) else None
+                nn.init.normal_(m.weight, std=std or 1.0 / math.sqrt(m.in_features))
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Conv2d):
+                fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+                nn.init.normal_(m.weight, std=1.0 / math.sqrt(fan_in))
+                nn.init.zeros_(m.bias)
+        self.rope.init_buffers()
+
+    def patchify(self, z_Chw: torch.Tensor) -> torch.Tensor:
+        cfg, p = self.cfg, self.cfg.patch_size
+        z = z_Chw.view(cfg.latent_channels, cfg.grid_h, p, cfg.grid_w, p)
+        return z.permute(1, 3, 0, 2, 4).reshape(cfg.tokens_per_frame, cfg.patch_dim)
+
+    def unpatchify(self, x_NP: torch.Tensor) -> torch.Tensor:
+        cfg, p = self.cfg, self.cfg.patch_size
+        z = x_NP.view(cfg.grid_h, cfg.grid_w, cfg.latent_channels, p, p)
+        return z.permute(2, 0, 3, 1, 4).reshape(cfg.latent_channels, cfg.latent_h, cfg.latent_w)
+
+    def cond(self, sigma: torch.Tensor, buttons: torch.Tensor, mouse: torch.Tensor) -> torch.Tensor:
+        """Conditioning vector (cond_dim,): noise level + pressed buttons + mouse delta, SiLU."""
+        dtype = self.patch_embed.weight.dtype
+        c = self.t_embed(timestep_embedding(sigma, self.cfg.freq_dim).to(dtype))
+        c = c + self.button_embed(buttons.to(dtype)) + self.mouse_embed(mouse.to(dtype))
+        return torch.nn.functional.silu(c)
+
+    def forward(
+        self,
+        z_Chw: torch.Tensor,
+        sigma: torch.Tensor,
+        buttons: torch.Tensor,
+        mouse: torch.Tensor,
+        cache: KVRingCache,
+        *,
+        commit: bool,
+    ) -> torch.Tensor | None:
+        """Velocity (C, h, w) fp32 of latent ``z`` at noise level ``sigma`` (denoise pass), or,
+        with ``commit``, write the frame's keys/values into the ring and return None."""
+        dtype = self.patch_embed.weight.dtype
+        x_ND = self.patch_embed(self.patchify(z_Chw).to(dtype))
+        c_C = self.cond(sigma, buttons, mouse)
+        rope = self.rope(cache.frame)
+        bias_S = cache.attn_bias(dtype)
+        last = len(self.blocks) - 1
+        for l, block in enumerate(self.blocks):
+            x_ND = block(
+                x_ND, c_C, rope, cache, l, bias_S, commit=commit, kv_only=commit and l == last
+            )
+        if commit:
+            return None
+        shift, scale = self.final_mod(c_C).view(2, -1).float().unbind(0)
+        h = self.blocks[0].norm1(x_ND).float() * (1 + scale) + shift
+        return self.unpatchify(self.final_proj(h.to(dtype)).float())
+
+
+def count_parameters(cfg: WorldModelConfig) -> tuple[int, int]:
+    """(total, active) parameter counts of a config, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = WorldModel(cfg)
+    return _counts(model, cfg)
+
+
+def _counts(model: WorldModel, cfg: WorldModelConfig) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    inactive = 0
+    if cfg.mlp == "moe":
+        for block in model.blocks:
+            per_expert = block.mlp.in_proj[0].numel() + block.mlp.out_proj[0].numel()
+            inactive += (cfg.n_experts - cfg.top_k) * per_expert
+    return total, total - inactive
+
+
+def _ctrl_tensors(ctrl: Ctrl, n_buttons: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buttons multi-hot (n_buttons,), mouse (2,)) fp32 CPU tensors from a ctrl mapping."""
+    buttons = torch.zeros(n_buttons)
+    mouse = torch.zeros(2)
+    if ctrl is None:
+        return buttons, mouse
+    if not isinstance(ctrl, Mapping):
+        raise TypeError(f"ctrl must be None or a mapping with 'buttons'/'mouse', got {ctrl!r}")
+    unknown = set(ctrl) - {"buttons", "mouse"}
+    if unknown:
+        raise ValueError(f"unknown ctrl keys {sorted(unknown)}; expected 'buttons', 'mouse'")
+    b = ctrl.get("buttons")
+    if isinstance(b, torch.Tensor) and (b.dtype.is_floating_point or b.dtype == torch.bool):
+        if b.shape != (n_buttons,):
+            raise ValueError(f"buttons multi-hot must have shape ({n_buttons},), got {tuple(b.shape)}")
+        buttons = b.detach().float().cpu()
+    elif b is not None:
+        for i in (b.tolist() if isinstance(b, torch.Tensor) else b):
+            if not 0 <= int(i) < n_buttons:
+                raise ValueError(f"button index {i} out of range [0, {n_buttons})")
+            buttons[int(i)] = 1.0
+    if ctrl.get("mouse") is not None:
+        mouse = torch.as_tensor(ctrl["mouse"], dtype=torch.float32).detach().cpu().reshape(-1)
+        if mouse.numel() != 2:
+            raise ValueError(f"mouse must hold 2 floats (dx, dy), got {mouse.numel()}")
+    return buttons, mouse
+
+
+class WorldEngine:
+    """Generates frames one after another; see the package README for the API."""
+
+    def __init__(
+        self,
+        config: WorldModelConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        impl: str | None = None,
+        compile: bool = False,
+        cuda_graph: bool = False,
+        seed: int = 0,
+        _init_weights: bool = True,
+    ) -> None:
+        if impl is not None:
+            config = dataclasses.replace(config, moe_impl=check_impl(impl))
+        config.validate()
+        if config.mlp == "moe":
+            check_impl(config.moe_impl)
+        self.config = cfg = config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError("cuda_graph=True needs a CUDA device")
+        self.dtype, self.seed = dtype, seed
+        if _init_weights:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = WorldModel(cfg)
+                model.init_weights()
+            model.to(self.device)
+        else:
+            with torch.device("meta"):
+                model = WorldModel(cfg)
+            model.to_empty(device=self.device)
+            model.rope.init_buffers()
+        for name, p in model.named_parameters():  # routers stay fp32, buffers (RoPE) stay fp32
+            if not name.endswith("router.weight"):
+                p.data = p.data.to(dtype)
+        self.model = model.eval().requires_grad_(False)
+        dev = self.device
+        self.cache = KVRingCache(
+            cfg.n_layers, cfg.n_kv_heads, cfg.window, cfg.tokens_per_frame, cfg.head_dim,
+            device=dev, dtype=dtype,
+        )
+        self._gen = torch.Generator(device=dev)
+        self._gen.manual_seed(seed)
+        # Static buffers: controller state, noise, sigmas, outputs.
+        self._buttons = torch.zeros(cfg.n_buttons, device=dev)
+        self._mouse = torch.zeros(2, device=dev)
+        self._last_ctrl: tuple | None = None
+        self._noise = torch.zeros(cfg.latent_channels, cfg.latent_h, cfg.latent_w, device=dev)
+        self._sigmas = torch.linspace(1.0, 0.0, cfg.denoise_steps + 1, device=dev)
+        self._latent = torch.zeros_like(self._noise)
+        self._img = torch.zeros(8 * cfg.latent_h, 8 * cfg.latent_w, 3, dtype=torch.uint8, device=dev)
+        self._step_fn = self._denoise_step
+        self._cache_fn = self._cache_pass
+        self._decode_fn = self.model.decoder
+        if compile:
+            self._step_fn = torch.compile(self._denoise_step, fullgraph=True)
+            self._cache_fn = torch.compile(self._cache_pass, fullgraph=True)
+            self._decode_fn = torch.compile(self.model.decoder, fullgraph=True)
+        self.compiled, self.cuda_graph = compile, cuda_graph
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_dec: torch.cuda.CUDAGraph | None = None
+        if cuda_graph:
+            self._capture()
+
+    # -- device work of one frame (static shapes, no host syncs) --------------------------------
+
+    def _denoise_step(
+        self, z: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
+    ) -> torch.Tensor:
+        v = self.model(z, sigma, self._buttons, self._mouse, self.cache, commit=False)
+        return z + (sigma_next - sigma) * v
+
+    def _cache_pass(self, z: torch.Tensor) -> None:
+        self.model(z, self._sigmas[-1], self._buttons, self._mouse, self.cache, commit=True)
+        self.cache.advance()
+
+    @torch.no_grad()
+    def _frame_work(self) -> None:
+        z = self._noise
+        for i in range(self.config.denoise_steps):
+            z = self._step_fn(z, self._sigmas[i], self._sigmas[i + 1])
+        self._latent.copy_(z)
+        self._cache_fn(self._latent)
+
+    @torch.no_grad()
+    def _decode_work(self) -> None:
+        self._img.copy_(self._decode_fn(self._latent))
+
+    def _capture(self) -> None:
+        """Warm up (compiles, autotunes) on a side stream, capture, then reset the state."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._frame_work()
+                self._decode_work()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self._frame_work()
+        self._graph_dec = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph_dec, pool=self._graph.pool()):
+            self._decode_work()
+        self.reset()
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Empty the KV cache, frame counter to 0, controller cleared, noise re-seeded."""
+        self.cache.reset()
+        self._gen.manual_seed(self.seed)
+        self._buttons.zero_()
+        self._mouse.zero_()
+        self._last_ctrl = None
+
+    @property
+    def frame_index(self) -> torch.Tensor:
+        """Frames generated since the last reset (0-d int64 device tensor)."""
+        return self.cache.frame
+
+    def _set_ctrl(self, ctrl: Ctrl) -> None:
+        buttons, mouse = _ctrl_tensors(ctrl, self.config.n_buttons)
+        key = (tuple(buttons.tolist()), tuple(mouse.tolist()))
+        if key != self._last_ctrl:  # copy only on change: no host->device copy per frame
+            self._buttons.copy_(buttons)
+            self._mouse.copy_(mouse)
+            self._last_ctrl = key
+
+    @torch.no_grad()
+    def gen_frame(self, ctrl: Ctrl = None, return_img: bool = True) -> torch.Tensor:
+        """Generate the next frame.
+
+        ctrl: None, or ``{"buttons": pressed indices or (n_buttons,) multi-hot, "mouse": (dx, dy)}``.
+        Returns the RGB image (8*latent_h, 8*latent_w, 3) uint8 on the CPU when ``return_img``,
+        else the clean latent (C, latent_h, latent_w) fp32 on the engine's device (a copy).
+        """
+        self._set_ctrl(ctrl)
+        self._noise.normal_(generator=self._gen)
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._frame_work()
+        if not return_img:
+            return self._latent.clone()
+        if self._graph_dec is not None:
+            self._graph_dec.replay()
+        else:
+            self._decode_work()
+        return self._img.to("cpu", copy=True)
+
+    def rollout(
+        self, n_frames: int, ctrl: Ctrl | Sequence[Ctrl] = None, return_img: bool = True
+    ) -> Iterator[torch.Tensor]:
+        """Yield ``n_frames`` frames (continuing from the current state; ``reset()`` to restart).
+        ctrl: one ctrl for every frame, or a sequence of ``n_frames`` ctrls."""
+        ctrls: Iterable[Ctrl]
+        if isinstance(ctrl, Sequence) and not isinstance(ctrl, (str, Mapping)):
+            if len(ctrl) != n_frames:
+                raise ValueError(f"got {len(ctrl)} ctrls for {n_frames} frames")
+            ctrls = ctrl
+        else:
+            ctrls = [ctrl] * n_frames
+        for c in ctrls:
+            yield self.gen_frame(c, return_img=return_img)
+
+    def num_parameters(self) -> int:
+        """All parameters (transformer, embeddings, decoder)."""
+        return _counts(self.model, self.config)[0]
+
+    def num_active_parameters(self) -> int:
+        """Parameters used per token: total minus the (n_experts - top_k) unused experts per layer."""
+        return _counts(self.model, self.config)[1]
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write ``config.json`` and ``model.safetensors`` into directory ``path``."""
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        impl: str | None = None,
+        compile: bool = False,
+        cuda_graph: bool = False,
+        seed: int = 0,
+    ) -> WorldEngine:
+        """Load an engine written by ``save_pretrained`` (weights cast to ``dtype``, routers fp32)."""
+        from safetensors.torch import load_file
+
+        src = Path(path)
+        cfg = WorldModelConfig.from_dict(json.loads((src / "config.json").read_text()))
+        state = load_file(str(src / "model.safetensors"))
+        # Build without graphs first: capture must see the loaded weights' addresses only.
+        eng = cls(cfg, device=device, dtype=dtype, impl=impl, compile=compile, seed=seed,
+                  _init_weights=False)
+        params = dict(eng.model.named_parameters())
+        missing = set(params) - set(state)
+        unexpected = set(state) - set(params)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state[name])
+        if cuda_graph:
+            if eng.device.type != "cuda":
+                raise ValueError("cuda_graph=True needs a CUDA device")
+            eng.cuda_graph = True
+            eng._capture()
+        return eng

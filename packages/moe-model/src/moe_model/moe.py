@@ -1,0 +1,283 @@
+"""``MoELayer``: a router and E SiLU (or SwiGLU) experts, with one small strategy per ``impl``.
+
+Every implementation reads the same parameters, so ``layer.impl = "torch"`` switches an existing
+layer. The data path of the sync-free implementations:
+``scores = router(x)`` -> ``plan = route(scores, k)`` -> ``xs = dispatch(x, plan)`` ->
+``h = grouped_mm(xs, in_proj^T)`` -> activation -> ``ys = grouped_mm(h, out_proj^T)`` ->
+``y = combine(ys, plan)``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_model._routing_torch import topk_choices, torch_plan
+
+MOE_IMPLS: tuple[str, ...] = ("baseline", "torch", "triton_bf16", "triton_fp32", "fbgemm", "mxfp8")
+SCORE_FNS = ("softmax", "sigmoid")
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMM: torch._grouped_mm where it runs (CUDA sm90+, bf16, dims % 16), else a static loop.
+
+
+def _grouped_mm_supported(a_MK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or a_MK.device.type != "cuda":
+        return False
+    if a_MK.dtype != torch.bfloat16 or b_EKN.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(a_MK.device) < (9, 0):
+        return False
+    return a_MK.shape[1] % 16 == 0 and b_EKN.shape[2] % 16 == 0
+
+
+def grouped_mm(
+    a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets: torch.Tensor, expert_M: torch.Tensor
+) -> torch.Tensor:
+    """Rows of ``a_MK`` grouped by expert times that expert's ``b_EKN[e]`` -> (M, N), a's dtype.
+
+    offsets: (E+1,) int32 exclusive prefix sum of group sizes; expert_M: (M,) expert of each row
+    (-1 or any id outside [0, E) for rows in no group: their output rows are zero).
+    """
+    b_EKN = b_EKN.to(a_MK.dtype)
+    if _grouped_mm_supported(a_MK, b_EKN):
+        return torch._grouped_mm(a_MK, b_EKN, offs=offsets[1:].to(torch.int32))
+    # Static-shape fallback (CPU, older GPUs, fp32): every expert's GEMM over all rows, keep the
+    # rows of that expert. E times the FLOPs, but no data-dependent shape and no host sync.
+    out_MN = a_MK.new_zeros(a_MK.shape[0], b_EKN.shape[2])
+    for e in range(b_EKN.shape[0]):
+        rows_M1 = (expert_M == e).unsqueeze(1)
+        out_MN = torch.where(rows_M1, a_MK @ b_EKN[e], out_MN)
+    return out_MN
+
+
+def _activation(h_MH: torch.Tensor, gated: bool) -> torch.Tensor:
+    """SiLU, or SwiGLU ``silu(gate) * up`` with gate = first half of the columns; fp32 math."""
+    if not gated:
+        return F.silu(h_MH.float()).to(h_MH.dtype)
+    gate_MH, up_MH = h_MH.float().chunk(2, dim=-1)
+    return (F.silu(gate_MH) * up_MH).to(h_MH.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations: f(layer, x_TD, scores_TE) -> y_TD (x's dtype).
+
+
+def _forward_baseline(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+    """Reference: per-expert fp32 loop with host syncs (nonzero). Slow, not compileable."""
+    T, D = x_TD.shape
+    w_Tk, e_Tk = topk_choices(scores_TE, layer.top_k, layer.renormalize)
+    x32_TD = x_TD.float()
+    y_TkD = x32_TD.new_zeros(T, layer.top_k, D)
+    for e in range(layer.n_experts):
+        tok, j = (e_Tk == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x32_TD[tok] @ layer.in_proj[e].float().t()
+        h = F.silu(h) if not layer.gated else F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]
+        y_TkD = y_TkD.index_put((tok, j), h @ layer.out_proj[e].float().t())
+    # Weighted sum over the k choices in choice order (deterministic).
+    return (y_TkD * w_Tk.unsqueeze(-1)).sum(dim=1).to(x_TD.dtype)
+
+
+def _forward_torch(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+    """Torch routing (stable sort, compare-and-sum counts, cumsum), gather, grouped GEMMs, fp32
+    weighted sum over the k choices. Sync-free, deterministic, differentiable."""
+    T, D = x_TD.shape
+    w_Tk, e_Tk = topk_choices(scores_TE, layer.top_k, layer.renormalize)
+    plan = torch_plan(w_Tk, e_Tk, layer.n_experts)
+    w_dtype = layer.in_proj.dtype
+    xs_PD = x_TD.to(w_dtype)[plan.token_indices]
+    h_PH = grouped_mm(xs_PD, layer.in_proj.mT, plan.offsets, plan.expert_indices)
+    ys_PD = grouped_mm(
+        _activation(h_PH, layer.gated), layer.out_proj.mT, plan.offsets, plan.expert_indices
+    )
+    y_TkD = ys_PD[plan.inverse.reshape(-1)].view(T, layer.top_k, D).float()
+    return (y_TkD * w_Tk.unsqueeze(-1)).sum(dim=1).to(x_TD.dtype)
+
+
+def _kernels_experts(
+    layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor, mm: Callable
+) -> tuple[torch.Tensor, object]:
+    from moe_kernels.routing import route
+    from moe_kernels.tokens import dispatch
+
+    plan = route(scores_TE.float(), layer.top_k, renormalize=layer.renormalize)
+    w_dtype = layer.in_proj.dtype
+    xs_PD = dispatch(x_TD.to(w_dtype), plan)
+    h_PH = mm(xs_PD, layer.in_proj.mT, plan)
+    ys_PD = mm(_activation(h_PH, layer.gated), layer.out_proj.mT, plan)
+    return ys_PD, plan
+
+
+def _mm_bf16(a_MK: torch.Tensor, b_EKN: torch.Tensor, plan) -> torch.Tensor:
+    return grouped_mm(a_MK, b_EKN, plan.offsets, plan.expert_indices)
+
+
+def _make_triton(out_dtype: torch.dtype) -> Callable:
+    def _forward(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+        from moe_kernels.tokens import combine
+
+        ys_PD, plan = _kernels_experts(layer, x_TD, scores_TE, _mm_bf16)
+        return combine(ys_PD, plan, weighted=True, out_dtype=out_dtype).to(x_TD.dtype)
+
+    _forward.__doc__ = f"moe-kernels route/dispatch/combine (combine out {out_dtype}), grouped GEMM."
+    return _forward
+
+
+def _mm_mxfp8(a_MK: torch.Tensor, b_EKN: torch.Tensor, plan) -> torch.Tensor:
+    from moe_kernels.mxfp8 import mxfp8_grouped_mm
+
+    out = mxfp8_grouped_mm(
+        a_MK.to(torch.bfloat16),
+        b_EKN.to(torch.bfloat16),
+        plan.offsets[1:].to(torch.int32),
+        out_dtype=torch.bfloat16,
+    )
+    return out.to(a_MK.dtype)
+
+
+def _forward_mxfp8(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+    """moe-kernels route/dispatch/combine, experts through ``mxfp8_grouped_mm``."""
+    from moe_kernels.tokens import combine
+
+    ys_PD, plan = _kernels_experts(layer, x_TD, scores_TE, _mm_mxfp8)
+    return combine(ys_PD, plan, weighted=True, out_dtype=torch.float32).to(x_TD.dtype)
+
+
+def _fbgemm_available() -> bool:
+    return importlib.util.find_spec("fbgemm_gpu") is not None
+
+
+def _forward_fbgemm(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+    """fbgemm_gpu's index_shuffling / gather_scale_dense_tokens / scatter_add_dense_tokens.
+
+    fbgemm scales tokens on the gather side; to keep this layer's semantics (weights applied to the
+    expert outputs) the gather uses unit scores and the weights scale the outputs before the
+    scatter-add. Not exercised in CI (fbgemm_gpu is not installed there).
+    """
+    from fbgemm_gpu.experimental.gen_ai.moe import (
+        gather_scale_dense_tokens,
+        index_shuffling,
+        scatter_add_dense_tokens,
+    )
+
+    T, D = x_TD.shape
+    if layer.renormalize:
+        raise ValueError("impl 'fbgemm' does not support renormalize=True")
+    counts, e_P, t_P = index_shuffling(scores_TE.to(torch.bfloat16), top_k=layer.top_k)[:3]
+    counts_E = counts[: layer.n_experts].to(torch.int32)
+    offsets = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0, dtype=torch.int32)])
+    w_dtype = layer.in_proj.dtype
+    xs_PD = gather_scale_dense_tokens(
+        x_TD.to(w_dtype).contiguous(), t_P, e_P, torch.ones_like(scores_TE, dtype=w_dtype)
+    )
+    h_PH = grouped_mm(xs_PD, layer.in_proj.mT, offsets, e_P)
+    ys_PD = grouped_mm(_activation(h_PH, layer.gated), layer.out_proj.mT, offsets, e_P)
+    w_P = scores_TE.float()[t_P.long(), e_P.long()]
+    out_TD = torch.zeros(T, D, dtype=w_dtype, device=x_TD.device)
+    scatter_add_dense_tokens(out_TD, (ys_PD.float() * w_P[:, None]).to(w_dtype), t_P)
+    return out_TD.to(x_TD.dtype)
+
+
+_IMPLS: dict[str, Callable] = {
+    "baseline": _forward_baseline,
+    "torch": _forward_torch,
+    "triton_bf16": _make_triton(torch.bfloat16),
+    "triton_fp32": _make_triton(torch.float32),
+    "fbgemm": _forward_fbgemm,
+    "mxfp8": _forward_mxfp8,
+}
+
+
+def check_impl(impl: str) -> str:
+    """Validate an implementation name (ValueError if unknown, RuntimeError if unavailable)."""
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"impl must be one of {MOE_IMPLS}, got {impl!r}")
+    if impl == "fbgemm" and not _fbgemm_available():
+        raise RuntimeError("MoE impl 'fbgemm' unavailable: fbgemm_gpu not installed")
+    return impl
+
+
+class MoELayer(nn.Module):
+    """Top-k Mixture-of-Experts MLP: ``x (..., d_model) -> (..., d_model)`` in x's dtype.
+
+    Parameters (experts without biases): ``router.weight (E, d_model)`` kept in fp32,
+    ``in_proj (E, hidden * (2 if gated else 1), d_model)``, ``out_proj (E, d_model, hidden)``.
+    Routing: softmax over all E logits (or sigmoid), top-k with ties to the lower expert, combine
+    weights = the top-k scores (renormalised over the k only if ``renormalize``).
+
+    ``impl`` (see ``MOE_IMPLS``) can be changed on an existing layer. Backward is supported by
+    ``"baseline"`` and ``"torch"``; the ``triton_*``, ``mxfp8`` and ``fbgemm`` paths are for
+    inference. All but ``"baseline"`` are free of host syncs (torch.compile fullgraph, CUDA
+    graphs) and bitwise deterministic.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_experts: int,
+        top_k: int,
+        hidden: int,
+        *,
+        gated: bool = False,
+        score_fn: str = "softmax",
+        renormalize: bool = False,
+        impl: str = "triton_bf16",
+    ) -> None:
+        super().__init__()
+        for name, v in (("d_model", d_model), ("n_experts", n_experts), ("hidden", hidden)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k!r}")
+        if score_fn not in SCORE_FNS:
+            raise ValueError(f"score_fn must be one of {SCORE_FNS}, got {score_fn!r}")
+        self.d_model, self.n_experts, self.top_k, self.hidden = d_model, n_experts, top_k, hidden
+        self.gated, self.score_fn, self.renormalize = gated, score_fn, renormalize
+        self.router = nn.Linear(d_model, n_experts, bias=False, dtype=torch.float32)
+        h_in = hidden * (2 if gated else 1)
+        self.in_proj = nn.Parameter(torch.empty(n_experts, h_in, d_model))
+        self.out_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        self.reset_parameters()
+        self.impl = impl
+
+    @property
+    def impl(self) -> str:
+        return self._impl
+
+    @impl.setter
+    def impl(self, name: str) -> None:
+        self._impl = check_impl(name)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.router.weight, std=1.0 / math.sqrt(self.d_model))
+        nn.init.normal_(self.in_proj, std=1.0 / math.sqrt(self.d_model))
+        nn.init.normal_(self.out_proj, std=1.0 / math.sqrt(self.hidden))
+
+    def scores(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Router scores (T, E) fp32: softmax over all E logits, or sigmoid."""
+        logits_TE = F.linear(x_TD.float(), self.router.weight.float())
+        if self.score_fn == "softmax":
+            return torch.softmax(logits_TE, dim=-1)
+        return torch.sigmoid(logits_TE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have last dim d_model={self.d_model}, got {tuple(x.shape)}")
+        x_TD = x.reshape(-1, self.d_model)
+        y_TD = _IMPLS[self._impl](self, x_TD, self.scores(x_TD))
+        return y_TD.view(x.shape)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, n_experts={self.n_experts}, top_k={self.top_k}, "
+            f"hidden={self.hidden}, gated={self.gated}, score_fn={self.score_fn!r}, "
+            f"renormalize={self.renormalize}, impl={self._impl!r}"
+        )
