@@ -25,9 +25,11 @@ class RoutingPlan(NamedTuple):
     """Where every (token, expert) pair goes, for T tokens, top_k choices and L local experts.
 
     counts:         (L,) int32, pairs routed to each local expert.
-    offsets:        (L+1,) int32, exclusive prefix sum of counts (offsets[0] = 0): group boundaries
-                    for grouped GEMMs (``offsets[1:]`` are the end offsets ``torch._grouped_mm`` takes).
-    expert_indices: (T*top_k,) int32, local expert (expert - start) of each sorted pair; -1 in the tail.
+    offsets:        (L+1,) int32, exclusive prefix sum of counts (offsets[0] = 0): group
+                    boundaries for grouped GEMMs (``offsets[1:]`` are the end offsets
+                    ``torch._grouped_mm`` takes).
+    expert_indices: (T*top_k,) int32, local expert (expert - start) of each sorted pair; -1 in
+                    the tail.
     token_indices:  (T*top_k,) int32, token of each sorted pair; -1 in the tail.
     weights:        (T*top_k,) float32, router weight of each sorted pair; 0 in the tail.
     inverse:        (T, top_k) int32, sorted position of token t's j-th choice (j by descending

@@ -6,9 +6,9 @@ A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` t
    loads the (BLOCK_T, E) scores, turns each into a unique integer key (order-preserving code of the
    score in the high bits, ``E_PAD - 1 - e`` in the low bits, so ties go to the lower expert, NaN is
    -inf and -0.0 is +0.0) and takes ``top_k`` rounds of row maxima. An exclusive cumsum of the
-   chosen-pair matrix down the tokens (plus the program's running count) ranks every pair inside its
-   expert; the rank goes to ``inverse`` (overwritten by C), the local expert (or -1) and the weight to
-   scratch, and the program's per-expert count to ``hist[l, program]``.
+   chosen-pair matrix down the tokens (plus the program's running count) ranks every pair inside
+   its expert; the rank goes to ``inverse`` (overwritten by C), the local expert (or -1) and the
+   weight to scratch, and the program's per-expert count to ``hist[l, program]``.
 B. ``_scan_kernel``: one program per local expert, exclusive scan of its ``hist`` row over programs.
 C. ``_place_kernel``: one program per A-program. It turns the per-expert totals into expert offsets,
    writes the sorted pairs (``expert_indices``, ``token_indices``, ``weights``) at
