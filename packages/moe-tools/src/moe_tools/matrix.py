@@ -36,7 +36,7 @@ COLUMNS = [
 
 BASELINE = "baseline"
 # Why the baseline cannot be compiled with fullgraph=True (it is the reference, not a contender).
-BASELINE_COMPILE_REASON = "baseline syncs with the host per expert"
+BASELINE_COMPILE_REASON = "host syncs"
 
 
 def short_error(exc: BaseException, limit: int = 120) -> str:
@@ -83,9 +83,9 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _compile(fn: Callable[..., torch.Tensor], backend: str) -> Callable[..., torch.Tensor]:
     torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=True)
+    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 def run(
@@ -100,8 +100,13 @@ def run(
     seed: int = 0,
     progress: bool = True,
     compile: bool = True,
+    compile_backend: str = "inductor",
 ) -> Result:
-    """Measure every implementation; one row each, in ``impls`` order (default: ``MOE_IMPLS``)."""
+    """Measure every implementation; one row each, in ``impls`` order (default: ``MOE_IMPLS``).
+
+    ``compile=False`` skips the compiled columns; ``compile_backend`` is passed to
+    ``torch.compile`` (the tests use "eager": Dynamo's fullgraph capture without Inductor).
+    """
     device = torch.device(device) if device is not None else default_device()
     cuda = device.type == "cuda"
     preset = preset or ("seed-moe" if cuda else "tiny")
@@ -177,7 +182,7 @@ def _measure(
     warmup: int,
     iters: int,
     *,
-    compile: bool,
+    backend: str | None,
 ) -> Row:
     row = _empty_row(impl, "ok")
     try:
@@ -191,14 +196,14 @@ def _measure(
     if y_base is not None:
         row["vs_base_max"], row["vs_base_mean"] = diff_stats(y1, y_base)
     row["eager_ms"] = time_fn(lambda: layer(x_TD), device, warmup=warmup, iters=iters).median_ms
-    if not compile:
+    if backend is None:
         return row
 
     import time
 
     try:
         t0 = time.perf_counter()
-        compiled = _compile(layer)
+        compiled = _compile(layer, backend)
         yc = compiled(x_TD).clone()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -207,7 +212,7 @@ def _measure(
             lambda: compiled(x_TD), device, warmup=warmup, iters=iters
         ).median_ms
     except Exception as exc:
-        reason = short_error(exc)
+        reason = short_error(exc, limit=80)
         if impl == BASELINE:
             row["status"] = f"expected: {BASELINE_COMPILE_REASON} ({reason})"
         else:
