@@ -352,3 +352,33 @@ def test_bad_input(op, kwargs, exc, name):
 def test_bad_renormalize():
     with pytest.raises(TypeError, match="renormalize"):
         route(torch.zeros(2, 3), 1, renormalize=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels' other launch shapes (several blocks per program, the separate scan launch)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False},
+        {"BLOCK_T": 16, "SUB": 4, "FUSE_SCAN": True},
+        {"BLOCK_T": 4, "SUB": 1, "FUSE_SCAN": False},
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_launch_shapes(config, dtype):
+    from moe_kernels._dispatch import use_triton
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("the Triton launcher runs on CPU only under TRITON_INTERPRET=1")
+    from moe_kernels._triton.routing import routing_triton
+
+    T, E, k, start, end, valid = 75, 11, 3, 2, 9, 70
+    x = make_scores(T, E, dtype, "ties", seed=11, layout="col")
+    want = naive_plan(x, k, start, end, valid, renormalize=True)
+    tcpe = torch.full((E + 2,), 99, dtype=torch.int32)
+    got = routing_triton(x, k, _vtc(valid), start, end, True, True, True, tcpe=tcpe, config=config)
+    check_plan(RoutingPlan(*got), want)
+    assert_int(tcpe, want["tcpe"], "token_count_per_expert")

@@ -24,8 +24,6 @@ import triton.language as tl
 
 from .._dispatch import INTERPRET
 
-_MAX_PROGRAMS = 1024  # programs of kernels A and C (bounds the length of a hist row)
-
 
 @triton.jit
 def _bits16_to_f32(bits, IS_BF16: tl.constexpr):
@@ -60,6 +58,7 @@ def _topk_rank_kernel(
     HAS_VTC: tl.constexpr,
     WEIGHTS: tl.constexpr,
     RENORM: tl.constexpr,
+    SENT: tl.constexpr,  # below every real key: INT64_MIN (fp32) or INT32_MIN (16-bit)
 ):
     pid = tl.program_id(0)
     n_valid = T
@@ -85,7 +84,6 @@ def _topk_rank_kernel(
             bits = x.to(tl.int32, bitcast=True)
             code = bits ^ ((bits >> 31) & 0x7FFFFFFF)
             key = (code.to(tl.int64) << 32) | low[None, :].to(tl.int64)
-            SENT: tl.constexpr = -9223372036854775808
         else:
             bits = tl.load(x_ptr + offs, mask=ld_mask, other=0).to(tl.int32)  # sign-extended
             mag = bits & 0x7FFF
@@ -99,7 +97,6 @@ def _topk_rank_kernel(
             bits = tl.where(mag == 0, 0, bits)
             code = bits ^ ((bits >> 15) & 0x7FFF)
             key = (code << 16) | low[None, :]
-            SENT: tl.constexpr = -2147483648
         key = tl.where(col_ok[None, :], key, SENT)
 
         choice = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
@@ -109,7 +106,7 @@ def _topk_rank_kernel(
             m = tl.max(key, axis=1)
             key = tl.where(key == m[:, None], SENT, key)
             if KIND == 0:
-                e_j = E_PAD - 1 - (m & 0xFFFFFFFF).to(tl.int32)
+                e_j = E_PAD - 1 - m.to(tl.int32)  # low 32 bits
             else:
                 e_j = E_PAD - 1 - (m & 0xFFFF)
             choice = tl.where(jj[None, :] == j, e_j[:, None], choice)
@@ -159,7 +156,7 @@ def _scan_kernel(hist_ptr, counts_ptr, n_programs, CHUNK: tl.constexpr):
     """Row ``l`` of hist (pairs per program) -> its exclusive prefix; counts[l] = the total."""
     l = tl.program_id(0)
     row = hist_ptr + l * n_programs
-    carry = 0
+    carry = tl.zeros([], dtype=tl.int32)
     for c in range(0, n_programs, CHUNK):
         idx = c + tl.arange(0, CHUNK)
         ok = idx < n_programs
@@ -172,11 +169,12 @@ def _scan_kernel(hist_ptr, counts_ptr, n_programs, CHUNK: tl.constexpr):
 
 @triton.jit
 def _place_kernel(
-    scr_e_ptr,
-    scr_w_ptr,
-    rank_ptr,  # (T, K) int32: in = rank inside the program, out = inverse (sorted position or -1)
-    hist_ptr,  # (L, n_programs): in = exclusive prefix over programs, then this program's bases
-    counts_ptr,  # (L,) int32 totals
+    scr_e_ptr,  # (T, K) int32: local expert or -1
+    scr_w_ptr,  # (T, K) fp32 weights (only when WEIGHTS)
+    rank_ptr,  # (T, K) int32: in = rank inside the A-program, out = inverse (position or -1)
+    hist_ptr,  # (L, n_programs) int32: per-program counts (FUSE_SCAN) or their exclusive prefix
+    base_ptr,  # (n_programs, L) int32 scratch: this program's first position in each expert
+    counts_ptr,  # (L,) int32: totals (written here when FUSE_SCAN, by the scan kernel otherwise)
     expert_ptr,  # (T*K,) int32 out
     token_ptr,  # (T*K,) int32 out
     weight_ptr,  # (T*K,) fp32 out (only when WEIGHTS)
@@ -190,8 +188,10 @@ def _place_kernel(
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     L_PAD: tl.constexpr,
+    NP_PAD: tl.constexpr,  # >= n_programs when FUSE_SCAN
     TOK_PER_PROG: tl.constexpr,
     CHUNK_T: tl.constexpr,
+    FUSE_SCAN: tl.constexpr,
     WEIGHTS: tl.constexpr,
     OFFSETS: tl.constexpr,
     TCPE: tl.constexpr,
@@ -199,25 +199,37 @@ def _place_kernel(
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
     l_ok = ls < L
-    cnt = tl.load(counts_ptr + ls, mask=l_ok, other=0)
+    if FUSE_SCAN:  # small hist: every program reduces all of it (no scan launch)
+        ps = tl.arange(0, NP_PAD)
+        h = tl.load(
+            hist_ptr + ls[:, None] * n_programs + ps[None, :],
+            mask=l_ok[:, None] & (ps[None, :] < n_programs),
+            other=0,
+        )
+        cnt = tl.sum(h, axis=1)
+        before = tl.sum(tl.where(ps[None, :] < pid, h, 0), axis=1)
+        if pid == 0:
+            tl.store(counts_ptr + ls, cnt, mask=l_ok)
+    else:
+        cnt = tl.load(counts_ptr + ls, mask=l_ok, other=0)
+        before = tl.load(hist_ptr + ls * n_programs + pid, mask=l_ok, other=0)
     excl = tl.cumsum(cnt, axis=0) - cnt
     n = tl.sum(cnt, axis=0)
-    hist_col = hist_ptr + ls * n_programs + pid
-    base = tl.load(hist_col, mask=l_ok, other=0) + excl
-    tl.store(hist_col, base, mask=l_ok)  # this program's column only: read back below
-    if pid == 0:
+    tl.store(base_ptr + pid * L + ls, excl + before, mask=l_ok)  # read back (gathered) below
+    if pid == 0:  # noqa: SIM102 (a constexpr and a runtime test stay apart)
         if OFFSETS:
             tl.store(offsets_ptr + ls, excl, mask=l_ok)
             tl.store(offsets_ptr + L, n)
-        if TCPE:
+    tl.debug_barrier()  # base (and counts, when FUSE_SCAN) visible to the whole program
+    if TCPE:  # noqa: SIM102
+        if pid == 0:
             for c in range(0, E, L_PAD):
                 e = c + ls
                 inside = (e >= start) & (e < start + L)
-                v = tl.load(counts_ptr + (e - start), mask=inside & (e < E), other=0)
+                v = tl.load(counts_ptr + (e - start), mask=inside, other=0)
                 tl.store(tcpe_ptr + e, v, mask=e < E)
             tl.store(tcpe_ptr + E, T)
             tl.store(tcpe_ptr + E + 1, n)
-    tl.debug_barrier()
 
     jj = tl.arange(0, K_PAD)
     k_ok = jj[None, :] < K
@@ -229,7 +241,7 @@ def _place_kernel(
         le = tl.load(scr_e_ptr + offs, mask=m, other=-1)
         routed = le >= 0
         r = tl.load(rank_ptr + offs, mask=m, other=0)
-        b = tl.load(hist_ptr + le * n_programs + pid, mask=routed, other=0)
+        b = tl.load(base_ptr + pid * L + le, mask=routed, other=0)
         pos = tl.where(routed, b + r, -1)
         tl.store(rank_ptr + offs, pos, mask=m)
         tl.store(expert_ptr + pos, le, mask=routed)
@@ -247,22 +259,20 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+_MAX_PROGRAMS = 4096  # programs of kernels A and C (bounds the length of a hist row)
+_FUSE_SCAN_MAX = 16384  # fold the scan into C when L_PAD * NP_PAD is at most this
+
+
 def _config(T: int, E: int, K: int, fp32: bool) -> dict[str, int]:
     """Block sizes and warps from the problem size."""
     e_pad = max(_next_pow2(E), 4)
     tile = 2048 if fp32 else 4096  # int64 keys for fp32 scores, int32 keys for 16-bit scores
-    block_t = max(1, min(tile // e_pad, 256, max(_next_pow2(T), 1)))
+    block_t = max(1, min(tile // e_pad, 256, _next_pow2(T)))
     n_blocks = triton.cdiv(T, block_t)
-    sub = _next_pow2(triton.cdiv(n_blocks, _MAX_PROGRAMS))
-    k_pad = _next_pow2(K)
-    warps = 4 if block_t * e_pad <= 4096 else 8
     return {
-        "E_PAD": e_pad,
         "BLOCK_T": block_t,
-        "SUB": sub,
-        "K_PAD": k_pad,
-        "num_warps": 1 if INTERPRET else warps,
-        "CHUNK_T": max(1, min(block_t * sub, 2048 // k_pad)),
+        "SUB": _next_pow2(triton.cdiv(n_blocks, _MAX_PROGRAMS)),
+        "num_warps": 1 if INTERPRET else (4 if block_t * e_pad <= 4096 else 8),
     }
 
 
@@ -280,42 +290,53 @@ def routing_triton(
     with_offsets: bool,
     tcpe: torch.Tensor | None,
     config: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """Launch A, B, C for T > 0 (arguments already checked). Returns ``(counts, offsets, expert,
-    token, weights, inverse)``; ``offsets``/``weights`` are None when not asked for. Fills ``tcpe``
-    (E+2,) when given."""
+) -> tuple[torch.Tensor | None, ...]:
+    """Launch the kernels for T > 0 (arguments already checked). Returns ``(counts, offsets,
+    expert, token, weights, inverse)``; ``offsets``/``weights`` are None when not asked for.
+    Fills ``tcpe`` (E+2,) when given. ``config`` overrides the launcher's choices (benchmarks)."""
     T, E = scores_TE.shape
     K = top_k
     L = end - start
     dev = scores_TE.device
     i32 = torch.int32
-    cfg = dict(_config(T, E, K, scores_TE.dtype == torch.float32))
+    cfg = _config(T, E, K, scores_TE.dtype == torch.float32)
     if config:
         cfg.update(config)
     block_t, sub = cfg["BLOCK_T"], cfg["SUB"]
-    n_prog = triton.cdiv(T, block_t * sub)
+    tok_per_prog = block_t * sub
+    n_prog = triton.cdiv(T, tok_per_prog)
+    e_pad = max(_next_pow2(E), 4)
+    k_pad = _next_pow2(K)
+    l_pad = max(_next_pow2(L), 2)
+    np_pad = max(_next_pow2(n_prog), 2)
+    fuse_scan = cfg.get("FUSE_SCAN", l_pad * np_pad <= _FUSE_SCAN_MAX)
     kind = _KIND[scores_TE.dtype]
     x = scores_TE if kind == 0 else scores_TE.view(torch.int16)
 
-    counts = torch.empty(max(L, 1), dtype=i32, device=dev)
-    hist = torch.empty(max(L, 1) * n_prog, dtype=i32, device=dev)
-    scr_e = torch.empty(T * K, dtype=i32, device=dev)
+    # Outputs, then one scratch buffer: hist (L, n_prog), base (n_prog, L), experts (T*K),
+    # weights (T*K, fp32 bits).
+    Lm = max(L, 1)
+    counts = torch.empty(Lm, dtype=i32, device=dev)
     inverse = torch.empty(T, K, dtype=i32, device=dev)
     expert = torch.empty(T * K, dtype=i32, device=dev)
     token = torch.empty(T * K, dtype=i32, device=dev)
     weights = torch.empty(T * K, dtype=torch.float32, device=dev) if with_weights else None
-    scr_w = torch.empty(T * K, dtype=torch.float32, device=dev) if with_weights else None
     offsets = torch.empty(L + 1, dtype=i32, device=dev) if with_offsets else None
+    n_hist = Lm * n_prog
+    scratch = torch.empty(2 * n_hist + T * K * (2 if with_weights else 1), dtype=i32, device=dev)
+    hist = scratch[:n_hist]
+    base = scratch[n_hist : 2 * n_hist]
+    scr_e = scratch[2 * n_hist : 2 * n_hist + T * K]
+    scr_w = scratch[2 * n_hist + T * K :].view(torch.float32) if with_weights else scr_e
     vtc = valid_token_count
-    dummy = expert  # any int32 tensor stands in for unused pointers
 
     _topk_rank_kernel[(n_prog,)](
         x,
         x.stride(0),
         x.stride(1),
-        vtc if vtc is not None else dummy,
+        vtc if vtc is not None else expert,
         scr_e,
-        scr_w if with_weights else dummy,
+        scr_w,
         inverse,
         hist,
         T,
@@ -324,43 +345,47 @@ def routing_triton(
         end,
         n_prog,
         K=K,
-        K_PAD=cfg["K_PAD"],
-        E_PAD=cfg["E_PAD"],
+        K_PAD=k_pad,
+        E_PAD=e_pad,
         BLOCK_T=block_t,
         SUB=sub,
         KIND=kind,
         HAS_VTC=vtc is not None,
         WEIGHTS=with_weights,
         RENORM=renormalize,
+        SENT=-(2**63) if kind == 0 else -(2**31),
         num_warps=cfg["num_warps"],
     )
-    if L > 0:
-        chunk = min(_next_pow2(n_prog), 1024)
-        _scan_kernel[(L,)](hist, counts, n_prog, CHUNK=chunk, num_warps=4 if chunk >= 512 else 1)
+    if L > 0 and not fuse_scan:
+        chunk = min(np_pad, 4096)
+        _scan_kernel[(L,)](hist, counts, n_prog, CHUNK=chunk, num_warps=4)
     _place_kernel[(n_prog,)](
         scr_e,
-        scr_w if with_weights else dummy,
+        scr_w,
         inverse,
         hist,
+        base,
         counts,
         expert,
         token,
-        weights if with_weights else dummy,
-        offsets if with_offsets else dummy,
-        tcpe if tcpe is not None else dummy,
+        weights if with_weights else scr_w,
+        offsets if with_offsets else counts,
+        tcpe if tcpe is not None else counts,
         T,
         E,
         L,
         start,
         n_prog,
         K=K,
-        K_PAD=cfg["K_PAD"],
-        L_PAD=max(_next_pow2(L), 2),
-        TOK_PER_PROG=block_t * sub,
-        CHUNK_T=cfg["CHUNK_T"],
+        K_PAD=k_pad,
+        L_PAD=l_pad,
+        NP_PAD=np_pad if fuse_scan else 1,
+        TOK_PER_PROG=tok_per_prog,
+        CHUNK_T=max(1, min(tok_per_prog, 2048 // k_pad)),
+        FUSE_SCAN=fuse_scan,
         WEIGHTS=with_weights,
         OFFSETS=with_offsets,
         TCPE=tcpe is not None,
-        num_warps=4,
+        num_warps=4 if not INTERPRET else 1,
     )
     return counts[:L], offsets, expert, token, weights, inverse
