@@ -84,7 +84,8 @@ def _check_offsets(name: str, offs: torch.Tensor, ref_name: str, ref: torch.Tens
 
 
 # --------------------------------------------------------------------------------------------
-# casts
+# casts. The custom ops take 8-bit inputs as uint8 views (opcheck's schema check cannot compare
+# float8 tensors on CPU); the public functions view them back.
 
 
 @torch.library.custom_op(op_name("to_mxfp8"), mutates_args=())
@@ -174,7 +175,7 @@ def from_mxfp8(
         raise ValueError(f"data's K must be a multiple of 32, got shape {tuple(data.shape)}")
     if tuple(scale.shape) != (M, K // BLOCK):
         raise ValueError(f"scale must have shape {(M, K // BLOCK)}, got {tuple(scale.shape)}")
-    return _from_mxfp8_op(data.view(torch.float8_e4m3fn), scale, dtype)
+    return _from_mxfp8_op(data.view(torch.uint8), scale.view(torch.uint8), dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def to_blocked(scale: torch.Tensor) -> torch.Tensor:
     row-of-tiles order; padding is zero.
     """
     _check_scales("scale", scale, 2)
-    return _to_blocked_op(scale)
+    return _to_blocked_op(scale.view(torch.uint8)).view(scale.dtype)
 
 
 @torch.library.custom_op(op_name("compute_per_group_blocked_scale_offsets"), mutates_args=())
@@ -275,7 +276,8 @@ def to_blocked_per_group_2d(
     """
     _check_scales("scales", scales, 2)
     _check_offsets("group_end_offsets", group_end_offsets, "scales", scales)
-    return _blocked_2d_op(scales, group_end_offsets)
+    blocked, start_rows = _blocked_2d_op(scales.view(torch.uint8), group_end_offsets)
+    return blocked.view(scales.dtype), start_rows
 
 
 @torch.library.custom_op(op_name("to_blocked_per_group_3d"), mutates_args=())
@@ -295,7 +297,7 @@ def to_blocked_per_group_3d(scales: torch.Tensor) -> torch.Tensor:
     """(E, N, C) scales -> (E, ceil(N/128)*128 * ceil(C/4)*4), same dtype: each expert's (N, C)
     matrix laid out with ``to_blocked`` (flattened)."""
     _check_scales("scales", scales, 3)
-    return _blocked_3d_op(scales)
+    return _blocked_3d_op(scales.view(torch.uint8)).view(scales.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,13 +357,13 @@ def _mxfp8_grouped_mm_op(
     E, _, N = b.shape
     a_data, a_scale, b_data, b_scale = _quantize_operands(a, b)
     if _scaled_grouped_mm_ok(a.device):
-        a_blk, _ = _blocked_2d_op(a_scale, offsets)
-        b_blk = _blocked_3d_op(b_scale)
+        a_blk, _ = _blocked_2d_op(a_scale.view(torch.uint8), offsets)
+        b_blk = _blocked_3d_op(b_scale.view(torch.uint8))
         out = torch._scaled_grouped_mm(
             a_data,
             b_data.transpose(-2, -1),
-            a_blk,
-            b_blk,
+            a_blk.view(torch.float8_e8m0fnu),
+            b_blk.view(torch.float8_e8m0fnu),
             offs=offsets,
             out_dtype=out_dtype,
         )

@@ -1,0 +1,261 @@
+"""to_mxfp8 / to_mxfp8_dim1 / from_mxfp8 against an independent float64 oracle (python per block,
+e4m3 rounding by nearest-value search over the format's code table), on the reference path and, with
+TRITON_INTERPRET=1, on the Triton kernels (exact there too: the kernels round with integer math)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from moe_kernels import mxfp8 as mx
+
+# ------------------------------------------------------------------ independent float64 oracle
+
+
+def _e4m3_value(code: int) -> float:
+    e, m = (code >> 3) & 15, code & 7
+    return m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+
+
+_CODES = np.arange(0x7F)  # 0x00 .. 0x7E: the non-negative finite e4m3fn values, increasing
+_VALUES = np.array([_e4m3_value(int(c)) for c in _CODES])
+assert _VALUES[-1] == 448.0 and np.all(np.diff(_VALUES) > 0)
+
+
+def oracle_e4m3_bits(v: np.ndarray) -> np.ndarray:
+    """float64 -> e4m3fn bits: round to nearest, ties to even code, saturate to +-448."""
+    a = np.minimum(np.abs(v), 448.0)
+    hi = np.clip(np.searchsorted(_VALUES, a), 0, len(_VALUES) - 1)
+    lo = np.clip(hi - 1, 0, None)
+    dlo, dhi = a - _VALUES[lo], _VALUES[hi] - a
+    pick_hi = (dhi < dlo) | ((dhi == dlo) & (_CODES[hi] % 2 == 0))
+    code = np.where(pick_hi, hi, lo)
+    return (code | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
+
+
+def oracle_exponent(amax: float, mode: str) -> int:
+    if math.isinf(amax):
+        return 127
+    if amax == 0:
+        return -127
+    if mode == "floor":
+        e = math.frexp(amax)[1] - 1 - 8
+    else:  # smallest e with 448 * 2**e >= amax, exact in float64
+        e = math.frexp(amax)[1] - 1 - 9
+        while 448.0 * 2.0**e < amax:
+            e += 1
+    return max(-127, min(127, e))
+
+
+def oracle_mxfp8(x: torch.Tensor, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    x64 = x.double().numpy()
+    M, K = x64.shape
+    data = np.zeros((M, K), np.uint8)
+    scale = np.zeros((M, K // 32), np.uint8)
+    for i in range(M):
+        for b in range(K // 32):
+            blk = x64[i, 32 * b : 32 * b + 32]
+            if np.isnan(blk).any():
+                scale[i, b], data[i, 32 * b : 32 * b + 32] = 255, 0x7F
+                continue
+            e = oracle_exponent(float(np.abs(blk).max()), mode)
+            scale[i, b] = e + 127
+            data[i, 32 * b : 32 * b + 32] = oracle_e4m3_bits(blk / 2.0**e)
+    return data, scale
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.uint8).numpy()
+
+
+def make_x(M: int, K: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random rows at wildly different magnitudes plus the hard cases: exact powers of two, the
+    rceil boundary 448 * 2**k and its fp32 neighbours, tiny (fp32-subnormal) blocks, zero blocks."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-10, 10) if dtype == torch.float16 else (-100, 100)
+    x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(lo, hi, (M, 1), generator=g))
+    x[0, :32] = 0.0
+    x[1, :32] = torch.exp2(torch.arange(32.0) - 16)
+    x[2, :32] = torch.linspace(-1, 1, 32)
+    x[2, 0] = 448.0 if dtype == torch.float16 else 448.0 * 2.0**-5
+    if dtype == torch.float32:
+        x[3, :32] = 1e-40  # fp32 subnormals
+        x[4, :32] = torch.full((32,), 448.0).nextafter(torch.tensor(1e9))  # just above 448
+        x[5, :32] = torch.full((32,), 448.0).nextafter(torch.tensor(0.0))  # just below
+        x[6, 32:64] = torch.randn(32, generator=g) * 3.0e38
+    return x.to(dtype)
+
+
+MODES = ["floor", "rceil"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_to_mxfp8_matches_oracle(mode: str, dtype: torch.dtype) -> None:
+    x = make_x(40, 96, dtype, seed=1)
+    data, scale = mx.to_mxfp8(x, scaling_mode=mode)
+    assert data.dtype == torch.float8_e4m3fn and data.shape == (40, 96)
+    assert scale.dtype == torch.float8_e8m0fnu and scale.shape == (40, 3)
+    want_d, want_s = oracle_mxfp8(x, mode)
+    np.testing.assert_array_equal(bits(scale), want_s)
+    np.testing.assert_array_equal(bits(data), want_d)
+
+
+def test_scale_rules_on_known_values() -> None:
+    x = torch.zeros(4, 32)
+    x[0, 0] = 448.0  # rceil: 2**0; floor: 2**(8 - 8)
+    x[1, 0] = 449.0  # rceil: 2**1; floor: 2**0 and 449 saturates to 448
+    x[2, 0] = 1.0  # rceil: 1/448 -> 2**-8; floor: 2**-8
+    x[3, 0] = 2.0**-130  # fp32 subnormal -> clamped -127
+    _, s_r = mx.to_mxfp8(x, scaling_mode="rceil")
+    d_f, s_f = mx.to_mxfp8(x, scaling_mode="floor")
+    assert bits(s_r)[:, 0].tolist() == [127, 128, 119, 0]
+    assert bits(s_f)[:, 0].tolist() == [127, 127, 119, 0]
+    assert d_f.float()[1, 0].item() == 448.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_inf_zero_blocks(mode: str) -> None:
+    x = torch.randn(3, 96)
+    x[0, 5] = float("nan")
+    x[1, 40] = float("-inf")
+    x[2, 64:] = 0.0
+    data, scale = mx.to_mxfp8(x, scaling_mode=mode)
+    s, d = bits(scale), bits(data)
+    assert s[0, 0] == 255 and (d[0, :32] == 0x7F).all()  # NaN block: NaN scale, NaN data
+    assert s[0, 1] != 255 and s[0, 2] != 255  # neighbours untouched
+    assert s[1, 1] == 254 and d[1, 40] == 0xFE  # inf block: e = 127, -inf -> -448
+    assert s[2, 2] == 0 and (d[2, 64:] == 0).all()  # zero block: e = -127, zero data
+    back = mx.from_mxfp8(data, scale, torch.float32)
+    assert torch.isnan(back[0, :32]).all() and back[1, 40].item() == float("-inf")
+    assert torch.equal(back[2, 64:], torch.zeros(32))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dim1_equals_transposed_dim0(mode: str, dtype: torch.dtype) -> None:
+    x = make_x(96, 72, dtype, seed=2).t().contiguous()  # (72, 96) -> blocks down 96 rows
+    x = x[:64].contiguous()  # M = 64
+    d1, s1 = mx.to_mxfp8_dim1(x, scaling_mode=mode)
+    assert d1.shape == (96, 64) and s1.shape == (96, 2)
+    d0, s0 = mx.to_mxfp8(x.t().contiguous(), scaling_mode=mode)
+    np.testing.assert_array_equal(bits(d1), bits(d0))
+    np.testing.assert_array_equal(bits(s1), bits(s0))
+    want_d, want_s = oracle_mxfp8(x.t().contiguous(), mode)
+    np.testing.assert_array_equal(bits(d1), want_d)
+    np.testing.assert_array_equal(bits(s1), want_s)
+
+
+def test_dim1_odd_k_and_noncontiguous_input() -> None:
+    base = torch.randn(64, 10, dtype=torch.bfloat16)
+    x = base[:, 1:6]  # (64, 5), row stride 10
+    d1, s1 = mx.to_mxfp8_dim1(x)
+    want_d, want_s = oracle_mxfp8(x.t().contiguous(), "rceil")
+    np.testing.assert_array_equal(bits(d1), want_d)
+    np.testing.assert_array_equal(bits(s1), want_s)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_round_trip_error_bound(mode: str) -> None:
+    x = make_x(33, 64, torch.float32, seed=3)[7:]  # skip the special rows
+    data, scale = mx.to_mxfp8(x, scaling_mode=mode)
+    back = mx.from_mxfp8(data, scale, torch.float32).double()
+    s = torch.exp2(scale.view(torch.uint8).double() - 127).repeat_interleave(32, dim=1)
+    x64 = x.double()
+    # 3 mantissa bits: half an ulp is 2**-4 relative; e4m3 subnormals: half of 2**-9 * scale.
+    bound = torch.maximum(x64.abs() * 2.0**-4, s * 2.0**-10)
+    if mode == "floor":  # saturation at 448 * scale for values in (448, 512) * scale
+        bound = torch.maximum(bound, (x64.abs() - 448 * s).clamp(min=0))
+    assert ((back - x64).abs() <= bound * (1 + 1e-12)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_from_mxfp8_matches_oracle(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(4)
+    M, K = 24, 64
+    d = torch.randint(0, 256, (M, K), generator=g, dtype=torch.uint8)
+    d[d & 0x7F == 0x7F] = 0x12  # no NaN data here
+    lo, hi = {torch.float32: (0, 255), torch.bfloat16: (10, 255), torch.float16: (113, 134)}[dtype]
+    s = torch.randint(lo, hi, (M, K // 32), generator=g, dtype=torch.uint8)
+    s[0, 0] = 255
+    out = mx.from_mxfp8(d.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), dtype)
+    assert out.dtype == dtype and out.shape == (M, K)
+    vals = np.array([_e4m3_value(int(c) & 0x7F) * (-1 if c & 0x80 else 1) for c in d.flatten()])
+    sc = np.where(s.numpy() == 255, np.nan, 2.0 ** (s.numpy().astype(np.float64) - 127))
+    want = torch.from_numpy(vals.reshape(M, K) * np.repeat(sc, 32, axis=1)).to(dtype)
+    assert torch.equal(out[1:], want[1:])
+    assert torch.isnan(out[0, :32]).all() and torch.equal(out[0, 32:], want[0, 32:])
+    # uint8 views are accepted for both operands
+    assert torch.equal(mx.from_mxfp8(d, s, dtype)[1:], out[1:])
+
+
+def test_deterministic() -> None:
+    x = make_x(32, 64, torch.bfloat16, seed=5)
+    a = mx.to_mxfp8(x)
+    b = mx.to_mxfp8(x)
+    assert all(np.array_equal(bits(p), bits(q)) for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: mx.to_mxfp8(torch.randn(4, 48)), ValueError, "multiple of 32"),
+        (lambda: mx.to_mxfp8(torch.randn(2, 4, 32)), ValueError, "x must be 2-D"),
+        (lambda: mx.to_mxfp8(torch.ones(4, 32, dtype=torch.int32)), TypeError, "x must have dtype"),
+        (lambda: mx.to_mxfp8(torch.randn(4, 32), scaling_mode="even"), ValueError, "scaling_mode"),
+        (lambda: mx.to_mxfp8(torch.randn(4, 32), scaling_mode=1), TypeError, "scaling_mode"),
+        (lambda: mx.to_mxfp8([[1.0] * 32]), TypeError, "x must be a torch.Tensor"),
+        (lambda: mx.to_mxfp8_dim1(torch.randn(48, 4)), ValueError, "multiple of 32"),
+        (
+            lambda: mx.from_mxfp8(
+                torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 3, dtype=torch.uint8)
+            ),
+            ValueError,
+            "scale must have shape",
+        ),
+        (
+            lambda: mx.from_mxfp8(torch.zeros(4, 64), torch.zeros(4, 2, dtype=torch.uint8)),
+            TypeError,
+            "data must have dtype",
+        ),
+        (
+            lambda: mx.from_mxfp8(
+                torch.zeros(4, 64, dtype=torch.uint8),
+                torch.zeros(4, 2, dtype=torch.uint8),
+                torch.int32,
+            ),
+            TypeError,
+            "dtype must be",
+        ),
+    ],
+)
+def test_bad_input(call, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_opcheck() -> None:
+    x = make_x(32, 64, torch.bfloat16, seed=6)
+    for mode in MODES:
+        torch.library.opcheck(torch.ops.moe_kernels.to_mxfp8, (x, mode))
+        torch.library.opcheck(torch.ops.moe_kernels.to_mxfp8_dim1, (x, mode))
+    d, s = mx.to_mxfp8(x)
+    u8 = torch.uint8  # the ops take 8-bit inputs as uint8 views
+    torch.library.opcheck(torch.ops.moe_kernels.from_mxfp8, (d.view(u8), s.view(u8), torch.float32))
+
+
+def test_compile_fullgraph() -> None:
+    x = make_x(32, 64, torch.bfloat16, seed=7)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        d, s = mx.to_mxfp8(x, scaling_mode="floor")
+        d1, s1 = mx.to_mxfp8_dim1(x)
+        return mx.from_mxfp8(d, s, torch.float32) + mx.from_mxfp8(d1, s1, torch.float32).t()
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True)(x)
+    assert torch.equal(got, f(x))
