@@ -197,7 +197,7 @@ def test_deterministic() -> None:
     x = make_x(32, 64, torch.bfloat16, seed=5)
     a = mx.to_mxfp8(x)
     b = mx.to_mxfp8(x)
-    assert all(np.array_equal(bits(p), bits(q)) for p, q in zip(a, b))
+    assert all(np.array_equal(bits(p), bits(q)) for p, q in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize(
