@@ -7,6 +7,12 @@ from dataclasses import dataclass
 
 from moe_model.moe import MOE_IMPLS, SCORE_FNS
 
+_POSITIVE_FIELDS = (
+    *("n_layers", "d_model", "n_heads", "n_kv_heads", "n_experts", "top_k", "moe_hidden"),
+    *("dense_hidden", "latent_channels", "latent_h", "latent_w", "patch_size", "window"),
+    *("n_buttons", "cond_dim", "freq_dim", "denoise_steps", "decoder_channels"),
+)
+
 
 @dataclass
 class WorldModelConfig:
@@ -71,12 +77,7 @@ class WorldModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError on an inconsistent configuration."""
-        positive = (
-            "n_layers d_model n_heads n_kv_heads n_experts top_k moe_hidden dense_hidden "
-            "latent_channels latent_h latent_w patch_size window n_buttons cond_dim freq_dim "
-            "denoise_steps decoder_channels"
-        ).split()
-        for name in positive:
+        for name in _POSITIVE_FIELDS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")

@@ -148,10 +148,12 @@ def _ctrl_tensors(ctrl: Ctrl, n_buttons: int) -> tuple[torch.Tensor, torch.Tenso
     b = ctrl.get("buttons")
     if isinstance(b, torch.Tensor) and (b.dtype.is_floating_point or b.dtype == torch.bool):
         if b.shape != (n_buttons,):
-            raise ValueError(f"buttons multi-hot must have shape ({n_buttons},), got {tuple(b.shape)}")
+            raise ValueError(
+                f"buttons multi-hot must have shape ({n_buttons},), got {tuple(b.shape)}"
+            )
         buttons = b.detach().float().cpu()
     elif b is not None:
-        for i in (b.tolist() if isinstance(b, torch.Tensor) else b):
+        for i in b.tolist() if isinstance(b, torch.Tensor) else b:
             if not 0 <= int(i) < n_buttons:
                 raise ValueError(f"button index {i} out of range [0, {n_buttons})")
             buttons[int(i)] = 1.0
@@ -204,8 +206,13 @@ class WorldEngine:
         self.model = model.eval().requires_grad_(False)
         dev = self.device
         self.cache = KVRingCache(
-            cfg.n_layers, cfg.n_kv_heads, cfg.window, cfg.tokens_per_frame, cfg.head_dim,
-            device=dev, dtype=dtype,
+            cfg.n_layers,
+            cfg.n_kv_heads,
+            cfg.window,
+            cfg.tokens_per_frame,
+            cfg.head_dim,
+            device=dev,
+            dtype=dtype,
         )
         self._gen = torch.Generator(device=dev)
         self._gen.manual_seed(seed)
@@ -216,7 +223,9 @@ class WorldEngine:
         self._noise = torch.zeros(cfg.latent_channels, cfg.latent_h, cfg.latent_w, device=dev)
         self._sigmas = torch.linspace(1.0, 0.0, cfg.denoise_steps + 1, device=dev)
         self._latent = torch.zeros_like(self._noise)
-        self._img = torch.zeros(8 * cfg.latent_h, 8 * cfg.latent_w, 3, dtype=torch.uint8, device=dev)
+        self._img = torch.zeros(
+            8 * cfg.latent_h, 8 * cfg.latent_w, 3, dtype=torch.uint8, device=dev
+        )
         self._step_fn = self._denoise_step
         self._cache_fn = self._cache_pass
         self._decode_fn = self.model.decoder
@@ -298,7 +307,8 @@ class WorldEngine:
     def gen_frame(self, ctrl: Ctrl = None, return_img: bool = True) -> torch.Tensor:
         """Generate the next frame.
 
-        ctrl: None, or ``{"buttons": pressed indices or (n_buttons,) multi-hot, "mouse": (dx, dy)}``.
+        ctrl: None, or ``{"buttons": pressed indices or a (n_buttons,) multi-hot,
+        "mouse": (dx, dy)}``.
         Returns the RGB image (8*latent_h, 8*latent_w, 3) uint8 on the CPU when ``return_img``,
         else the clean latent (C, latent_h, latent_w) fp32 on the engine's device (a copy).
         """
@@ -336,7 +346,7 @@ class WorldEngine:
         return _counts(self.model, self.config)[0]
 
     def num_active_parameters(self) -> int:
-        """Parameters used per token: total minus the (n_experts - top_k) unused experts per layer."""
+        """Parameters used per token: total minus (n_experts - top_k) experts per layer."""
         return _counts(self.model, self.config)[1]
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
@@ -361,20 +371,30 @@ class WorldEngine:
         cuda_graph: bool = False,
         seed: int = 0,
     ) -> WorldEngine:
-        """Load an engine written by ``save_pretrained`` (weights cast to ``dtype``, routers fp32)."""
+        """Load an engine written by ``save_pretrained`` (weights cast to ``dtype``; routers
+        stay fp32)."""
         from safetensors.torch import load_file
 
         src = Path(path)
         cfg = WorldModelConfig.from_dict(json.loads((src / "config.json").read_text()))
         state = load_file(str(src / "model.safetensors"))
         # Build without graphs first: capture must see the loaded weights' addresses only.
-        eng = cls(cfg, device=device, dtype=dtype, impl=impl, compile=compile, seed=seed,
-                  _init_weights=False)
+        eng = cls(
+            cfg,
+            device=device,
+            dtype=dtype,
+            impl=impl,
+            compile=compile,
+            seed=seed,
+            _init_weights=False,
+        )
         params = dict(eng.model.named_parameters())
         missing = set(params) - set(state)
         unexpected = set(state) - set(params)
         if missing or unexpected:
-            raise ValueError(f"checkpoint mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+            raise ValueError(
+                f"checkpoint mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+            )
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(state[name])

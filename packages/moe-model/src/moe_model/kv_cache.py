@@ -31,7 +31,9 @@ class KVRingCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         # Frames committed so far (absolute index of the next frame), int64 on the device.
-        self.register_buffer("frame", torch.zeros((), device=device, dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "frame", torch.zeros((), device=device, dtype=torch.int64), persistent=False
+        )
 
     def reset(self) -> None:
         """Empty the cache in place (buffer addresses unchanged: captured graphs stay valid)."""
@@ -53,7 +55,7 @@ class KVRingCache(nn.Module):
         self.v[layer, :, self.window].copy_(v_HND)
 
     def commit(self, layer: int, k_HND: torch.Tensor, v_HND: torch.Tensor) -> None:
-        """Write a frame's keys/values into ring slot ``frame % window`` (slot read on the device)."""
+        """Write a frame's keys/values into ring slot ``frame % window`` (computed on device)."""
         slot = torch.remainder(self.frame, self.window).view(1)
         self.k[layer].index_copy_(1, slot, k_HND.unsqueeze(1))
         self.v[layer].index_copy_(1, slot, v_HND.unsqueeze(1))

@@ -127,7 +127,9 @@ def _make_triton(out_dtype: torch.dtype) -> Callable:
         ys_PD, plan = _kernels_experts(layer, x_TD, scores_TE, _mm_bf16)
         return combine(ys_PD, plan, weighted=True, out_dtype=out_dtype).to(x_TD.dtype)
 
-    _forward.__doc__ = f"moe-kernels route/dispatch/combine (combine out {out_dtype}), grouped GEMM."
+    _forward.__doc__ = (
+        f"moe-kernels route/dispatch/combine (combine out {out_dtype}), grouped GEMM."
+    )
     return _forward
 
 

@@ -27,7 +27,9 @@ class Rope3D(nn.Module):
         self.head_dim, self.grid_h, self.grid_w, self.theta = head_dim, grid_h, grid_w, theta
         self.register_buffer("inv_freq_t", torch.empty(axis_pairs(head_dim)[0]), persistent=False)
         self.register_buffer(
-            "angles_yx", torch.empty(grid_h * grid_w, sum(axis_pairs(head_dim)[1:])), persistent=False
+            "angles_yx",
+            torch.empty(grid_h * grid_w, sum(axis_pairs(head_dim)[1:])),
+            persistent=False,
         )
         self.init_buffers()
 
