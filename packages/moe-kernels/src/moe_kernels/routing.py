@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _validate as V
 from ._dispatch import op_name, use_triton
@@ -73,12 +74,24 @@ def _check(
     return scores, top_k, start, end
 
 
+def _direct(*tensors: torch.Tensor | None) -> bool:
+    """True for plain CUDA tensors in eager mode with no tracing, dispatch mode or functorch
+    transform active: the public functions then call the op's implementation directly, skipping
+    the dispatcher's per-call overhead (tens of microseconds, as much as the kernels take at
+    T=4096). Compilation, export, fake tensors and CPU tensors always go through the custom op."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if functorch_active is not None and functorch_active():
+        return False
+    return all(t is None or (type(t) is torch.Tensor and t.is_cuda) for t in tensors)
+
+
 # ---------------------------------------------------------------------------------------------
 # index_shuffling
 
 
-@torch.library.custom_op(op_name("index_shuffling"), mutates_args=())
-def _index_shuffling_op(
+def _index_shuffling_impl(
     routing_scores: torch.Tensor,
     expert_index_start: int,
     expert_index_end: int,
@@ -105,6 +118,11 @@ def _index_shuffling_op(
         tcpe=tcpe,
     )
     return tcpe, expert, token
+
+
+_index_shuffling_op = torch.library.custom_op(op_name("index_shuffling"), mutates_args=())(
+    _index_shuffling_impl
+)
 
 
 @_index_shuffling_op.register_fake
@@ -148,15 +166,15 @@ def index_shuffling(
         expert_index_end,
         valid_token_count,
     )
-    return _index_shuffling_op(scores, start, end, valid_token_count, top_k)
+    op = _index_shuffling_impl if _direct(scores, valid_token_count) else _index_shuffling_op
+    return op(scores, start, end, valid_token_count, top_k)
 
 
 # ---------------------------------------------------------------------------------------------
 # route
 
 
-@torch.library.custom_op(op_name("route"), mutates_args=())
-def _route_op(
+def _route_impl(
     scores: torch.Tensor,
     top_k: int,
     valid_token_count: torch.Tensor | None,
@@ -182,6 +200,9 @@ def _route_op(
         with_offsets=True,
         tcpe=None,
     )
+
+
+_route_op = torch.library.custom_op(op_name("route"), mutates_args=())(_route_impl)
 
 
 @_route_op.register_fake
@@ -223,4 +244,5 @@ def route(
     )
     if not isinstance(renormalize, bool):
         raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
-    return RoutingPlan(*_route_op(scores, top_k, valid_token_count, start, end, renormalize))
+    op = _route_impl if _direct(scores, valid_token_count) else _route_op
+    return RoutingPlan(*op(scores, top_k, valid_token_count, start, end, renormalize))
