@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", **dtype)
     p.add_argument("--warmup", type=_positive, default=None, help="untimed calls per variant")
     p.add_argument("--iters", type=_positive, default=None, help="timed calls per variant")
+    p.add_argument("--no-compile", action="store_true", help="eager columns only")
 
     p = sub.add_parser("rollout", parents=[common], help="a world-model rollout: fps and VRAM")
     p.add_argument(
@@ -148,6 +149,7 @@ def _run(args: argparse.Namespace) -> report.Result:
             iters=args.iters,
             seed=args.seed,
             progress=progress,
+            compile=not args.no_compile,
         )
     if args.command == "rollout":
         from moe_tools import rollout

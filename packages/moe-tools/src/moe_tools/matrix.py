@@ -161,7 +161,8 @@ def run(
                     _empty_row(impl, f"unavailable: unknown impl (known: {', '.join(MOE_IMPLS)})")
                 )
                 continue
-            rows.append(_measure(layer, impl, x_TD, y_base, device, warmup, iters, compile=compile))
+            backend = compile_backend if compile else None
+            rows.append(_measure(layer, impl, x_TD, y_base, device, warmup, iters, backend=backend))
             _free(device)
     torch._dynamo.reset()
     return Result("matrix", rows, COLUMNS, extra)
