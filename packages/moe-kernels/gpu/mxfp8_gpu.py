@@ -1,0 +1,484 @@
+"""GPU check and timing of the mxfp8 ops (one H200 run).
+
+PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
+    python3 packages/moe-kernels/gpu/mxfp8_gpu.py
+
+Checks (bit-exact vs the torch reference, which runs on the CPU copy): casts (both modes, fp32 /
+bf16 / fp16, NaN / inf / zero / subnormal blocks, hardware and integer e4m3 rounding), dequant,
+the three layouts (also at the benchmark shapes), the group offsets and the grouped GEMM (vs a
+float64 loop); outputs poisoned through the caching allocator; under
+``set_sync_debug_mode("error")``; replayed from a captured CUDA graph; compiled with
+``fullgraph=True``. Then ``do_bench`` medians beside a clone of the same bytes, the torch reference
+on the GPU and torchao 0.18's Triton kernels (when importable), and a launch-config sweep.
+``MXFP8_GPU_DRY_RUN=1 TRITON_INTERPRET=1`` runs a tiny version on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import numpy as np
+import torch
+from triton.testing import do_bench
+
+from moe_kernels import mxfp8 as mx
+from moe_kernels._reference import mxfp8 as ref
+from moe_kernels._triton import mxfp8_layout as tlay
+from moe_kernels._triton import mxfp8_quant as tq
+
+DRY = os.environ.get("MXFP8_GPU_DRY_RUN") == "1"
+dev = torch.device("cpu" if DRY else "cuda")
+FAILS: list[str] = []
+ROWS: list[tuple] = []
+
+try:
+    from torchao.prototype.moe_training.kernels.mxfp8.quant import (
+        triton_mx_block_rearrange_2d_M_groups as ao_2d,
+    )
+    from torchao.prototype.moe_training.kernels.mxfp8.quant import (
+        triton_mx_block_rearrange_per_group_3d as ao_3d,
+    )
+except Exception as exc:  # noqa: BLE001 - a peer only, report and go on
+    print("torchao not importable:", repr(exc)[:300])
+    ao_2d = ao_3d = None
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
+    if not ok:
+        FAILS.append(name)
+
+
+def u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8).cpu()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(u8(a), u8(b))
+
+
+def same_float(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.cpu(), b.cpu()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    na, nb = torch.isnan(a), torch.isnan(b)
+    return torch.equal(na, nb) and torch.equal(a[~na], b[~nb])
+
+
+def poison(nbytes: int) -> None:
+    """Leave 0x5A-filled blocks in the caching allocator so fresh outputs start as garbage."""
+    blocks = [torch.full((nbytes + 4096,), 0x5A, dtype=torch.uint8, device=dev) for _ in range(3)]
+    del blocks
+
+
+def make_x(M: int, K: int, dtype: torch.dtype, seed: int = 0, special: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-10, 10) if dtype == torch.float16 else (-60, 60)
+    x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(lo, hi, (M, 1), generator=g))
+    if special and M >= 8 and K >= 64:
+        x[0, :32] = 0.0
+        x[1, 5] = float("nan")
+        x[2, 40] = float("-inf")
+        x[3, :32] = torch.exp2(torch.arange(32.0) - 16)
+        x[4, :32] = 448.0 * 2.0**-3
+        x[5, 0] = torch.tensor(448.0).nextafter(torch.tensor(1e9)).item()
+        if dtype == torch.float32:
+            x[6, :32] = 1e-40
+    return x.to(dtype)
+
+
+def ends_multiple_of_32(R: int, G: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    cut = torch.randperm(R // 32 - 1, generator=g)[: G - 1] + 1
+    ends = torch.cat([torch.sort(cut).values * 32, torch.tensor([R])])
+    return ends.to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------- checks
+
+
+def check_casts() -> None:
+    print("casts", flush=True)
+    shapes = [(40, 96), (64, 160)] if DRY else [(520, 2048), (1024, 96), (64, 4096)]
+    for M, K in shapes:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = make_x(M, K, dtype, seed=M + K)
+            xd = x.to(dev)
+            for mode in ("floor", "rceil"):
+                rd, rs = ref.to_mxfp8(x, mode)
+                for native in (True, False):
+                    if DRY and native:
+                        continue
+                    poison(M * K * 4)
+                    d, s = tq.to_mxfp8(xd, mode == "floor", native_cast=native)
+                    ok = same_bits(d, rd) and same_bits(s, rs)
+                    check(f"to_mxfp8 {M}x{K} {dtype} {mode} native={native}", ok)
+                rd1, rs1 = ref.to_mxfp8_dim1(x[: M // 32 * 32], mode)
+                for native in (True, False):
+                    if DRY and native:
+                        continue
+                    poison(M * K * 4)
+                    d1, s1 = tq.to_mxfp8_dim1(
+                        xd[: M // 32 * 32], mode == "floor", native_cast=native
+                    )
+                    ok = same_bits(d1, rd1) and same_bits(s1, rs1)
+                    check(f"to_mxfp8_dim1 {M}x{K} {dtype} {mode} native={native}", ok)
+                d, s = mx.to_mxfp8(xd, scaling_mode=mode)
+                for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                    poison(M * K * 4)
+                    got = mx.from_mxfp8(d, s, out_dtype)
+                    want = ref.from_mxfp8(d.cpu(), s.cpu(), out_dtype)
+                    check(
+                        f"from_mxfp8 {M}x{K} {dtype} {mode} -> {out_dtype}", same_float(got, want)
+                    )
+    # batched dim1 (the grouped GEMM's weight cast)
+    b = make_x(3 * 64, 96, torch.bfloat16, seed=5, special=False).view(3, 64, 96)
+    d, s = tq.to_mxfp8_dim1(b.to(dev), False)
+    rd = torch.stack([ref.to_mxfp8_dim1(b[e], "rceil")[0].view(torch.uint8) for e in range(3)])
+    rs = torch.stack([ref.to_mxfp8_dim1(b[e], "rceil")[1].view(torch.uint8) for e in range(3)])
+    check("to_mxfp8_dim1 batched (3, 64, 96)", same_bits(d, rd) and same_bits(s, rs))
+    # dequant of every byte with every scale byte
+    data = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # (256, 256)
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8)
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = tq.from_mxfp8(data.to(dev), scale.to(dev), out_dtype)
+        check(
+            f"from_mxfp8 all bytes -> {out_dtype}",
+            same_float(got, ref.from_mxfp8(data, scale, out_dtype)),
+        )
+
+
+def check_layouts() -> None:
+    print("layouts", flush=True)
+    g = torch.Generator().manual_seed(0)
+    cases_2d = [((300, 7), [0, 1, 129, 129, 300]), ((1000, 36), None)]
+    if not DRY:
+        cases_2d += [((16640, 160), 16), ((131072, 224), 8), ((131072, 64), 8), ((524288, 256), 8)]
+        cases_2d += [((5000, 64), 40)]
+    for (R, C), groups in cases_2d:
+        s = torch.randint(0, 256, (R, C), generator=g, dtype=torch.uint8)
+        if groups is None:
+            sizes = torch.randint(0, 60, (25,), generator=g)
+            sizes[-1] += R - sizes.sum()
+            ends = torch.cumsum(sizes, 0).to(torch.int32)
+        elif isinstance(groups, int):
+            ends = ends_multiple_of_32(R, groups, seed=R)
+        else:
+            ends = torch.tensor(groups, dtype=torch.int64)
+        want, want_rows = ref.to_blocked_per_group_2d(s, ends)
+        n = int(want_rows[-1])
+        for bc in (None, 32, 64):
+            poison(s.numel() * 2 + 128 * len(ends) * C)
+            got, rows = tlay.to_blocked_per_group_2d(s.to(dev), ends.to(dev), block_c=bc)
+            ok = torch.equal(rows.cpu(), want_rows) and same_bits(got[:n], want[:n])
+            check(f"2d {R}x{C} G={len(ends)} block_c={bc}", ok)
+        sizes, rows = mx.compute_per_group_blocked_scale_offsets(ends.to(dev))
+        want_sizes, want_rows2 = ref.compute_per_group_blocked_scale_offsets(ends)
+        check(
+            f"group offsets G={len(ends)}",
+            torch.equal(sizes.cpu(), want_sizes) and torch.equal(rows.cpu(), want_rows2),
+        )
+    cases_3d = [(3, 130, 5)] + ([] if DRY else [(8, 2048, 224), (8, 7168, 64), (16, 4096, 64)])
+    for E, N, C in cases_3d:
+        s = torch.randint(0, 256, (E, N, C), generator=g, dtype=torch.uint8)
+        want = ref.to_blocked_per_group_3d(s)
+        for bc in (None, 32, 64):
+            poison(s.numel() * 2)
+            check(
+                f"3d {E}x{N}x{C} block_c={bc}",
+                same_bits(tlay.to_blocked_per_group_3d(s.to(dev), block_c=bc), want),
+            )
+        check(f"to_blocked {N}x{C}", same_bits(mx.to_blocked(s[0].to(dev)), ref.to_blocked(s[0])))
+
+
+def grouped_problem(M, K, N, sizes, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = (
+        torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-3, 4, (M, 1), generator=g))
+    ).bfloat16()
+    b = (torch.randn(len(sizes), K, N, generator=g) * 0.1).bfloat16()
+    ends = torch.tensor(np.cumsum(sizes), dtype=torch.int32)
+    return a, b, ends
+
+
+def check_grouped_mm() -> None:
+    print("grouped mm", flush=True)
+    sizes = [5, 0, 40, 1, 18] if DRY else [100, 0, 333, 1, 590, 0, 7, 1000]
+    M = sum(sizes) + 16
+    a, b, ends = grouped_problem(M, 256 if not DRY else 64, 64 if not DRY else 24, sizes, seed=1)
+    poison(M * 1024 * 4)
+    got = mx.mxfp8_grouped_mm(a.to(dev), b.to(dev), ends.to(dev)).cpu()
+    # same numerics on the CPU reference path (dequantised operands are exact in bf16)
+    want = ref.grouped_mm_dequantized(
+        ref.from_mxfp8(*ref.to_mxfp8(a, "rceil")),
+        torch.stack(
+            [ref.from_mxfp8(*ref.to_mxfp8_dim1(b[e], "rceil")).t() for e in range(len(sizes))]
+        ),
+        ends,
+        torch.float32,
+    )
+    err = (got.float() - want).abs().max().item()
+    tol = (want.abs() * 2.0**-8 + 1e-3).min().item()
+    rel = ((got.float() - want).abs() / (want.abs() + 1e-3)).max().item()
+    check(
+        "mxfp8_grouped_mm vs dequantised fp32 loop",
+        rel <= 2.0**-7,
+        f"max abs {err:.3g} rel {rel:.3g} tol {tol:.3g}",
+    )
+    check("mxfp8_grouped_mm tail rows zero", bool((got[sum(sizes) :] == 0).all()))
+
+
+def run_all_ops(x, s2, ends, s3, a, b, ga_ends):
+    d, sc = mx.to_mxfp8(x)
+    d1, s1 = mx.to_mxfp8_dim1(x)
+    back = mx.from_mxfp8(d, sc)
+    blk2, rows = mx.to_blocked_per_group_2d(s2, ends)
+    blk3 = mx.to_blocked_per_group_3d(s3)
+    blk = mx.to_blocked(s2)
+    sizes, rows2 = mx.compute_per_group_blocked_scale_offsets(ends)
+    out = mx.mxfp8_grouped_mm(a, b, ga_ends)
+    return d, sc, d1, s1, back, blk2, rows, blk3, blk, sizes, rows2, out
+
+
+def check_sync_graph_compile() -> None:
+    print("no sync / CUDA graph / compile", flush=True)
+    x = make_x(256, 512, torch.bfloat16, seed=3, special=False).to(dev)
+    s2 = torch.randint(0, 256, (1000, 36), dtype=torch.uint8, device=dev)
+    ends = torch.tensor([100, 100, 513, 1000], dtype=torch.int32, device=dev)
+    s3 = torch.randint(0, 256, (4, 200, 8), dtype=torch.uint8, device=dev)
+    a, b, ga_ends = (t.to(dev) for t in grouped_problem(300, 128, 64, [40, 0, 200, 44], seed=4))
+    args = (x, s2, ends, s3, a, b, ga_ends)
+    eager = run_all_ops(*args)
+    n2 = int(eager[6][-1])
+
+    def same_all(outs) -> bool:
+        ok = True
+        for i, (p, q) in enumerate(zip(outs, eager, strict=True)):
+            if i == 5:
+                p, q = p[:n2], q[:n2]
+            ok &= (
+                same_float(p, q) if p.dtype in (torch.bfloat16, torch.float32) else same_bits(p, q)
+            )
+        return ok
+
+    if DRY:
+        return
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        outs = run_all_ops(*args)
+        torch.cuda.set_sync_debug_mode(0)
+        check("no host sync (set_sync_debug_mode error)", same_all(outs))
+    except Exception:
+        torch.cuda.set_sync_debug_mode(0)
+        traceback.print_exc()
+        check("no host sync (set_sync_debug_mode error)", False)
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run_all_ops(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = run_all_ops(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+        check("CUDA graph capture + replay", same_all(outs))
+    except Exception:
+        traceback.print_exc()
+        check("CUDA graph capture + replay", False)
+    try:
+        torch._dynamo.reset()
+        outs = torch.compile(run_all_ops, fullgraph=True)(*args)
+        check("torch.compile(fullgraph=True)", same_all(outs))
+    except Exception:
+        traceback.print_exc()
+        check("torch.compile(fullgraph=True)", False)
+
+
+# ----------------------------------------------------------------------------------- timing
+
+
+def bench(fn) -> float:
+    if DRY:
+        fn()
+        return float("nan")
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # us
+
+
+def row(op, shape, variant, us, nbytes, clone_us, ao_us=float("nan")) -> None:
+    ROWS.append((op, shape, variant, us, us / clone_us, ao_us / us, nbytes / us / 1e3))
+
+
+def time_layouts() -> None:
+    print("timing layouts", flush=True)
+    shapes = [((16640, 160), 16), ((131072, 224), 8), ((131072, 64), 8), ((524288, 256), 8)]
+    if DRY:
+        shapes = [((640, 64), 4)]
+    for (R, C), G in shapes:
+        s = torch.randint(0, 256, (R, C), dtype=torch.uint8, device=dev)
+        ends = ends_multiple_of_32(R, G, seed=R).to(dev)
+        nbytes = 2 * R * C
+        clone_us = bench(lambda s=s: s.clone())
+        ao_us = float("nan")
+        if ao_2d is not None:
+            try:
+                ao_us = bench(lambda s=s, e=ends: ao_2d(s, e))
+            except Exception as exc:  # noqa: BLE001
+                print("torchao 2d failed:", repr(exc)[:200])
+        row("2d", f"{R}x{C} G={G}", "clone", clone_us, nbytes, clone_us)
+        row("2d", f"{R}x{C} G={G}", "torchao", ao_us, nbytes, clone_us, ao_us)
+        for bc in (None, 32, 64, 128):
+            if bc is not None and (C + 3) // 4 * 4 % bc:
+                continue
+            us = bench(lambda s=s, e=ends, bc=bc: tlay.to_blocked_per_group_2d(s, e, block_c=bc))
+            row("2d", f"{R}x{C} G={G}", f"ours bc={bc or 'auto'}", us, nbytes, clone_us, ao_us)
+        us = bench(lambda s=s, e=ends: mx.to_blocked_per_group_2d(s, e))
+        row("2d", f"{R}x{C} G={G}", "ours public op", us, nbytes, clone_us, ao_us)
+    shapes3 = [(8, 2048, 224), (8, 7168, 64), (16, 4096, 64)] if not DRY else [(2, 256, 64)]
+    for E, N, C in shapes3:
+        s = torch.randint(0, 256, (E, N, C), dtype=torch.uint8, device=dev)
+        nbytes = 2 * s.numel()
+        clone_us = bench(lambda s=s: s.clone())
+        ao_us = float("nan")
+        if ao_3d is not None:
+            try:
+                ao_us = bench(lambda s=s: ao_3d(s))
+            except Exception as exc:  # noqa: BLE001
+                print("torchao 3d failed:", repr(exc)[:200])
+        row("3d", f"{E}x{N}x{C}", "clone", clone_us, nbytes, clone_us)
+        row("3d", f"{E}x{N}x{C}", "torchao", ao_us, nbytes, clone_us, ao_us)
+        for bc in (None, 32, 64):
+            us = bench(lambda s=s, bc=bc: tlay.to_blocked_per_group_3d(s, block_c=bc))
+            row("3d", f"{E}x{N}x{C}", f"ours bc={bc or 'auto'}", us, nbytes, clone_us, ao_us)
+
+
+def time_casts() -> None:
+    print("timing casts", flush=True)
+    shapes = [(16384, 8192), (131072, 2048)] if not DRY else [(128, 256)]
+    for M, K in shapes:
+        x = torch.randn(M, K, dtype=torch.bfloat16, device=dev)
+        nbytes = M * K * 2 + M * K + M * K // 32  # read bf16, write e4m3 + e8m0
+        clone_us = bench(lambda x=x: x.clone())
+        ceiling_us = clone_us * nbytes / (4 * M * K)  # the clone's bandwidth for our bytes
+        shape = f"{M}x{K} bf16"
+        row("cast", shape, "clone of x", clone_us, 4 * M * K, ceiling_us)
+        row(
+            "cast",
+            shape,
+            "torch ref dim0",
+            bench(lambda x=x: ref.to_mxfp8(x, "rceil")),
+            nbytes,
+            ceiling_us,
+        )
+        for bm, bk in ((None, None), (32, 128), (64, 128), (16, 256), (32, 256)):
+            for native in (True, False):
+                if not native and bm is not None:
+                    continue
+                us = bench(
+                    lambda x=x, bm=bm, bk=bk, n=native: tq.to_mxfp8(
+                        x, False, native_cast=n, block_m=bm, block_k=bk
+                    )
+                )
+                row(
+                    "cast",
+                    shape,
+                    f"dim0 {bm or 'auto'}x{bk or 'auto'} native={native}",
+                    us,
+                    nbytes,
+                    ceiling_us,
+                )
+        row(
+            "cast",
+            shape,
+            "torch ref dim1",
+            bench(lambda x=x: ref.to_mxfp8_dim1(x, "rceil")),
+            nbytes,
+            ceiling_us,
+        )
+        for bm, bk in ((None, None), (64, 64), (128, 128), (256, 32), (64, 128)):
+            for native in (True, False):
+                if not native and bm is not None:
+                    continue
+                us = bench(
+                    lambda x=x, bm=bm, bk=bk, n=native: tq.to_mxfp8_dim1(
+                        x, False, native_cast=n, block_m=bm, block_k=bk
+                    )
+                )
+                row(
+                    "cast",
+                    shape,
+                    f"dim1 {bm or 'auto'}x{bk or 'auto'} native={native}",
+                    us,
+                    nbytes,
+                    ceiling_us,
+                )
+        d, s = mx.to_mxfp8(x)
+        us = bench(lambda d=d, s=s: mx.from_mxfp8(d, s))
+        row("cast", shape, "from_mxfp8 -> bf16", us, nbytes, ceiling_us)
+
+
+def time_grouped_mm() -> None:
+    print("timing grouped mm", flush=True)
+    if DRY:
+        return
+    T, E, K, N = 4096 * 8, 16, 2048, 1024
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(T, K, device=dev, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    ends = ends_multiple_of_32(T, E, seed=1).to(dev)
+    flops = 2 * T * K * N
+    bf16_us = bench(lambda: torch._grouped_mm(a, b, offs=ends))
+    ROWS.append(
+        (
+            "gmm",
+            f"{T}x{K}->{N} E={E}",
+            "torch._grouped_mm bf16",
+            bf16_us,
+            1.0,
+            float("nan"),
+            flops / bf16_us / 1e6,
+        )
+    )
+    us = bench(lambda: mx.mxfp8_grouped_mm(a, b, ends))
+    ROWS.append(
+        (
+            "gmm",
+            f"{T}x{K}->{N} E={E}",
+            "mxfp8_grouped_mm (emulated)",
+            us,
+            us / bf16_us,
+            float("nan"),
+            flops / us / 1e6,
+        )
+    )
+
+
+def main() -> None:
+    if not DRY:
+        print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    for step in (check_casts, check_layouts, check_grouped_mm, check_sync_graph_compile):
+        try:
+            step()
+        except Exception:
+            traceback.print_exc()
+            FAILS.append(step.__name__)
+    for step in (time_layouts, time_casts, time_grouped_mm):
+        try:
+            step()
+        except Exception:
+            traceback.print_exc()
+            FAILS.append(step.__name__)
+    print(
+        "\n| op | shape | variant | us | vs clone (ceiling) | speedup vs torchao | GB/s, TFLOP/s |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for op, shape, variant, us, ratio, ao, bw in ROWS:
+        print(f"| {op} | {shape} | {variant} | {us:.1f} | {ratio:.2f} | {ao:.1f} | {bw:.0f} |")
+    print("\nFAILS:", FAILS if FAILS else "none")
+
+
+if __name__ == "__main__":
+    main()
