@@ -55,12 +55,33 @@ def tests(session: nox.Session, torch: str) -> None:
 
 @nox.session
 def benchmarks(session: nox.Session) -> None:
-    """The pytest-benchmark suite (tiny sizes on CPU, full sizes on CUDA); JSON under
-    benchmarks/results/<machine>-<date>/."""
+    """The pytest-benchmark suite in packages/moe-tools/benchmarks (tiny sizes on CPU, full sizes
+    on CUDA); JSON into benchmarks/results/<machine>-<date>/ (render it with
+    ``moe-bench report --results benchmarks/results/<dir> --out BENCHMARKS.md``)."""
     torch = os.environ.get("MOE_BENCH_TORCH", TORCH_VERSIONS[-1])
     _install_torch(session, torch)
     _install_packages(session, "pytest-benchmark>=4", "tqdm", "matplotlib")
-    session.run("python", "-m", "moe_tools.bench_suite", *session.posargs)
+    folder = session.run(
+        "python",
+        "-c",
+        "from moe_tools.report import results_folder; print(results_folder())",
+        silent=True,
+    )
+    out = ROOT / folder.strip().splitlines()[-1]
+    out.mkdir(parents=True, exist_ok=True)
+    session.run(
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(ROOT / "packages" / "moe-tools" / "benchmarks"),
+        f"--benchmark-json={out / 'pytest-benchmark.json'}",
+        "--benchmark-columns=median,min,rounds",
+        "--benchmark-sort=name",
+        *session.posargs,
+        env={"TRITON_INTERPRET": "0"},
+    )
+    session.log(f"results: {out}")
 
 
 @nox.session

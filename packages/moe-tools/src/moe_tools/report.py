@@ -78,6 +78,19 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     return env
 
 
+def machine_slug(device: torch.device | str | None = None) -> str:
+    """A folder-friendly machine name: the GPU's name on CUDA ("nvidia-h200"), else "cpu-<arch>"."""
+    use_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    name = torch.cuda.get_device_name(device) if use_cuda else f"cpu-{platform.machine()}"
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "unknown"
+
+
+def results_folder(root: str | os.PathLike[str] = "benchmarks/results") -> Path:
+    """``<root>/<machine>-<UTC date>``: where a benchmark run's JSON files go."""
+    day = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    return Path(root) / f"{machine_slug()}-{day}"
+
+
 def format_environment(env: Mapping[str, Any]) -> str:
     """A few aligned lines: the header every command prints before its table."""
     gpu = "none"
@@ -319,21 +332,23 @@ def _load(path: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _pytest_benchmark_rows(doc: Mapping[str, Any]) -> list[Row]:
-    rows = []
+def _pytest_benchmark_groups(doc: Mapping[str, Any]) -> dict[str, list[Row]]:
+    """pytest-benchmark results as rows, one table per test function (its own extra_info)."""
+    groups: dict[str, list[Row]] = {}
     for b in doc.get("benchmarks", []):
         stats = b.get("stats", {})
+        name = str(b.get("name"))
         row: Row = {
-            "benchmark": b.get("name"),
+            "benchmark": name,
             "median_ms": 1e3 * stats["median"] if "median" in stats else None,
             "min_ms": 1e3 * stats["min"] if "min" in stats else None,
             "rounds": stats.get("rounds"),
         }
-        for k, v in sorted((b.get("extra_info") or {}).items()):
+        for k, v in (b.get("extra_info") or {}).items():
             if isinstance(v, (int, float, str, bool)) or v is None:
                 row[k] = v
-        rows.append(row)
-    return rows
+        groups.setdefault(name.split("[")[0], []).append(row)
+    return groups
 
 
 def _env_from_pytest_benchmark(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -364,22 +379,28 @@ def markdown_report(results_dir: str | os.PathLike[str], *, title: str | None = 
             continue
         rel = path.relative_to(root).as_posix()
         if doc.get("schema") == SCHEMA:
-            env, rows, cols = doc.get("env", {}), doc.get("rows", []), doc.get("columns")
-            heading = f"`moe-bench {doc.get('command')}`"
+            env = doc.get("env", {})
+            sections = [
+                (f"`moe-bench {doc.get('command')}`", doc.get("rows", []), doc.get("columns"))
+            ]
             cmd = doc.get("cmdline")
         elif "benchmarks" in doc and "machine_info" in doc:
-            env, rows, cols = _env_from_pytest_benchmark(doc), _pytest_benchmark_rows(doc), None
-            heading = "pytest-benchmark suite"
-            cmd = (doc.get("commit_info") or {}).get("cmdline") or "nox -s benchmarks"
+            env = _env_from_pytest_benchmark(doc)
+            sections = [
+                (f"pytest-benchmark `{name}`", rows, None)
+                for name, rows in _pytest_benchmark_groups(doc).items()
+            ]
+            cmd = "nox -s benchmarks"
         else:
             continue
         if first_env and env:
             parts += ["", "## Environment", "", "```", format_environment(env), "```"]
             first_env = False
-        parts += ["", f"## {heading} ({rel})", ""]
-        if cmd:
-            parts += ["```bash", str(cmd), "```", ""]
-        parts.append(markdown_table(rows, cols))
+        for i, (heading, rows, cols) in enumerate(sections):
+            parts += ["", f"## {heading} ({rel})", ""]
+            if cmd and i == 0:
+                parts += ["```bash", str(cmd), "```", ""]
+            parts.append(markdown_table(rows, cols))
         extra = doc.get("extra") or {}
         scalars = {k: v for k, v in extra.items() if isinstance(v, (int, float, str))}
         if scalars:
