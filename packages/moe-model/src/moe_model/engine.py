@@ -226,16 +226,23 @@ class WorldEngine:
         self._img = torch.zeros(
             8 * cfg.latent_h, 8 * cfg.latent_w, 3, dtype=torch.uint8, device=dev
         )
-        self._step_fn = self._denoise_step
-        self._cache_fn = self._cache_pass
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_dec: torch.cuda.CUDAGraph | None = None
+        self.set_runtime(compile=compile, cuda_graph=cuda_graph)
+
+    def set_runtime(self, *, compile: bool, cuda_graph: bool) -> None:
+        """Switch between eager, ``torch.compile(fullgraph=True)`` passes, and CUDA-graph replay
+        (captured now, after a warm-up; the state is then reset)."""
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError("cuda_graph=True needs a CUDA device")
+        self._step_fn, self._cache_fn = self._denoise_step, self._cache_pass
         self._decode_fn = self.model.decoder
         if compile:
             self._step_fn = torch.compile(self._denoise_step, fullgraph=True)
             self._cache_fn = torch.compile(self._cache_pass, fullgraph=True)
             self._decode_fn = torch.compile(self.model.decoder, fullgraph=True)
         self.compiled, self.cuda_graph = compile, cuda_graph
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_dec: torch.cuda.CUDAGraph | None = None
+        self._graph = self._graph_dec = None
         if cuda_graph:
             self._capture()
 
@@ -378,7 +385,7 @@ class WorldEngine:
         src = Path(path)
         cfg = WorldModelConfig.from_dict(json.loads((src / "config.json").read_text()))
         state = load_file(str(src / "model.safetensors"))
-        # Build without graphs first: capture must see the loaded weights' addresses only.
+        # Capture (if asked) only once the weights are loaded.
         eng = cls(
             cfg,
             device=device,
@@ -399,8 +406,5 @@ class WorldEngine:
             for name, p in params.items():
                 p.copy_(state[name])
         if cuda_graph:
-            if eng.device.type != "cuda":
-                raise ValueError("cuda_graph=True needs a CUDA device")
-            eng.cuda_graph = True
-            eng._capture()
+            eng.set_runtime(compile=compile, cuda_graph=True)
         return eng

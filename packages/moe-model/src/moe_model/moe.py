@@ -32,7 +32,8 @@ def _grouped_mm_supported(a_MK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
         return False
     if a_MK.dtype != torch.bfloat16 or b_EKN.dtype != torch.bfloat16:
         return False
-    if torch.cuda.get_device_capability(a_MK.device) < (9, 0):
+    # get_device_properties (not get_device_capability) is constant-folded by dynamo.
+    if torch.cuda.get_device_properties(a_MK.device).major < 9:
         return False
     return a_MK.shape[1] % 16 == 0 and b_EKN.shape[2] % 16 == 0
 
@@ -47,7 +48,10 @@ def grouped_mm(
     """
     b_EKN = b_EKN.to(a_MK.dtype)
     if _grouped_mm_supported(a_MK, b_EKN):
-        return torch._grouped_mm(a_MK, b_EKN, offs=offsets[1:].to(torch.int32))
+        ends_E = offsets[1:].to(torch.int32)
+        if ends_E.storage_offset() % 4:  # keep the end offsets 16-byte aligned
+            ends_E = ends_E.clone()
+        return torch._grouped_mm(a_MK, b_EKN, offs=ends_E)
     # Static-shape fallback (CPU, older GPUs, fp32): every expert's GEMM over all rows, keep the
     # rows of that expert. E times the FLOPs, but no data-dependent shape and no host sync.
     out_MN = a_MK.new_zeros(a_MK.shape[0], b_EKN.shape[2])
