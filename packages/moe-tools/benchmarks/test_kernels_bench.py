@@ -34,7 +34,7 @@ def ceiling_gbps() -> float:
 
 
 def _case(op: str, index: int) -> kernels.Case:
-    gen = torch.Generator().manual_seed(index)
+    gen = torch.Generator(device=DEVICE).manual_seed(index)
     for i, case in enumerate(c for c in kernels.all_cases(DEVICE, QUICK, gen, [op])):
         if i == index:
             return case

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_tools.matrix import diff_stats, layer_sizes, short_error
+from moe_tools.matrix import build_layer, diff_stats, layer_sizes
+from moe_tools.report import short_error
 
 CUDA = torch.cuda.is_available()
 
@@ -22,25 +23,9 @@ def _impls() -> list[str]:
 
 @pytest.fixture(scope="module")
 def layer_and_input(device):
-    from moe_model import MoELayer
-
     sizes = layer_sizes(PRESET)
     dtype = torch.bfloat16 if CUDA else torch.float32
-    torch.manual_seed(0)
-    layer = (
-        MoELayer(
-            sizes["d_model"],
-            sizes["n_experts"],
-            sizes["top_k"],
-            sizes["hidden"],
-            gated=sizes["gated"],
-            score_fn=sizes["score_fn"],
-            renormalize=sizes["renormalize"],
-            impl="baseline",
-        )
-        .to(device=device, dtype=dtype)
-        .eval()
-    )
+    layer = build_layer(sizes, device, dtype, seed=0)
     x = torch.randn(TOKENS, sizes["d_model"], generator=torch.Generator().manual_seed(0))
     x = x.to(device=device, dtype=dtype)
     with torch.no_grad():

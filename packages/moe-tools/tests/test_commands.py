@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moe_tools import kernels, matrix, rollout, verify
+from moe_tools import kernels, matrix, report, rollout, verify
 
 
 def test_diff_stats():
@@ -20,9 +20,9 @@ def test_diff_stats():
 
 
 def test_short_error_is_one_clipped_line():
-    text = matrix.short_error(ValueError("first line\nsecond line"))
+    text = report.short_error(ValueError("first line\nsecond line"))
     assert text == "ValueError: first line"
-    assert len(matrix.short_error(RuntimeError("x" * 500), limit=50)) == 50
+    assert len(report.short_error(RuntimeError("x" * 500), limit=50)) == 50
 
 
 def test_matrix_rows_on_tiny_preset():

@@ -164,3 +164,27 @@ def test_markdown_report_from_saved_results(tmp_path):
     assert "ceiling_gbps: 99.5" in md
     assert "| test_ar_rollout[tiny] | 250.0 | 200.0 | 3 | 1.5 |" in md
     assert "nested" not in md
+
+
+def test_progress_without_tqdm_is_silent(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    bar = report.progress([1, 2, 3], desc="x")
+    assert list(bar) == [1, 2, 3]
+    bar.update()
+    bar.set_postfix_str("y")
+    bar.close()
+    assert list(report.progress(enabled=False)) == []
+    assert capsys.readouterr().err == ""
+
+
+def test_machine_slug_and_results_folder():
+    slug = report.machine_slug("cpu")
+    assert slug and slug == slug.lower() and " " not in slug and "_" not in slug
+    folder = report.results_folder("out")
+    assert folder.parent.as_posix() == "out"
+    assert folder.name.startswith(report.machine_slug() + "-20")
+
+
+def test_short_error():
+    assert report.short_error(KeyError("k")) == "KeyError: 'k'"
+    assert report.short_error(RuntimeError()) == "RuntimeError"

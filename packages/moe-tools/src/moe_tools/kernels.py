@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from moe_tools.matrix import short_error
-from moe_tools.report import Result, Row
+from moe_tools import report
+from moe_tools.report import Result, Row, short_error
 from moe_tools.timing import bench_us, default_device
 
 COLUMNS = [
@@ -141,13 +141,27 @@ def _ours(case: Case, make: Callable[[], Thunk]) -> None:
 def _group_ends(rows: int, groups: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """(groups,) int32 distinct multiples of 32 ending at ``rows`` (rows % 32 == 0)."""
     blocks = rows // 32
-    cut = torch.randperm(blocks - 1, generator=gen)[: groups - 1] + 1
-    ends = torch.cat([cut.sort().values, torch.tensor([blocks])]) * 32
+    cut = torch.randperm(blocks - 1, generator=gen, device=gen.device)[: groups - 1] + 1
+    ends = torch.cat([cut.sort().values, cut.new_full((1,), blocks)]) * 32
     return ends.to(device=device, dtype=torch.int32)
 
 
+def _randn_bf16(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Normal bf16 values drawn where ``gen`` lives (the GPU for the big shapes)."""
+    x = torch.randn(shape, generator=gen, device=gen.device, dtype=torch.bfloat16)
+    return x.to(device)
+
+
+def _random_scales(
+    shape: tuple[int, ...], gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """Random e8m0 scale bytes."""
+    u8 = torch.randint(0, 256, shape, generator=gen, device=gen.device, dtype=torch.uint8)
+    return u8.to(device).view(torch.float8_e8m0fnu)
+
+
 def _scores(T: int, E: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    logits = torch.randn(T, E, generator=gen)
+    logits = torch.randn(T, E, generator=gen, device=gen.device)
     return logits.softmax(dim=-1).to(device=device, dtype=torch.bfloat16)
 
 
@@ -188,7 +202,7 @@ def _token_cases_at(
     N = T * k
     shape = f"T={T} k={k} D={D}"
     scores = _scores(T, E, gen, device)
-    x = torch.randn(T, D, generator=gen).to(device=device, dtype=torch.bfloat16)
+    x = _randn_bf16((T, D), gen, device)
     try:
         plan = R.route(scores, k)
         _, expert_idx, token_idx = R.index_shuffling(scores, top_k=k)
@@ -215,7 +229,7 @@ def _token_cases_at(
     )
     yield case
 
-    y = torch.randn(N, D, generator=gen).to(device=device, dtype=torch.bfloat16)
+    y = _randn_bf16((N, D), gen, device)
     case = Case("combine", shape, xbytes + T * D * y.element_size() + N * 4 * 2)
     _ours(case, lambda: partial(Tk.combine, y, plan))
     w = plan.weights
@@ -243,8 +257,7 @@ def mxfp8_cases(device: torch.device, quick: bool, gen: torch.Generator) -> Iter
 
     sz = shapes(quick)
     for rows, cols, groups in sz["blocked_2d"]:
-        scale = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
-        scale = scale.to(device).view(torch.float8_e8m0fnu)
+        scale = _random_scales((rows, cols), gen, device)
         ends = _group_ends(rows, groups, gen, device)
         cols_p = -(-cols // 4) * 4
         case = Case(
@@ -261,8 +274,7 @@ def mxfp8_cases(device: torch.device, quick: bool, gen: torch.Generator) -> Iter
         )
         yield case
     for E, N, C in sz["blocked_3d"]:
-        scale = torch.randint(0, 256, (E, N, C), generator=gen, dtype=torch.uint8)
-        scale = scale.to(device).view(torch.float8_e8m0fnu)
+        scale = _random_scales((E, N, C), gen, device)
         out_bytes = E * (-(-N // 128) * 128) * (-(-C // 4) * 4)
         case = Case("blocked_3d", f"({E},{N},{C})", E * N * C + out_bytes)
         _ours(case, lambda s=scale: lambda: M.to_blocked_per_group_3d(s))
@@ -270,7 +282,7 @@ def mxfp8_cases(device: torch.device, quick: bool, gen: torch.Generator) -> Iter
         _peer(case, "torchao", lambda s=scale: partial(_torchao_layouts()[1], s.view(torch.uint8)))
         yield case
     for m, k in sz["quant"]:
-        x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+        x = _randn_bf16((m, k), gen, device)
         nbytes = m * k * 2 + m * k + m * k // 32
         for op, fn in (("to_mxfp8", "to_mxfp8"), ("to_mxfp8_dim1", "to_mxfp8_dim1")):
             case = Case(op, f"({m},{k}) bf16", nbytes)
@@ -380,18 +392,16 @@ def run(
     progress: bool = True,
 ) -> Result:
     """Rows for every case; ``extra["ceiling_gbps"]`` is the measured copy ceiling."""
-    from tqdm.auto import tqdm
-
     device = torch.device(device) if device is not None else default_device()
     quick = quick or device.type != "cuda"
     if ops is not None:
         unknown = sorted(set(ops) - set(OPS))
         if unknown:
             raise ValueError(f"unknown ops {unknown}; known: {', '.join(OPS)}")
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     ceiling = copy_ceiling_gbps(device, quick=quick)
     rows: list[Row] = []
-    bar = tqdm(desc="kernels", disable=not progress, leave=False, unit="case")
+    bar = report.progress(enabled=progress, desc="kernels", unit="case")
     with torch.no_grad():
         for case in all_cases(device, quick, gen, ops):
             bar.set_postfix_str(f"{case.op} {case.shape}")

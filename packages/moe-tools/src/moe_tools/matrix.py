@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from moe_tools.report import Result, Row
+from moe_tools import report
+from moe_tools.report import Result, Row, short_error
 from moe_tools.timing import default_device, time_fn
 
 COLUMNS = [
@@ -37,13 +38,6 @@ COLUMNS = [
 BASELINE = "baseline"
 # Why the baseline cannot be compiled with fullgraph=True (it is the reference, not a contender).
 BASELINE_COMPILE_REASON = "host syncs"
-
-
-def short_error(exc: BaseException, limit: int = 120) -> str:
-    """One line naming the exception: 'Type: first line of the message' (clipped)."""
-    msg = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {msg[0]}" if msg else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def diff_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -71,10 +65,30 @@ def layer_sizes(preset: str) -> dict[str, Any]:
     }
 
 
-def _progress(items: Sequence[str], enabled: bool, desc: str) -> Any:
-    from tqdm.auto import tqdm
+def build_layer(
+    sizes: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int, impl: str = BASELINE
+) -> torch.nn.Module:
+    """A ``MoELayer`` of ``sizes`` (see :func:`layer_sizes`) in eval mode, seeded; expert weights in
+    ``dtype``, the router left in fp32 as the world model keeps it."""
+    from moe_model import MoELayer
 
-    return tqdm(items, desc=desc, disable=not enabled, leave=False, unit="impl")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layer = MoELayer(
+            sizes["d_model"],
+            sizes["n_experts"],
+            sizes["top_k"],
+            sizes["hidden"],
+            gated=sizes["gated"],
+            score_fn=sizes["score_fn"],
+            renormalize=sizes["renormalize"],
+            impl=impl,
+        )
+    layer = layer.to(device).eval().requires_grad_(False)
+    for name, p in layer.named_parameters():
+        if not name.endswith("router.weight"):
+            p.data = p.data.to(dtype)
+    return layer
 
 
 def _free(device: torch.device) -> None:
@@ -122,7 +136,7 @@ def run(
         "iters": iters,
     }
     try:
-        from moe_model import MOE_IMPLS, MoELayer
+        from moe_model import MOE_IMPLS
 
         sizes = layer_sizes(preset)
     except Exception as exc:  # moe_model missing or broken: one row says so
@@ -135,18 +149,7 @@ def run(
 
     gen = torch.Generator().manual_seed(seed)
     x_TD = torch.randn(tokens, sizes["d_model"], generator=gen).to(device=device, dtype=dtype)
-    torch.manual_seed(seed)
-    layer = MoELayer(
-        sizes["d_model"],
-        sizes["n_experts"],
-        sizes["top_k"],
-        sizes["hidden"],
-        gated=sizes["gated"],
-        score_fn=sizes["score_fn"],
-        renormalize=sizes["renormalize"],
-        impl=BASELINE,
-    ).to(device=device, dtype=dtype)
-    layer.eval()
+    layer = build_layer(sizes, device, dtype, seed)
 
     with torch.no_grad():
         y_base = None
@@ -155,7 +158,7 @@ def run(
         except Exception as exc:  # the reference itself failed: drift columns stay empty
             extra["baseline_error"] = short_error(exc)
         rows = []
-        for impl in _progress(impls, progress, "matrix"):
+        for impl in report.progress(impls, enabled=progress, desc="matrix", unit="impl"):
             if impl not in MOE_IMPLS:
                 rows.append(
                     _empty_row(impl, f"unavailable: unknown impl (known: {', '.join(MOE_IMPLS)})")

@@ -111,6 +111,48 @@ def format_environment(env: Mapping[str, Any]) -> str:
     return "\n".join(f"# {k.ljust(width)}  {v}" for k, v in lines)
 
 
+def short_error(exc: BaseException, limit: int = 120) -> str:
+    """One line naming the exception: 'Type: first line of the message' (clipped)."""
+    msg = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {msg[0]}" if msg else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------------------
+# progress
+
+
+class _NoBar:
+    """Stands in for a tqdm bar when tqdm is missing or progress is off."""
+
+    def __init__(self, iterable: Iterable[Any] | None = None, **_: Any) -> None:
+        self._it = iterable
+
+    def __iter__(self) -> Any:
+        return iter(self._it if self._it is not None else ())
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(iterable: Iterable[Any] | None = None, *, enabled: bool = True, **kw: Any) -> Any:
+    """A tqdm progress bar on stderr (``leave=False``), or a silent stand-in."""
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # tqdm is a dependency, but keep the commands usable without it
+            pass
+        else:
+            return tqdm(iterable, leave=False, **kw)
+    return _NoBar(iterable)
+
+
 # ----------------------------------------------------------------------------------------------
 # tables
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from moe_tools.matrix import short_error
-from moe_tools.report import Result, Row
+from moe_tools import report
+from moe_tools.report import Result, Row, short_error
 from moe_tools.timing import (
     EventTimer,
     default_device,
@@ -82,8 +82,6 @@ def measure_rollout(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Warm up, reset, then roll out ``frames`` frames; returns the figures and per-frame times."""
-    from tqdm.auto import tqdm
-
     t0 = time.perf_counter()
     for _ in range(warmup_frames):
         engine.gen_frame()
@@ -96,7 +94,8 @@ def measure_rollout(
     vram_snap: float | None = None
     synchronize(device)
     t0 = time.perf_counter()
-    for i in tqdm(range(frames), desc="rollout", disable=not progress, leave=False, unit="frame"):
+    bar = report.progress(range(frames), enabled=progress, desc="rollout", unit="frame")
+    for i in bar:
         with timer:
             engine.gen_frame()
         if i + 1 == SNAPSHOT_FRAME:

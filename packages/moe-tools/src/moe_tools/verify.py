@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from moe_tools.matrix import short_error
-from moe_tools.report import Result, Row
+from moe_tools import report
+from moe_tools.report import Result, Row, short_error
 from moe_tools.timing import default_device
 
 COLUMNS = ["check", "shape", "vs_reference", "vs_oracle", "deterministic", "status"]
@@ -441,7 +441,8 @@ KERNEL_CHECKS: dict[str, Callable[[Ctx], tuple[float, float, bool]]] = {
 def moe_rows(ctx: Ctx) -> list[Row]:
     """Every MoELayer impl on one layer and input vs the baseline: relative max error."""
     try:
-        from moe_model import MOE_IMPLS, MoELayer
+        from moe_model import MOE_IMPLS
+        from moe_tools.matrix import build_layer
     except Exception as exc:
         return [_row("moe", "-", status=f"unavailable: {short_error(exc)}")]
     cuda = ctx.device.type == "cuda"
@@ -451,8 +452,16 @@ def moe_rows(ctx: Ctx) -> list[Row]:
     # mxfp8: e4m3 data, ~2^-4 relative per element; triton_bf16: its combine writes bf16
     tolerances = {"mxfp8": 0.1, "triton_bf16": 1e-2}
     shape = f"T={T} d={d} E={E} k={k} h={h} {str(dtype).removeprefix('torch.')}"
-    torch.manual_seed(ctx.rng.randint(0, 2**31 - 1))
-    layer = MoELayer(d, E, k, h, impl="baseline").to(device=ctx.device, dtype=dtype).eval()
+    sizes = dict(
+        d_model=d,
+        n_experts=E,
+        top_k=k,
+        hidden=h,
+        gated=False,
+        score_fn="softmax",
+        renormalize=False,
+    )
+    layer = build_layer(sizes, ctx.device, dtype, seed=ctx.rng.randint(0, 2**31 - 1))
     x = torch.randn(T, d, generator=ctx.gen).to(device=ctx.device, dtype=dtype)
     rows = []
     with torch.no_grad():
@@ -498,8 +507,6 @@ def run(
     progress: bool = True,
 ) -> Result:
     """Rows of pass/FAIL/unavailable; ``extra["failed"]`` counts the failures."""
-    from tqdm.auto import tqdm
-
     from moe_kernels import _dispatch
 
     device = torch.device(device) if device is not None else default_device()
@@ -519,7 +526,7 @@ def run(
     names = [n for n in KERNEL_CHECKS if ops is None or n in ops]
     rows: list[Row] = []
     jobs = [(n, i) for n in names for i in range(shapes)]
-    for name, _ in tqdm(jobs, desc="verify", disable=not progress, leave=False, unit="check"):
+    for name, _ in report.progress(jobs, enabled=progress, desc="verify", unit="check"):
         ctx.shape = "-"
         try:
             r, o, det = KERNEL_CHECKS[name](ctx)
