@@ -16,6 +16,7 @@ on the GPU and torchao 0.18's Triton kernels (when importable), and a launch-con
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
 import numpy as np
@@ -31,6 +32,7 @@ DRY = os.environ.get("MXFP8_GPU_DRY_RUN") == "1"
 dev = torch.device("cpu" if DRY else "cuda")
 FAILS: list[str] = []
 ROWS: list[tuple] = []
+HOST: list[tuple] = []
 
 try:
     from torchao.prototype.moe_training.kernels.mxfp8.quant import (
@@ -124,6 +126,21 @@ def check_casts() -> None:
                     )
                     ok = same_bits(d1, rd1) and same_bits(s1, rs1)
                     check(f"to_mxfp8_dim1 {M}x{K} {dtype} {mode} native={native}", ok)
+                for variant, configs in DIM1_CONFIGS.items():  # every timed launch config
+                    for bm, bk in configs:
+                        d1, s1 = tq.to_mxfp8_dim1(
+                            xd[: M // 32 * 32],
+                            mode == "floor",
+                            block_m=bm,
+                            block_k=bk,
+                            variant=variant,
+                        )
+                        ok = same_bits(d1, rd1) and same_bits(s1, rs1)
+                        check(f"to_mxfp8_dim1 {variant} {bm}x{bk} {M}x{K} {dtype} {mode}", ok)
+                for bm, bk in DIM0_CONFIGS:
+                    d, s = tq.to_mxfp8(xd, mode == "floor", block_m=bm, block_k=bk)
+                    ok = same_bits(d, rd) and same_bits(s, rs)
+                    check(f"to_mxfp8 {bm}x{bk} {M}x{K} {dtype} {mode}", ok)
                 d, s = mx.to_mxfp8(xd, scaling_mode=mode)
                 for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
                     poison(M * K * 4)
@@ -134,19 +151,19 @@ def check_casts() -> None:
                     )
     # batched dim1 (the grouped GEMM's weight cast)
     b = make_x(3 * 64, 96, torch.bfloat16, seed=5, special=False).view(3, 64, 96)
-    d, s = tq.to_mxfp8_dim1(b.to(dev), False)
     rd = torch.stack([ref.to_mxfp8_dim1(b[e], "rceil")[0].view(torch.uint8) for e in range(3)])
     rs = torch.stack([ref.to_mxfp8_dim1(b[e], "rceil")[1].view(torch.uint8) for e in range(3)])
-    check("to_mxfp8_dim1 batched (3, 64, 96)", same_bits(d, rd) and same_bits(s, rs))
+    for variant in DIM1_CONFIGS:
+        d, s = tq.to_mxfp8_dim1(b.to(dev), False, variant=variant)
+        check(f"to_mxfp8_dim1 {variant} batched (3, 64, 96)", same_bits(d, rd) and same_bits(s, rs))
     # dequant of every byte with every scale byte
     data = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # (256, 256)
     scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8)
-    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
-        got = tq.from_mxfp8(data.to(dev), scale.to(dev), out_dtype)
-        check(
-            f"from_mxfp8 all bytes -> {out_dtype}",
-            same_float(got, ref.from_mxfp8(data, scale, out_dtype)),
-        )
+    for bm, bk in DEQ_CONFIGS:
+        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = tq.from_mxfp8(data.to(dev), scale.to(dev), out_dtype, block_m=bm, block_k=bk)
+            want = ref.from_mxfp8(data, scale, out_dtype)
+            check(f"from_mxfp8 {bm}x{bk} all bytes -> {out_dtype}", same_float(got, want))
 
 
 def check_layouts() -> None:
@@ -302,14 +319,72 @@ def check_sync_graph_compile() -> None:
 
 
 def bench(fn) -> float:
+    """do_bench median (L2 flushed before every call), us."""
     if DRY:
         fn()
         return float("nan")
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # us
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
-def row(op, shape, variant, us, nbytes, clone_us, ao_us=float("nan")) -> None:
-    ROWS.append((op, shape, variant, us, us / clone_us, ao_us / us, nbytes / us / 1e3))
+def graph_bench(fn, n: int = 10) -> float:
+    """Median per-call GPU time of n back-to-back calls replayed from one CUDA graph, us (no host
+    overhead, no L2 flush)."""
+    if DRY:
+        return float("nan")
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(9):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        graph.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) * 1e3 / n)
+    del graph
+    return float(np.median(times))
+
+
+def host_us(fn, n: int = 200) -> float:
+    """Host time per eager call, us (a launch-bound loop)."""
+    if DRY:
+        return float("nan")
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+class Table:
+    """Rows of one op at one shape, relative to a clone of the same bytes measured beside them."""
+
+    def __init__(self, op: str, shape: str, clone_fn, nbytes: int, clone_scale: float = 1.0):
+        self.op, self.shape, self.nbytes = op, shape, nbytes
+        self.clone = (bench(clone_fn) * clone_scale, graph_bench(clone_fn) * clone_scale)
+        self.ao = float("nan")
+        self.add("clone" if clone_scale == 1.0 else "copy ceiling", None, times=self.clone)
+
+    def add(self, variant: str, fn, times=None) -> tuple[float, float]:
+        us, gus = times if times is not None else (bench(fn), graph_bench(fn))
+        r, gr = us / self.clone[0], gus / self.clone[1]
+        ROWS.append(
+            (self.op, self.shape, variant, us, gus, r, gr, self.ao / us, self.nbytes / us / 1e3)
+        )
+        return us, gus
 
 
 def time_layouts() -> None:
@@ -320,39 +395,48 @@ def time_layouts() -> None:
     for (R, C), G in shapes:
         s = torch.randint(0, 256, (R, C), dtype=torch.uint8, device=dev)
         ends = ends_multiple_of_32(R, G, seed=R).to(dev)
-        nbytes = 2 * R * C
-        clone_us = bench(lambda s=s: s.clone())
-        ao_us = float("nan")
+        t = Table("2d", f"{R}x{C} G={G}", lambda s=s: s.clone(), 2 * R * C)
         if ao_2d is not None:
             try:
-                ao_us = bench(lambda s=s, e=ends: ao_2d(s, e))
+                t.ao = bench(lambda s=s, e=ends: ao_2d(s, e))
+                t.add("torchao", lambda s=s, e=ends: ao_2d(s, e))
             except Exception as exc:  # noqa: BLE001
                 print("torchao 2d failed:", repr(exc)[:200])
-        row("2d", f"{R}x{C} G={G}", "clone", clone_us, nbytes, clone_us)
-        row("2d", f"{R}x{C} G={G}", "torchao", ao_us, nbytes, clone_us, ao_us)
         for bc in (None, 32, 64, 128):
-            if bc is not None and (C + 3) // 4 * 4 % bc:
-                continue
-            us = bench(lambda s=s, e=ends, bc=bc: tlay.to_blocked_per_group_2d(s, e, block_c=bc))
-            row("2d", f"{R}x{C} G={G}", f"ours bc={bc or 'auto'}", us, nbytes, clone_us, ao_us)
-        us = bench(lambda s=s, e=ends: mx.to_blocked_per_group_2d(s, e))
-        row("2d", f"{R}x{C} G={G}", "ours public op", us, nbytes, clone_us, ao_us)
+            fn = lambda s=s, e=ends, bc=bc: tlay.to_blocked_per_group_2d(s, e, block_c=bc)
+            t.add(f"ours bc={bc or 'auto'}", fn)
+        t.add("public fn", lambda s=s, e=ends: mx.to_blocked_per_group_2d(s, e))
+        HOST.append(
+            (
+                f"2d {R}x{C}",
+                host_us(lambda s=s, e=ends: mx.to_blocked_per_group_2d(s, e)),
+                host_us(lambda s=s, e=ends: mx._blocked_2d_op(s, e)),
+                host_us(lambda s=s: s.clone()),
+            )
+        )
     shapes3 = [(8, 2048, 224), (8, 7168, 64), (16, 4096, 64)] if not DRY else [(2, 256, 64)]
     for E, N, C in shapes3:
         s = torch.randint(0, 256, (E, N, C), dtype=torch.uint8, device=dev)
-        nbytes = 2 * s.numel()
-        clone_us = bench(lambda s=s: s.clone())
-        ao_us = float("nan")
+        t = Table("3d", f"{E}x{N}x{C}", lambda s=s: s.clone(), 2 * s.numel())
         if ao_3d is not None:
             try:
-                ao_us = bench(lambda s=s: ao_3d(s))
+                t.ao = bench(lambda s=s: ao_3d(s))
+                t.add("torchao", lambda s=s: ao_3d(s))
             except Exception as exc:  # noqa: BLE001
                 print("torchao 3d failed:", repr(exc)[:200])
-        row("3d", f"{E}x{N}x{C}", "clone", clone_us, nbytes, clone_us)
-        row("3d", f"{E}x{N}x{C}", "torchao", ao_us, nbytes, clone_us, ao_us)
-        for bc in (None, 32, 64):
-            us = bench(lambda s=s, bc=bc: tlay.to_blocked_per_group_3d(s, block_c=bc))
-            row("3d", f"{E}x{N}x{C}", f"ours bc={bc or 'auto'}", us, nbytes, clone_us, ao_us)
+        for bc in (None, 32, 64, 128):
+            fn = lambda s=s, bc=bc: tlay.to_blocked_per_group_3d(s, block_c=bc)
+            t.add(f"ours bc={bc or 'auto'}", fn)
+        t.add("public fn", lambda s=s: mx.to_blocked_per_group_3d(s))
+
+
+DIM0_CONFIGS = [(None, None), (32, 128), (16, 256), (32, 256), (64, 256), (16, 512)]
+DEQ_CONFIGS = [(None, None), (32, 256), (16, 512)]
+DIM1_CONFIGS = {
+    "reshape": [(None, None), (64, 64)],
+    "rowblocks": [(64, 64), (128, 64), (64, 128), (128, 128), (32, 256), (256, 32)],
+    "tload": [(64, 64), (128, 64), (64, 128), (128, 32), (32, 128)],
+}
 
 
 def time_casts() -> None:
@@ -361,63 +445,26 @@ def time_casts() -> None:
     for M, K in shapes:
         x = torch.randn(M, K, dtype=torch.bfloat16, device=dev)
         nbytes = M * K * 2 + M * K + M * K // 32  # read bf16, write e4m3 + e8m0
-        clone_us = bench(lambda x=x: x.clone())
-        ceiling_us = clone_us * nbytes / (4 * M * K)  # the clone's bandwidth for our bytes
-        shape = f"{M}x{K} bf16"
-        row("cast", shape, "clone of x", clone_us, 4 * M * K, ceiling_us)
-        row(
-            "cast",
-            shape,
-            "torch ref dim0",
-            bench(lambda x=x: ref.to_mxfp8(x, "rceil")),
-            nbytes,
-            ceiling_us,
-        )
-        for bm, bk in ((None, None), (32, 128), (64, 128), (16, 256), (32, 256)):
-            for native in (True, False):
-                if not native and bm is not None:
-                    continue
-                us = bench(
-                    lambda x=x, bm=bm, bk=bk, n=native: tq.to_mxfp8(
-                        x, False, native_cast=n, block_m=bm, block_k=bk
-                    )
+        # the copy ceiling for our bytes: a clone's time scaled to nbytes (it moves 4 M K bytes)
+        t = Table("cast", f"{M}x{K} bf16", lambda x=x: x.clone(), nbytes, nbytes / (4 * M * K))
+        t.add("dim0 torch ref", lambda x=x: ref.to_mxfp8(x, "rceil"))
+        for bm, bk in DIM0_CONFIGS:
+            fn = lambda x=x, bm=bm, bk=bk: tq.to_mxfp8(x, False, block_m=bm, block_k=bk)
+            t.add(f"dim0 {bm or 'auto'}x{bk or 'auto'}", fn)
+        t.add("dim0 auto int-rounding", lambda x=x: tq.to_mxfp8(x, False, native_cast=False))
+        t.add("dim1 torch ref", lambda x=x: ref.to_mxfp8_dim1(x, "rceil"))
+        for variant, configs in DIM1_CONFIGS.items():
+            for bm, bk in configs:
+                fn = lambda x=x, bm=bm, bk=bk, v=variant: tq.to_mxfp8_dim1(
+                    x, False, block_m=bm, block_k=bk, variant=v
                 )
-                row(
-                    "cast",
-                    shape,
-                    f"dim0 {bm or 'auto'}x{bk or 'auto'} native={native}",
-                    us,
-                    nbytes,
-                    ceiling_us,
-                )
-        row(
-            "cast",
-            shape,
-            "torch ref dim1",
-            bench(lambda x=x: ref.to_mxfp8_dim1(x, "rceil")),
-            nbytes,
-            ceiling_us,
-        )
-        for bm, bk in ((None, None), (64, 64), (128, 128), (256, 32), (64, 128)):
-            for native in (True, False):
-                if not native and bm is not None:
-                    continue
-                us = bench(
-                    lambda x=x, bm=bm, bk=bk, n=native: tq.to_mxfp8_dim1(
-                        x, False, native_cast=n, block_m=bm, block_k=bk
-                    )
-                )
-                row(
-                    "cast",
-                    shape,
-                    f"dim1 {bm or 'auto'}x{bk or 'auto'} native={native}",
-                    us,
-                    nbytes,
-                    ceiling_us,
-                )
-        d, s = mx.to_mxfp8(x)
-        us = bench(lambda d=d, s=s: mx.from_mxfp8(d, s))
-        row("cast", shape, "from_mxfp8 -> bf16", us, nbytes, ceiling_us)
+                t.add(f"dim1 {variant} {bm or 'auto'}x{bk or 'auto'}", fn)
+        d, sc = mx.to_mxfp8(x)
+        for bm, bk in DEQ_CONFIGS:
+            fn = lambda d=d, sc=sc, bm=bm, bk=bk: tq.from_mxfp8(
+                d, sc, torch.bfloat16, block_m=bm, block_k=bk
+            )
+            t.add(f"from_mxfp8 {bm or 'auto'}x{bk or 'auto'}", fn)
 
 
 def time_grouped_mm() -> None:
@@ -429,31 +476,11 @@ def time_grouped_mm() -> None:
     a = torch.randn(T, K, device=dev, dtype=torch.bfloat16, generator=g)
     b = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
     ends = ends_multiple_of_32(T, E, seed=1).to(dev)
-    flops = 2 * T * K * N
-    bf16_us = bench(lambda: torch._grouped_mm(a, b, offs=ends))
-    ROWS.append(
-        (
-            "gmm",
-            f"{T}x{K}->{N} E={E}",
-            "torch._grouped_mm bf16",
-            bf16_us,
-            1.0,
-            float("nan"),
-            flops / bf16_us / 1e6,
-        )
+    # the "GB/s" column holds GFLOP/s here; "vs clone" is vs the bf16 torch._grouped_mm
+    t = Table(
+        "gmm", f"{T}x{K}->{N} E={E}", lambda: torch._grouped_mm(a, b, offs=ends), 2 * T * K * N
     )
-    us = bench(lambda: mx.mxfp8_grouped_mm(a, b, ends))
-    ROWS.append(
-        (
-            "gmm",
-            f"{T}x{K}->{N} E={E}",
-            "mxfp8_grouped_mm (emulated)",
-            us,
-            us / bf16_us,
-            float("nan"),
-            flops / us / 1e6,
-        )
-    )
+    t.add("mxfp8_grouped_mm (emulated)", lambda: mx.mxfp8_grouped_mm(a, b, ends))
 
 
 def main() -> None:
@@ -471,12 +498,24 @@ def main() -> None:
         except Exception:
             traceback.print_exc()
             FAILS.append(step.__name__)
-    print(
-        "\n| op | shape | variant | us | vs clone (ceiling) | speedup vs torchao | GB/s, TFLOP/s |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for op, shape, variant, us, ratio, ao, bw in ROWS:
-        print(f"| {op} | {shape} | {variant} | {us:.1f} | {ratio:.2f} | {ao:.1f} | {bw:.0f} |")
+    lines = [
+        "| op | shape | variant | bench us | graph us | /clone | /clone graph | vs ao | GB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for op, shape, variant, us, gus, r, gr, ao, bw in ROWS:
+        cells = [op, shape, variant, f"{us:.1f}", f"{gus:.1f}", f"{r:.2f}", f"{gr:.2f}"]
+        lines.append("| " + " | ".join([*cells, f"{ao:.1f}", f"{bw:.0f}"]) + " |")
+    lines.append("")
+    lines.append("| host us per eager call | public fn | custom op | clone |")
+    lines.append("| --- | --- | --- | --- |")
+    for name, h1, h2, h3 in HOST:
+        lines.append(f"| {name} | {h1:.1f} | {h2:.1f} | {h3:.1f} |")
+    table = "\n".join(lines)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "mxfp8_table.md"), "w") as f:
+            f.write(table + "\n")
+    print(table)
     print("\nFAILS:", FAILS if FAILS else "none")
 
 

@@ -20,6 +20,7 @@ Numerics of the casts (``to_mxfp8``, ``to_mxfp8_dim1``), per block of 32 values 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _validate as v
 from ._dispatch import op_name, use_triton
@@ -75,6 +76,19 @@ def _check_x(x: torch.Tensor, dim: int) -> None:
         raise ValueError(f"x's {which} must be a multiple of 32, got shape {tuple(x.shape)}")
 
 
+def _direct(*tensors: torch.Tensor) -> bool:
+    """True for plain CUDA tensors without autograd in eager mode (no tracing, dispatch mode or
+    functorch transform): the public functions then call the implementation directly, skipping
+    the custom-op dispatcher's per-call host overhead (tens of microseconds, more than the layout
+    kernels take). Compilation, export, fake tensors, autograd and CPU go through the custom op."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if functorch_active is not None and functorch_active():
+        return False
+    return all(type(t) is torch.Tensor and t.is_cuda and not t.requires_grad for t in tensors)
+
+
 def _check_offsets(name: str, offs: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     v.dtype(name, offs, v.INDEX_DTYPES)
     v.rank(name, offs, 1)
@@ -88,11 +102,15 @@ def _check_offsets(name: str, offs: torch.Tensor, ref_name: str, ref: torch.Tens
 # float8 tensors on CPU); the public functions view them back.
 
 
-@torch.library.custom_op(op_name("to_mxfp8"), mutates_args=())
-def _to_mxfp8_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _to_mxfp8_impl(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x.device):
         return _tq().to_mxfp8(x, scaling_mode == "floor")
     return _ref.to_mxfp8(x, scaling_mode)
+
+
+@torch.library.custom_op(op_name("to_mxfp8"), mutates_args=())
+def _to_mxfp8_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _to_mxfp8_impl(x, scaling_mode)
 
 
 @_to_mxfp8_op.register_fake
@@ -111,14 +129,19 @@ def to_mxfp8(x: torch.Tensor, *, scaling_mode: str = "rceil") -> tuple[torch.Ten
     Returns data (M, K) ``float8_e4m3fn`` and scale (M, K // 32) ``float8_e8m0fnu``.
     """
     _check_x(x, 1)
-    return _to_mxfp8_op(x, _check_mode(scaling_mode))
+    op = _to_mxfp8_impl if _direct(x) else _to_mxfp8_op
+    return op(x, _check_mode(scaling_mode))
+
+
+def _to_mxfp8_dim1_impl(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x.device):
+        return _tq().to_mxfp8_dim1(x, scaling_mode == "floor")
+    return _ref.to_mxfp8_dim1(x, scaling_mode)
 
 
 @torch.library.custom_op(op_name("to_mxfp8_dim1"), mutates_args=())
 def _to_mxfp8_dim1_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(x.device):
-        return _tq().to_mxfp8_dim1(x, scaling_mode == "floor")
-    return _ref.to_mxfp8_dim1(x, scaling_mode)
+    return _to_mxfp8_dim1_impl(x, scaling_mode)
 
 
 @_to_mxfp8_dim1_op.register_fake
@@ -140,14 +163,19 @@ def to_mxfp8_dim1(
     Returns data (K, M) ``float8_e4m3fn`` and scale (K, M // 32) ``float8_e8m0fnu``.
     """
     _check_x(x, 0)
-    return _to_mxfp8_dim1_op(x, _check_mode(scaling_mode))
+    op = _to_mxfp8_dim1_impl if _direct(x) else _to_mxfp8_dim1_op
+    return op(x, _check_mode(scaling_mode))
+
+
+def _from_mxfp8_impl(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if use_triton(data.device):
+        return _tq().from_mxfp8(data, scale, dtype)
+    return _ref.from_mxfp8(data, scale, dtype)
 
 
 @torch.library.custom_op(op_name("from_mxfp8"), mutates_args=())
 def _from_mxfp8_op(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if use_triton(data.device):
-        return _tq().from_mxfp8(data, scale, dtype)
-    return _ref.from_mxfp8(data, scale, dtype)
+    return _from_mxfp8_impl(data, scale, dtype)
 
 
 @_from_mxfp8_op.register_fake
@@ -175,7 +203,8 @@ def from_mxfp8(
         raise ValueError(f"data's K must be a multiple of 32, got shape {tuple(data.shape)}")
     if tuple(scale.shape) != (M, K // BLOCK):
         raise ValueError(f"scale must have shape {(M, K // BLOCK)}, got {tuple(scale.shape)}")
-    return _from_mxfp8_op(data.view(torch.uint8), scale.view(torch.uint8), dtype)
+    op = _from_mxfp8_impl if _direct(data, scale) else _from_mxfp8_op
+    return op(data.view(torch.uint8), scale.view(torch.uint8), dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,11 +216,15 @@ def _check_scales(name: str, s: torch.Tensor, ndim: int) -> None:
     v.rank(name, s, ndim)
 
 
-@torch.library.custom_op(op_name("to_blocked"), mutates_args=())
-def _to_blocked_op(scale: torch.Tensor) -> torch.Tensor:
+def _to_blocked_impl(scale: torch.Tensor) -> torch.Tensor:
     if use_triton(scale.device):
         return _tl().to_blocked(scale)
     return _ref.to_blocked(scale).clone()
+
+
+@torch.library.custom_op(op_name("to_blocked"), mutates_args=())
+def _to_blocked_op(scale: torch.Tensor) -> torch.Tensor:
+    return _to_blocked_impl(scale)
 
 
 @_to_blocked_op.register_fake
@@ -208,14 +241,19 @@ def to_blocked(scale: torch.Tensor) -> torch.Tensor:
     row-of-tiles order; padding is zero.
     """
     _check_scales("scale", scale, 2)
-    return _to_blocked_op(scale.view(torch.uint8)).view(scale.dtype)
+    op = _to_blocked_impl if _direct(scale) else _to_blocked_op
+    return op(scale.view(torch.uint8)).view(scale.dtype)
+
+
+def _group_offsets_impl(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(group_end_offsets.device):
+        return _tl().group_offsets(group_end_offsets)
+    return _ref.compute_per_group_blocked_scale_offsets(group_end_offsets)
 
 
 @torch.library.custom_op(op_name("compute_per_group_blocked_scale_offsets"), mutates_args=())
 def _group_offsets_op(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(group_end_offsets.device):
-        return _tl().group_offsets(group_end_offsets)
-    return _ref.compute_per_group_blocked_scale_offsets(group_end_offsets)
+    return _group_offsets_impl(group_end_offsets)
 
 
 @_group_offsets_op.register_fake
@@ -240,16 +278,23 @@ def compute_per_group_blocked_scale_offsets(
     v.rank("group_end_offsets", group_end_offsets, 1)
     if group_end_offsets.shape[0] < 1:
         raise ValueError("group_end_offsets must hold at least one group, got shape (0,)")
-    return _group_offsets_op(group_end_offsets)
+    op = _group_offsets_impl if _direct(group_end_offsets) else _group_offsets_op
+    return op(group_end_offsets)
+
+
+def _blocked_2d_impl(
+    scales: torch.Tensor, group_end_offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(scales.device):
+        return _tl().to_blocked_per_group_2d(scales, group_end_offsets)
+    return _ref.to_blocked_per_group_2d(scales, group_end_offsets)
 
 
 @torch.library.custom_op(op_name("to_blocked_per_group_2d"), mutates_args=())
 def _blocked_2d_op(
     scales: torch.Tensor, group_end_offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(scales.device):
-        return _tl().to_blocked_per_group_2d(scales, group_end_offsets)
-    return _ref.to_blocked_per_group_2d(scales, group_end_offsets)
+    return _blocked_2d_impl(scales, group_end_offsets)
 
 
 @_blocked_2d_op.register_fake
@@ -276,15 +321,20 @@ def to_blocked_per_group_2d(
     """
     _check_scales("scales", scales, 2)
     _check_offsets("group_end_offsets", group_end_offsets, "scales", scales)
-    blocked, start_rows = _blocked_2d_op(scales.view(torch.uint8), group_end_offsets)
+    op = _blocked_2d_impl if _direct(scales, group_end_offsets) else _blocked_2d_op
+    blocked, start_rows = op(scales.view(torch.uint8), group_end_offsets)
     return blocked.view(scales.dtype), start_rows
+
+
+def _blocked_3d_impl(scales: torch.Tensor) -> torch.Tensor:
+    if use_triton(scales.device):
+        return _tl().to_blocked_per_group_3d(scales)
+    return _ref.to_blocked_per_group_3d(scales).clone()
 
 
 @torch.library.custom_op(op_name("to_blocked_per_group_3d"), mutates_args=())
 def _blocked_3d_op(scales: torch.Tensor) -> torch.Tensor:
-    if use_triton(scales.device):
-        return _tl().to_blocked_per_group_3d(scales)
-    return _ref.to_blocked_per_group_3d(scales).clone()
+    return _blocked_3d_impl(scales)
 
 
 @_blocked_3d_op.register_fake
@@ -297,7 +347,8 @@ def to_blocked_per_group_3d(scales: torch.Tensor) -> torch.Tensor:
     """(E, N, C) scales -> (E, ceil(N/128)*128 * ceil(C/4)*4), same dtype: each expert's (N, C)
     matrix laid out with ``to_blocked`` (flattened)."""
     _check_scales("scales", scales, 3)
-    return _blocked_3d_op(scales.view(torch.uint8)).view(scales.dtype)
+    op = _blocked_3d_impl if _direct(scales) else _blocked_3d_op
+    return op(scales.view(torch.uint8)).view(scales.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,16 +400,15 @@ def _zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return torch.where((rows < offsets[-1])[:, None], out, out.new_zeros(()))
 
 
-@torch.library.custom_op(op_name("mxfp8_grouped_mm"), mutates_args=())
-def _mxfp8_grouped_mm_op(
+def _mxfp8_grouped_mm_impl(
     a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     M, K = a.shape
     E, _, N = b.shape
     a_data, a_scale, b_data, b_scale = _quantize_operands(a, b)
     if _scaled_grouped_mm_ok(a.device):
-        a_blk, _ = _blocked_2d_op(a_scale.view(torch.uint8), offsets)
-        b_blk = _blocked_3d_op(b_scale.view(torch.uint8))
+        a_blk, _ = _blocked_2d_impl(a_scale.view(torch.uint8), offsets)
+        b_blk = _blocked_3d_impl(b_scale.view(torch.uint8))
         out = torch._scaled_grouped_mm(
             a_data,
             b_data.transpose(-2, -1),
@@ -376,6 +426,13 @@ def _mxfp8_grouped_mm_op(
         out = torch._grouped_mm(a_dq, b_dq, offs=offsets, out_dtype=out_dtype)
         return _zero_tail(out, offsets)
     return _ref.grouped_mm_dequantized(a_dq, b_dq, offsets, out_dtype)
+
+
+@torch.library.custom_op(op_name("mxfp8_grouped_mm"), mutates_args=())
+def _mxfp8_grouped_mm_op(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    return _mxfp8_grouped_mm_impl(a, b, offsets, out_dtype)
 
 
 @_mxfp8_grouped_mm_op.register_fake
@@ -420,4 +477,5 @@ def mxfp8_grouped_mm(
         raise ValueError(f"a's K must be a multiple of 32, got shape {tuple(a.shape)}")
     v.dim_size("b", b, 1, K, "K, matching a")
     v.dim_size("offsets", offsets, 0, E, "one end offset per expert of b")
-    return _mxfp8_grouped_mm_op(a, b, offsets, out_dtype)
+    op = _mxfp8_grouped_mm_impl if _direct(a, b, offsets) else _mxfp8_grouped_mm_op
+    return op(a, b, offsets, out_dtype)

@@ -120,6 +120,76 @@ def _mxfp8_dim1_kernel(
 
 
 @triton.jit
+def _mxfp8_dim1_rowblocks_kernel(
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    M,
+    K,
+    stride_xb,
+    stride_xm,
+    FLOOR: tl.constexpr,
+    NATIVE_CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Same contract as _mxfp8_dim1_kernel; a static loop over the tile's 32-row blocks, each a
+    2-D (32, BLOCK_K) tile reduced along rows (no 3-D reshape), stored transposed in 32-byte
+    runs."""
+    NB: tl.constexpr = BLOCK_M // 32
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = cols < K
+    MB = M // 32
+    sidx = tl.arange(0, NB)
+    s_all = tl.zeros((BLOCK_K, NB), dtype=tl.int32)
+    for rb in tl.static_range(NB):
+        rows = tl.program_id(0) * BLOCK_M + rb * 32 + tl.arange(0, 32)
+        mask = (rows[:, None] < M) & kmask[None, :]
+        x_ptrs = x_ptr + b * stride_xb + rows[:, None].to(tl.int64) * stride_xm + cols[None, :]
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        q, s = _quantize_blocks(x, 0, FLOOR, NATIVE_CAST)
+        d_ptrs = data_ptr + b * K * M + cols[:, None].to(tl.int64) * M + rows[None, :]
+        tl.store(d_ptrs, tl.trans(q), kmask[:, None] & (rows[None, :] < M))
+        s_all = tl.where(sidx[None, :] == rb, s.to(tl.int32)[:, None], s_all)
+    srows = tl.program_id(0) * NB + sidx
+    s_ptrs = scale_ptr + b * K * MB + cols[:, None].to(tl.int64) * MB + srows[None, :]
+    tl.store(s_ptrs, s_all.to(tl.uint8), kmask[:, None] & (srows[None, :] < MB))
+
+
+@triton.jit
+def _mxfp8_dim1_tload_kernel(
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    M,
+    K,
+    stride_xb,
+    stride_xm,
+    FLOOR: tl.constexpr,
+    NATIVE_CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Same contract as _mxfp8_dim1_kernel; loads the tile already transposed, (BLOCK_K, BLOCK_M)
+    (memory-contiguous along dim 0), so the math and the store see the output's orientation."""
+    b = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (cols[:, None] < K) & (rows[None, :] < M)
+    x_ptrs = x_ptr + b * stride_xb + rows[None, :].to(tl.int64) * stride_xm + cols[:, None]
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    x3 = tl.reshape(x.to(tl.float32), (BLOCK_K, BLOCK_M // 32, 32))
+    q, s = _quantize_blocks(x3, 2, FLOOR, NATIVE_CAST)
+    d_ptrs = data_ptr + b * K * M + cols[:, None].to(tl.int64) * M + rows[None, :]
+    tl.store(d_ptrs, tl.reshape(q, (BLOCK_K, BLOCK_M)), mask)
+    MB = M // 32
+    srows = tl.program_id(0) * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)
+    s_ptrs = scale_ptr + b * K * MB + cols[:, None].to(tl.int64) * MB + srows[None, :]
+    tl.store(s_ptrs, s, (cols[:, None] < K) & (srows[None, :] < MB))
+
+
+@triton.jit
 def _mxfp8_dequant_kernel(
     data_ptr,
     scale_ptr,
@@ -166,8 +236,8 @@ def _tile(M: int, K: int, block_m: int | None, block_k: int | None) -> tuple[int
         bk = block_k or _pow2_at_most(K, 512)
         bm = block_m or _pow2_at_most(M, max(32, 16384 // bk))
         return bm, bk, 4
-    bk = block_k or _pow2_at_most(K, 128)
-    bm = block_m or _pow2_at_most(M, max(32, 8192 // bk))
+    bk = block_k or _pow2_at_most(K, 256)
+    bm = block_m or _pow2_at_most(M, max(16, 8192 // bk))
     return bm, bk, 8 if bm * bk >= 8192 else 4
 
 
@@ -213,8 +283,12 @@ def to_mxfp8_dim1(
     native_cast: bool | None = None,
     block_m: int | None = None,
     block_k: int | None = None,
+    variant: str = "reshape",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column-wise cast of (M, K) or (B, M, K): data (.., K, M) e4m3fn, scale (.., K, M // 32)."""
+    """Column-wise cast of (M, K) or (B, M, K): data (.., K, M) e4m3fn, scale (.., K, M // 32).
+
+    ``variant`` picks the kernel: "reshape" (3-D reshape of a row-major tile), "rowblocks" (a loop
+    over 2-D 32-row blocks) or "tload" (the tile loaded transposed); all bit-identical."""
     squeeze = x_BMK.dim() == 2
     x = x_BMK.unsqueeze(0) if squeeze else x_BMK
     if x.stride(-1) != 1:
@@ -234,7 +308,12 @@ def to_mxfp8_dim1(
         bm = max(bm, 32)
         native = (not INTERPRET) if native_cast is None else native_cast
         grid = (triton.cdiv(M, bm), triton.cdiv(K, bk), B)
-        _mxfp8_dim1_kernel[grid](
+        kernel = {
+            "reshape": _mxfp8_dim1_kernel,
+            "rowblocks": _mxfp8_dim1_rowblocks_kernel,
+            "tload": _mxfp8_dim1_tload_kernel,
+        }[variant]
+        kernel[grid](
             x,
             data.view(torch.uint8),
             scale.view(torch.uint8),
@@ -253,7 +332,14 @@ def to_mxfp8_dim1(
     return data, scale
 
 
-def from_mxfp8(data_MK: torch.Tensor, scale_MB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def from_mxfp8(
+    data_MK: torch.Tensor,
+    scale_MB: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    block_m: int | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor:
     """Dequantise (M, K) e4m3fn data with (M, K // 32) e8m0 scales into ``dtype``."""
     data_MK = data_MK.contiguous()
     scale_MB = scale_MB.contiguous()
@@ -261,7 +347,7 @@ def from_mxfp8(data_MK: torch.Tensor, scale_MB: torch.Tensor, dtype: torch.dtype
     out = torch.empty((M, K), dtype=dtype, device=data_MK.device)
     if M * K == 0:
         return out
-    bm, bk, warps = _tile(M, K, None, None)
+    bm, bk, warps = _tile(M, K, block_m, block_k)
     grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
     _mxfp8_dequant_kernel[grid](
         data_MK.view(torch.uint8),
