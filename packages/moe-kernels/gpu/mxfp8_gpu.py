@@ -379,7 +379,11 @@ class Table:
         self.add("clone" if clone_scale == 1.0 else "copy ceiling", None, times=self.clone)
 
     def add(self, variant: str, fn, times=None) -> tuple[float, float]:
-        us, gus = times if times is not None else (bench(fn), graph_bench(fn))
+        try:
+            us, gus = times if times is not None else (bench(fn), graph_bench(fn))
+        except Exception as exc:  # noqa: BLE001 - report the row as missing, keep timing
+            print(f"{self.op} {self.shape} {variant} failed: {exc!r}"[:300], flush=True)
+            us = gus = float("nan")
         r, gr = us / self.clone[0], gus / self.clone[1]
         ROWS.append(
             (self.op, self.shape, variant, us, gus, r, gr, self.ao / us, self.nbytes / us / 1e3)
