@@ -284,11 +284,11 @@ def sweep(num_tokens: int, dim: int, k: int, num_experts: int) -> None:
     print("config sweep (BLOCK_N, BLOCK_D, warps): us")
     print(
         "  default gather",
-        tri.pick_config(n, dim, 2),
+        tri.pick_config("gather", n, dim),
         "combine",
-        tri.pick_config(num_tokens, dim, 2),
+        tri.pick_config("combine", num_tokens, dim),
         "scatter",
-        tri.pick_config(num_tokens, dim, 4),
+        tri.pick_config("scatter", num_tokens, dim),
     )
     cfgs = [
         (1, 1024, 4),

@@ -154,19 +154,24 @@ def _combine_kernel(
 # Launchers
 
 
-def pick_config(num_rows: int, dim: int, elem_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_D, num_warps) for moving ``num_rows`` rows of ``dim`` elements.
+# (max BLOCK_D, elements per program) per kernel, from a sweep on an H200 at T=65536, k=8,
+# D=2048 bf16 (gather: 4 rows x 512 best, 98% of a clone; combine / scatter: one 1024-column
+# chunk of one row per program best, the deeper the per-row loop the fewer rows per program).
+_GPU_SHAPES = {"gather": (512, 2048), "combine": (1024, 1024), "scatter": (1024, 1024)}
+_INTERPRET_SHAPE = (4096, 16384)  # numpy: slow per program, fast per element
 
-    A program moves about 16 KiB (GPU) so each thread issues a few 16-byte accesses; small D
-    packs several rows per program. Under the interpreter blocks are large (numpy is fast per
-    element, slow per program).
+
+def pick_config(kind: str, num_rows: int, dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_D, num_warps) for ``kind`` moving ``num_rows`` rows of ``dim`` elements.
+
+    BLOCK_D is the next power of two of D up to a cap (at least 16: 16-byte vectors for bf16
+    need 8); small D packs several rows per program up to a tile size.
     """
-    elems = (64 * 1024 if INTERPRET else 16 * 1024) // elem_bytes
-    block_d = min(triton.next_power_of_2(max(dim, 1)), max(128, 4096 // elem_bytes))
-    block_d = max(block_d, 16)
-    block_n = max(1, min(elems // block_d, 64, triton.next_power_of_2(max(num_rows, 1))))
-    tile_bytes = block_n * block_d * elem_bytes
-    num_warps = 8 if tile_bytes >= 16 * 1024 else 4 if tile_bytes >= 4096 else 2
+    block_d_max, tile_elems = _INTERPRET_SHAPE if INTERPRET else _GPU_SHAPES[kind]
+    block_d = min(max(triton.next_power_of_2(max(dim, 1)), 16), block_d_max)
+    row_cap = min(64, triton.next_power_of_2(max(num_rows, 1)))
+    block_n = max(1, min(tile_elems // block_d, row_cap))
+    num_warps = 4 if block_n * block_d >= 1024 else 2
     return block_n, block_d, num_warps
 
 
@@ -188,7 +193,7 @@ def gather_rows(
         return out_ND
     if num_tokens == 0:  # every row is dead
         return out_ND.zero_()
-    block_n, block_d, num_warps = config or pick_config(num_rows, dim, x_TD.element_size())
+    block_n, block_d, num_warps = config or pick_config("gather", num_rows, dim)
     num_experts = scale.shape[1] if mode == SCALE_SCORES else 0
     stride_st, stride_se = scale.stride() if mode == SCALE_SCORES else (0, 0)
     grid = (triton.cdiv(num_rows, block_n), triton.cdiv(dim, block_d))
@@ -228,8 +233,7 @@ def scatter_add_sorted(
     num_tokens, dim = out_TD.shape
     if num_tokens == 0 or dim == 0 or in_ND.shape[0] == 0:
         return
-    elem_bytes = max(out_TD.element_size(), in_ND.element_size())
-    block_n, block_d, num_warps = config or pick_config(num_tokens, dim, elem_bytes)
+    block_n, block_d, num_warps = config or pick_config("scatter", num_tokens, dim)
     grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d))
     _scatter_add_kernel[grid](
         out_TD,
@@ -263,7 +267,7 @@ def combine(
         return out_TD
     if num_rows == 0:  # nothing routed
         return out_TD.zero_()
-    block_n, block_d, num_warps = config or pick_config(num_tokens, dim, y_ND.element_size())
+    block_n, block_d, num_warps = config or pick_config("combine", num_tokens, dim)
     grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d))
     _combine_kernel[grid](
         y_ND,
