@@ -228,19 +228,22 @@ class WorldEngine:
         )
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_dec: torch.cuda.CUDAGraph | None = None
+        self.compiled = False
         self.set_runtime(compile=compile, cuda_graph=cuda_graph)
 
     def set_runtime(self, *, compile: bool, cuda_graph: bool) -> None:
-        """Switch between eager, ``torch.compile(fullgraph=True)`` passes, and CUDA-graph replay
-        (captured now, after a warm-up; the state is then reset)."""
+        """Switch between eager, ``torch.compile(fullgraph=True)`` denoise and cache passes, and
+        CUDA-graph replay (captured now, after a warm-up; the state is then reset). The decoder
+        runs eager (inside its own CUDA graph when ``cuda_graph``)."""
         if cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph=True needs a CUDA device")
-        self._step_fn, self._cache_fn = self._denoise_step, self._cache_pass
-        self._decode_fn = self.model.decoder
-        if compile:
+        if compile and self.compiled:
+            pass  # keep the compiled passes (and dynamo's cache)
+        elif compile:
             self._step_fn = torch.compile(self._denoise_step, fullgraph=True)
             self._cache_fn = torch.compile(self._cache_pass, fullgraph=True)
-            self._decode_fn = torch.compile(self.model.decoder, fullgraph=True)
+        else:
+            self._step_fn, self._cache_fn = self._denoise_step, self._cache_pass
         self.compiled, self.cuda_graph = compile, cuda_graph
         self._graph = self._graph_dec = None
         if cuda_graph:
@@ -268,7 +271,7 @@ class WorldEngine:
 
     @torch.no_grad()
     def _decode_work(self) -> None:
-        self._img.copy_(self._decode_fn(self._latent))
+        self._img.copy_(self.model.decoder(self._latent))
 
     def _capture(self) -> None:
         """Warm up (compiles, autotunes) on a side stream, capture, then reset the state."""
