@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -330,6 +331,7 @@ def plot_kernels(
             ceiling_gbps, color="k", linestyle="--", label=f"copy ceiling {ceiling_gbps:.0f} GB/s"
         )
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("bytes moved per call (read + written)")
     ax.set_ylabel("GB/s")
     ax.set_title("moe-bench kernels: effective bandwidth")
@@ -349,7 +351,11 @@ def plot_rollout(
     """Per-frame time over the rollout."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    ax.plot(range(len(frame_ms)), list(frame_ms), linewidth=1)
+    ax.plot(range(len(frame_ms)), list(frame_ms), linewidth=1, label="frame time")
+    if frame_ms:
+        med = statistics.median(frame_ms)
+        ax.axhline(med, color="k", linestyle="--", linewidth=1, label=f"median {med:.3g} ms")
+        ax.legend(fontsize=8)
     ax.set_xlabel("frame")
     ax.set_ylabel("ms per frame")
     ax.set_title(title or "moe-bench rollout: time per frame")

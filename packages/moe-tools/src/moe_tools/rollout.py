@@ -167,6 +167,7 @@ def run(
         return Result("rollout", [row], COLUMNS, extra)
     build_s = time.perf_counter() - t0
     row["impl"] = impl or getattr(getattr(engine, "config", None), "moe_impl", None)
+    extra["title"] = title.replace("impl=default", f"impl={row['impl']}")
     row["params"] = int(engine.num_parameters())
     row["active_params"] = int(engine.num_active_parameters())
     try:
