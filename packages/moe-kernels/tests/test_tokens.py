@@ -1,0 +1,419 @@
+"""Token movement ops (gather/scatter, dispatch, combine) against naive loop oracles.
+
+Runs on the torch reference path (TRITON_INTERPRET=0) and on the Triton kernels in the
+interpreter (TRITON_INTERPRET=1). The interpreter truncates fp32 -> bf16 casts instead of rounding
+to nearest even, so bf16 results computed in fp32 get a one-ulp-per-rounding tolerance there; all
+other results are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_kernels import routing
+from moe_kernels._dispatch import INTERPRET, use_triton
+from moe_kernels.routing import RoutingPlan
+from moe_kernels.tokens import (
+    combine,
+    dispatch,
+    gather_scale_dense_tokens,
+    scatter_add_dense_tokens,
+)
+
+CPU = torch.device("cpu")
+# bf16 rounding differs from the GPU only when the kernels run in the interpreter.
+LOOSE_BF16 = INTERPRET and use_triton(CPU)
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, roundings: int = 1) -> None:
+    """Bitwise equal, except bf16 under the interpreter: ``roundings`` bf16 ulps of slack."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if LOOSE_BF16 and actual.dtype == torch.bfloat16:
+        a, e = actual.float(), expected.float()
+        ulp = 2.0 ** (torch.floor(torch.log2(e.abs().clamp_min(1e-30))) - 7)
+        assert bool(((a - e).abs() <= roundings * ulp + 1e-30).all()), (a - e).abs().max()
+        assert bool(((a == 0) == (e == 0)).all())  # zero rows stay exactly zero
+    else:
+        assert torch.equal(actual, expected), (actual.float() - expected.float()).abs().max()
+
+
+def rand(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) + 0.25).to(dtype)  # random, almost never zero
+
+
+# --------------------------------------------------------------------------------------------
+# naive oracles (python loops)
+
+
+def naive_plan(scores_TE: torch.Tensor, k: int, start: int = 0, end: int | None = None):
+    """top_k by descending score, ties to the lower expert; pairs with expert in [start, end)
+    sorted by (expert, token); tail marked -1."""
+    num_tokens, num_experts = scores_TE.shape
+    end = num_experts if end is None else end
+    choices = []  # (expert, token, j, weight)
+    for t in range(num_tokens):
+        order = sorted(range(num_experts), key=lambda e, t=t: (-float(scores_TE[t, e]), e))
+        for j, e in enumerate(order[:k]):
+            choices.append((e, t, j, float(scores_TE[t, e])))
+    n = num_tokens * k
+    local = sorted(c for c in choices if start <= c[0] < end)
+    tok, exp = torch.full((n,), -1, dtype=torch.int32), torch.full((n,), -1, dtype=torch.int32)
+    w = torch.zeros(n)
+    inv = torch.full((num_tokens, k), -1, dtype=torch.int32)
+    counts = torch.zeros(end - start, dtype=torch.int32)
+    for p, (e, t, j, wt) in enumerate(local):
+        tok[p], exp[p], w[p], inv[t, j] = t, e - start, wt, p
+        counts[e - start] += 1
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()])
+    return RoutingPlan(counts, offsets, exp, tok, w, inv)
+
+
+def gather_oracle(x, tok, exp, scores, vtc=None):
+    out = torch.zeros(tok.shape[0], x.shape[1], dtype=x.dtype)
+    limit = tok.shape[0] if vtc is None else int(vtc.reshape(()))
+    for i in range(min(limit, tok.shape[0])):
+        t, e = int(tok[i]), int(exp[i])
+        if t >= 0:
+            out[i] = (x[t].float() * scores[t, e].float()).to(x.dtype)
+    return out
+
+
+def scatter_oracle(out, src, tok, vtc=None):
+    out = out.clone()
+    limit = tok.shape[0] if vtc is None else int(vtc.reshape(()))
+    for i in range(min(limit, tok.shape[0])):
+        t = int(tok[i])
+        if t >= 0:
+            out[t] = (out[t].float() + src[i].float()).to(out.dtype)
+    return out
+
+
+def dispatch_oracle(x, plan, scale):
+    out = torch.zeros(plan.token_indices.shape[0], x.shape[1], dtype=x.dtype)
+    for p, t in enumerate(plan.token_indices.tolist()):
+        if t >= 0:
+            out[p] = (x[t].float() * plan.weights[p]).to(x.dtype) if scale else x[t]
+    return out
+
+
+def combine_oracle(y, plan, weighted, out_dtype):
+    num_tokens, k = plan.inverse.shape
+    out = torch.zeros(num_tokens, y.shape[1])
+    for t in range(num_tokens):
+        acc = torch.zeros(y.shape[1])
+        for j in range(k):
+            p = int(plan.inverse[t, j])
+            if p >= 0:
+                term = y[p].float()
+                acc = acc + (plan.weights[p] * term if weighted else term)
+        out[t] = acc
+    return out.to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# gather_scale_dense_tokens
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize(
+    ("num_tokens", "dim", "num_experts", "k"), [(1, 1, 1, 1), (5, 3, 4, 2), (23, 130, 6, 3)]
+)
+@pytest.mark.parametrize("vtc", [None, 0, "partial"])
+def test_gather_scale_matches_oracle(dtype, num_tokens, dim, num_experts, k, vtc):
+    scores = rand((num_tokens, num_experts), torch.float32, 1).softmax(-1)
+    plan = naive_plan(scores, k, 0, max(1, num_experts - 1))  # a tail of -1 rows
+    x = rand((num_tokens, dim), dtype, 2)
+    n = plan.token_indices.shape[0]
+    count = None if vtc is None else torch.tensor([0 if vtc == 0 else n // 2 + 1])
+    tok, exp = plan.token_indices, plan.expert_indices + 0  # local == global: start is 0
+    got = gather_scale_dense_tokens(x, tok, exp, scores, count)
+    assert_matches(got, gather_oracle(x, tok, exp, scores, count))
+
+
+def test_gather_scale_int64_bf16_scores_noncontiguous_x():
+    x_full = rand((9, 70), torch.float32, 3)
+    x = x_full[:, ::2]  # strided rows and columns: supported through strides
+    scores = rand((5, 9), torch.bfloat16, 4).t()  # (9, 5), non-contiguous
+    tok = torch.tensor([3, 3, -1, 0, 8, 2, -1], dtype=torch.int64)
+    exp = torch.tensor([0, 4, 1, 2, 1, 3, 0], dtype=torch.int64)
+    got = gather_scale_dense_tokens(x, tok, exp, scores, torch.tensor([6], dtype=torch.int32))
+    assert_matches(got, gather_oracle(x.contiguous(), tok, exp, scores, torch.tensor([6])))
+    assert got[2].eq(0).all() and got[6].eq(0).all() and got[0].ne(0).any()
+
+
+def test_gather_scale_empty():
+    x = rand((4, 8), torch.bfloat16, 5)
+    scores = torch.rand(4, 3)
+    idx = torch.empty(0, dtype=torch.int32)
+    assert gather_scale_dense_tokens(x, idx, idx, scores).shape == (0, 8)
+    none_x = torch.empty(0, 8, dtype=torch.bfloat16)
+    tail = torch.full((3,), -1, dtype=torch.int32)
+    got = gather_scale_dense_tokens(none_x, tail, tail, torch.empty(0, 3))
+    assert got.shape == (3, 8) and got.eq(0).all()
+
+
+# --------------------------------------------------------------------------------------------
+# scatter_add_dense_tokens
+
+
+@pytest.mark.parametrize(
+    ("out_dtype", "in_dtype"),
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize(("num_tokens", "dim", "n"), [(1, 1, 5), (7, 33, 40), (30, 130, 90)])
+@pytest.mark.parametrize("vtc", [None, 0, "partial"])
+def test_scatter_add_matches_sequential_oracle(out_dtype, in_dtype, num_tokens, dim, n, vtc):
+    g = torch.Generator().manual_seed(n + dim)
+    tok = torch.randint(-1, num_tokens, (n,), generator=g, dtype=torch.int32)  # duplicates, -1
+    src = rand((n, dim), in_dtype, 6) * 3
+    out = rand((num_tokens, dim), out_dtype, 7)
+    count = None if vtc is None else torch.tensor([0 if vtc == 0 else n - n // 3])
+    expected = scatter_oracle(out, src, tok, count)
+    # |partial sums| <= |out| + sum |src|: the slack for truncating (interpreter) bf16 rounding.
+    bound = scatter_oracle(out.float().abs(), src.float().abs(), tok, count)
+    hits = scatter_oracle(torch.zeros(num_tokens, 1), torch.ones(n, 1), tok, count)
+    scatter_add_dense_tokens(out, src, tok, count)
+    if LOOSE_BF16 and out_dtype == torch.bfloat16:
+        slack = 2.0**-7 * bound * (hits + 1)
+        assert bool(((out.float() - expected.float()).abs() <= slack).all())
+    else:
+        assert_matches(out, expected)
+
+
+def test_scatter_add_order_is_ascending_i():
+    # fp32 addition is not associative: in fp32 ((0 + 1e8) + 1) - 1e8 + 3 = 3 (the 1 is lost
+    # next to 1e8), while adding the 1 after the cancellation would give 4.
+    out = torch.zeros(2, 1)
+    src = torch.tensor([[1e8], [1.0], [-1e8], [1.0], [3.0]])
+    tok = torch.tensor([0, 0, 0, 1, 0], dtype=torch.int32)
+    scatter_add_dense_tokens(out, src, tok)
+    assert out[0, 0].item() == 3.0
+    assert out[1, 0].item() == 1.0
+
+
+def test_scatter_add_strided_out_and_int64_and_determinism():
+    tok = torch.tensor([5, 0, 5, -1, 2, 5, 0], dtype=torch.int64)
+    src = rand((7, 20), torch.bfloat16, 9)
+    results = []
+    for _ in range(2):
+        base = rand((6, 40), torch.float32, 8)
+        out = base[:, 1::2]  # an in-place update through a strided view
+        expected = scatter_oracle(out, src, tok)
+        untouched = base[:, 0::2].clone()
+        scatter_add_dense_tokens(out, src, tok)
+        assert_matches(out.contiguous(), expected)
+        assert torch.equal(base[:, 0::2], untouched)
+        results.append(base)
+    assert torch.equal(results[0], results[1])  # bitwise reproducible
+
+
+def test_scatter_add_empty():
+    out = rand((3, 4), torch.float32, 10)
+    before = out.clone()
+    scatter_add_dense_tokens(out, torch.empty(0, 4), torch.empty(0, dtype=torch.int32))
+    assert torch.equal(out, before)
+    scatter_add_dense_tokens(out, torch.ones(2, 4), torch.tensor([-1, -1]))
+    assert torch.equal(out, before)
+    empty = torch.empty(0, 4)
+    scatter_add_dense_tokens(empty, torch.ones(2, 4), torch.tensor([-1, -1]))
+
+
+# --------------------------------------------------------------------------------------------
+# dispatch / combine
+
+
+def plan_for(num_tokens, num_experts, k, seed, start=0, end=None):
+    scores = rand((num_tokens, num_experts), torch.float32, seed).softmax(-1)
+    return naive_plan(scores, k, start, end)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize(("num_tokens", "dim", "k"), [(1, 1, 1), (9, 33, 2), (20, 130, 4)])
+def test_dispatch_combine_match_oracle(dtype, num_tokens, dim, k):
+    plan = plan_for(num_tokens, 6, k, 11, 1, 5)  # experts 0 and 5 are not local: a -1 tail
+    x = rand((num_tokens, dim), dtype, 12)
+    for scale in (False, True):
+        xs = dispatch(x, plan, scale=scale)
+        assert_matches(xs, dispatch_oracle(x, plan, scale))
+    y = rand((num_tokens * k, dim), dtype, 13)
+    assert_matches(combine(y, plan), combine_oracle(y, plan, True, dtype))
+    got = combine(y, plan, weighted=False, out_dtype=torch.float32)
+    assert_matches(got, combine_oracle(y, plan, False, torch.float32))
+
+
+def test_dispatch_copy_is_exact_and_tail_zero():
+    plan = plan_for(12, 4, 2, 14, 0, 3)
+    x = rand((12, 20), torch.bfloat16, 15)
+    xs = dispatch(x, plan)
+    live = plan.token_indices >= 0
+    assert not live.all()
+    assert torch.equal(xs[live], x[plan.token_indices[live].long()])  # a copy: exact everywhere
+    assert xs[~live].eq(0).all()
+
+
+def test_combine_noncontiguous_and_out_dtypes_and_determinism():
+    plan = plan_for(10, 5, 3, 16)
+    y = rand((30, 64), torch.float32, 17)[:, ::2]
+    for out_dtype in FLOATS:
+        got = combine(y, plan, out_dtype=out_dtype)
+        assert_matches(got, combine_oracle(y, plan, True, out_dtype))
+        assert torch.equal(combine(y, plan, out_dtype=out_dtype), got)
+    inv_t = plan.inverse.t().contiguous().t()  # a strided inverse
+    plan2 = plan._replace(inverse=inv_t)
+    assert torch.equal(combine(y, plan2), combine(y, plan))
+
+
+def test_dispatch_combine_empty():
+    plan = RoutingPlan(
+        torch.zeros(4, dtype=torch.int32),
+        torch.zeros(5, dtype=torch.int32),
+        torch.empty(0, dtype=torch.int32),
+        torch.empty(0, dtype=torch.int32),
+        torch.empty(0),
+        torch.empty(0, 2, dtype=torch.int32),
+    )
+    x = torch.empty(0, 16, dtype=torch.bfloat16)
+    assert dispatch(x, plan).shape == (0, 16)
+    assert combine(torch.empty(0, 16), plan).shape == (0, 16)
+
+
+def test_with_route_if_available():
+    route = getattr(routing, "route", None)
+    if route is None:
+        pytest.skip("moe_kernels.routing.route is not written yet")
+    scores = rand((13, 6), torch.float32, 19).softmax(-1)
+    plan = route(scores, 2, expert_index_start=1, expert_index_end=5)
+    ref = naive_plan(scores, 2, 1, 5)
+    assert torch.equal(plan.token_indices, ref.token_indices)
+    assert torch.equal(plan.inverse, ref.inverse)
+    x = rand((13, 24), torch.float32, 20)
+    xs = dispatch(x, plan, scale=True)
+    assert_matches(xs, dispatch_oracle(x, plan, True))
+    assert_matches(combine(xs, plan, weighted=False), combine_oracle(xs, plan, False, x.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# custom ops: opcheck and torch.compile
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_opcheck_all_ops():
+    plan = plan_for(6, 4, 2, 21, 0, 3)
+    x = rand((6, 20), torch.bfloat16, 22)
+    scores = torch.rand(6, 4)
+    vtc = torch.tensor([7])
+    ops = torch.ops.moe_kernels
+    _opcheck(
+        ops.gather_scale_dense_tokens.default,
+        (x, plan.token_indices, plan.expert_indices, scores, vtc),
+    )
+    _opcheck(
+        ops.gather_scale_dense_tokens.default,
+        (x, plan.token_indices, plan.expert_indices, scores, None),
+    )
+    _opcheck(
+        ops.scatter_add_dense_tokens.default,
+        (torch.zeros(6, 20), rand((12, 20), torch.bfloat16, 23), plan.token_indices, vtc),
+    )
+    _opcheck(ops.dispatch.default, (x, plan.token_indices, plan.weights, True))
+    y = rand((12, 20), torch.bfloat16, 24)
+    _opcheck(ops.combine.default, (y, plan.inverse, plan.weights, True, torch.float32))
+
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    plan = plan_for(8, 4, 2, 25, 0, 3)
+    x = rand((8, 24), torch.float32, 26)
+    scores = torch.rand(8, 4)
+
+    def step(x, scores, out, plan):
+        xs = dispatch(x, plan, scale=True)
+        g = gather_scale_dense_tokens(x, plan.token_indices, plan.expert_indices, scores)
+        scatter_add_dense_tokens(out, g * 2, plan.token_indices)  # in place, then read back
+        return combine(xs + 1, plan, weighted=False), out * 2
+
+    out_eager, out_comp = torch.zeros(8, 24), torch.zeros(8, 24)
+    eager = step(x, scores, out_eager, plan)
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")(x, scores, out_comp, plan)
+    assert torch.equal(out_eager, out_comp)
+    assert out_comp.ne(0).any()
+    for e, c in zip(eager, compiled, strict=True):
+        assert torch.equal(e, c)
+
+
+# --------------------------------------------------------------------------------------------
+# bad input
+
+
+def _bad_cases():
+    plan = plan_for(4, 3, 2, 27)
+    x = torch.rand(4, 8)
+    tok, exp = plan.token_indices, plan.expert_indices
+    scores = torch.rand(4, 3)
+    y = torch.rand(8, 8)
+    out = torch.zeros(4, 8)
+    meta = torch.empty(4, 8, device="meta")
+    return [
+        ("x", TypeError, lambda: gather_scale_dense_tokens(x.int(), tok, exp, scores)),
+        ("x", ValueError, lambda: gather_scale_dense_tokens(x[0], tok, exp, scores)),
+        (
+            "token_indices",
+            TypeError,
+            lambda: gather_scale_dense_tokens(x, tok.float(), exp, scores),
+        ),
+        ("token_indices", ValueError, lambda: gather_scale_dense_tokens(x, tok[None], exp, scores)),
+        ("expert_indices", ValueError, lambda: gather_scale_dense_tokens(x, tok, exp[:3], scores)),
+        ("scores", ValueError, lambda: gather_scale_dense_tokens(x, tok, exp, scores[:3])),
+        ("scores", TypeError, lambda: gather_scale_dense_tokens(x, tok, exp, scores.long())),
+        ("scores", TypeError, lambda: gather_scale_dense_tokens(x, tok, exp, [1.0])),
+        (
+            "valid_token_count",
+            TypeError,
+            lambda: gather_scale_dense_tokens(x, tok, exp, scores, torch.tensor([1.0])),
+        ),
+        (
+            "valid_token_count",
+            ValueError,
+            lambda: gather_scale_dense_tokens(x, tok, exp, scores, torch.tensor([1, 2])),
+        ),
+        ("scores", ValueError, lambda: gather_scale_dense_tokens(x, tok, exp, scores.to("meta"))),
+        ("in_tokens", ValueError, lambda: scatter_add_dense_tokens(out, y[:, :5], tok)),
+        ("in_tokens", ValueError, lambda: scatter_add_dense_tokens(out, y[:7], tok)),
+        ("out_tokens", TypeError, lambda: scatter_add_dense_tokens(out.long(), y, tok)),
+        ("in_tokens", ValueError, lambda: scatter_add_dense_tokens(out, y.to("meta"), tok)),
+        ("token_indices", ValueError, lambda: scatter_add_dense_tokens(meta, y.to("meta"), tok)),
+        ("plan", TypeError, lambda: dispatch(x, tuple(plan))),
+        ("x", ValueError, lambda: dispatch(x[:3], plan)),
+        ("x", TypeError, lambda: dispatch(x.long(), plan)),
+        (
+            "plan.token_indices",
+            TypeError,
+            lambda: dispatch(x, plan._replace(token_indices=tok.float())),
+        ),
+        ("plan.weights", ValueError, lambda: dispatch(x, plan._replace(weights=plan.weights[:3]))),
+        ("scale", TypeError, lambda: dispatch(x, plan, scale=1)),
+        ("y", ValueError, lambda: combine(y[:7], plan)),
+        ("y", ValueError, lambda: combine(y[0], plan)),
+        ("plan.inverse", ValueError, lambda: combine(y, plan._replace(inverse=plan.inverse[0]))),
+        ("out_dtype", TypeError, lambda: combine(y, plan, out_dtype=torch.int32)),
+        ("out_dtype", TypeError, lambda: combine(y, plan, out_dtype="float32")),
+        ("plan", TypeError, lambda: combine(y, None)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_cases())))
+def test_bad_input_raises_naming_argument(case):
+    name, exc, fn = _bad_cases()[case]
+    with pytest.raises(exc, match=name.replace(".", r"\.")):
+        fn()
