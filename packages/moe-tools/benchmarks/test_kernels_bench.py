@@ -24,6 +24,7 @@ _FAMILY = {
     "blocked_3d": "blocked_3d",
     "to_mxfp8": "quant",
     "to_mxfp8_dim1": "quant",
+    "from_mxfp8": "quant",
 }
 CASES = [(op, i) for op in kernels.OPS for i in range(len(kernels.shapes(QUICK)[_FAMILY[op]]))]
 

@@ -47,6 +47,7 @@ OPS = (
     "blocked_3d",
     "to_mxfp8",
     "to_mxfp8_dim1",
+    "from_mxfp8",
 )
 
 Thunk = Callable[[], object]
@@ -288,7 +289,13 @@ def mxfp8_cases(device: torch.device, quick: bool, gen: torch.Generator) -> Iter
             case = Case(op, f"({m},{k}) bf16", nbytes)
             _ours(case, lambda x=x, fn=fn: partial(getattr(M, fn), x))
             yield case
+        data, scale = ref.to_mxfp8(x)
         del x
+        case = Case("from_mxfp8", f"({m},{k}) -> bf16", nbytes)
+        _ours(case, lambda d=data, s=scale: partial(M.from_mxfp8, d, s))
+        case.impls["torch"] = partial(ref.from_mxfp8, data, scale)
+        yield case
+        del data, scale
 
 
 def all_cases(
@@ -298,7 +305,7 @@ def all_cases(
     families = (
         (("route", "index_shuffling"), route_cases),
         (("dispatch", "gather_scale", "combine", "scatter_add"), token_cases),
-        (("blocked_2d", "blocked_3d", "to_mxfp8", "to_mxfp8_dim1"), mxfp8_cases),
+        (("blocked_2d", "blocked_3d", "to_mxfp8", "to_mxfp8_dim1", "from_mxfp8"), mxfp8_cases),
     )
     for family_ops, make in families:
         wanted = [o for o in family_ops if ops is None or o in ops]

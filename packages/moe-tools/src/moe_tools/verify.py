@@ -33,6 +33,7 @@ CHECKS = (
     "blocked_3d",
     "to_mxfp8",
     "to_mxfp8_dim1",
+    "from_mxfp8",
     "moe",
 )
 
@@ -429,6 +430,35 @@ def check_to_mxfp8_dim1(ctx: Ctx) -> tuple[float, float, bool]:
     return _check_quant(ctx, dim1=True)
 
 
+def check_from_mxfp8(ctx: Ctx) -> tuple[float, float, bool]:
+    import moe_kernels.mxfp8 as M
+    from moe_kernels._reference import mxfp8 as ref
+
+    m = 32 * ctx.rng.randint(1, 64 if ctx.big else 8)
+    k = 32 * ctx.rng.randint(1, 64 if ctx.big else 8)
+    ctx.shape = f"({m},{k}) -> bf16"
+    data = torch.randint(0, 256, (m, k), generator=ctx.gen, dtype=torch.uint8)
+    data[(data & 0x7F) == 0x7F] = 0  # no e4m3 NaN codes in the data
+    scale = torch.randint(100, 155, (m, k // 32), generator=ctx.gen, dtype=torch.uint8)
+    data_d = data.to(ctx.device).view(torch.float8_e4m3fn)
+    scale_d = scale.to(ctx.device).view(torch.float8_e8m0fnu)
+    out, det = _twice(lambda: M.from_mxfp8(data_d, scale_d, torch.bfloat16))
+    r = expect_equal(
+        "vs reference",
+        out,
+        ref.from_mxfp8(data_d, scale_d, torch.bfloat16),
+        rel=_ref_rel(ctx, torch.bfloat16),
+    )
+    # oracle: the e4m3 value by its bit fields, times 2**(byte - 127), in fp64
+    bits = data.long()
+    sign = 1 - 2 * (bits >> 7)
+    exp, man = (bits >> 3) & 0xF, bits & 0x7
+    val = torch.where(exp > 0, (1 + man / 8.0) * torch.exp2(exp.double() - 7), man / 8.0 * 2.0**-6)
+    want = sign * val * torch.exp2(scale.double() - 127).repeat_interleave(32, dim=1)
+    o = expect_equal("vs oracle", out.cpu(), want, rel=2.0**-8)  # one bf16 rounding
+    return r, o, det
+
+
 KERNEL_CHECKS: dict[str, Callable[[Ctx], tuple[float, float, bool]]] = {
     "route": check_route,
     "index_shuffling": check_index_shuffling,
@@ -440,6 +470,7 @@ KERNEL_CHECKS: dict[str, Callable[[Ctx], tuple[float, float, bool]]] = {
     "blocked_3d": check_blocked_3d,
     "to_mxfp8": check_to_mxfp8,
     "to_mxfp8_dim1": check_to_mxfp8_dim1,
+    "from_mxfp8": check_from_mxfp8,
 }
 
 
