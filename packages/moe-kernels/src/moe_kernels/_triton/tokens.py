@@ -144,8 +144,9 @@ def _combine_kernel(
         if WEIGHTED:
             w = tl.load(w_ptr + pos, mask=ok, other=0.0).to(tl.float32)
             v = w[:, None] * v
-        # Skip (not add zero to) unrouted entries, so a -0.0 sum stays -0.0 like the reference.
-        acc = tl.where(ok[:, None], acc + v, acc)
+        # Unrouted entries load as +0.0, and acc + 0.0 == acc bit for bit (acc starts at +0.0 and
+        # round-to-nearest never produces -0.0 from a sum with a +0.0 start): same as skipping.
+        acc = acc + v
     dst = out_ptr + rows[:, None] * D + cols[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
