@@ -29,6 +29,7 @@ CHECKS = (
     "gather_scale",
     "combine",
     "scatter_add",
+    "to_blocked",
     "blocked_2d",
     "blocked_3d",
     "to_mxfp8",
@@ -345,6 +346,20 @@ def check_scatter_add(ctx: Ctx) -> tuple[float, float, bool]:
     return r, o, det
 
 
+def check_to_blocked(ctx: Ctx) -> tuple[float, float, bool]:
+    import moe_kernels.mxfp8 as M
+    from moe_kernels._reference import mxfp8 as ref
+
+    R_ = ctx.rng.randint(1, 20000 if ctx.big else 400)
+    C = ctx.rng.randint(1, 260 if ctx.big else 70)
+    ctx.shape = f"({R_},{C})"
+    s = torch.randint(0, 256, (R_, C), generator=ctx.gen, dtype=torch.uint8).to(ctx.device)
+    out, det = _twice(lambda: M.to_blocked(s))
+    r = expect_equal("vs reference", out, ref.to_blocked(s))
+    expect_equal("vs oracle", out.view(torch.uint8).cpu(), oracle_blocked(s.cpu()))
+    return r, 0.0, det
+
+
 def check_blocked_2d(ctx: Ctx) -> tuple[float, float, bool]:
     import moe_kernels.mxfp8 as M
     from moe_kernels._reference import mxfp8 as ref
@@ -466,6 +481,7 @@ KERNEL_CHECKS: dict[str, Callable[[Ctx], tuple[float, float, bool]]] = {
     "gather_scale": check_gather_scale,
     "combine": check_combine,
     "scatter_add": check_scatter_add,
+    "to_blocked": check_to_blocked,
     "blocked_2d": check_blocked_2d,
     "blocked_3d": check_blocked_3d,
     "to_mxfp8": check_to_mxfp8,
