@@ -281,48 +281,38 @@ def timings() -> None:
 
 
 def sweep() -> None:
-    print("== config sweep: index_shuffling / route GPU time (do_bench us), bf16, k=8")
+    print("== config sweep: GPU time (do_bench us), bf16, k=8; checked against the reference")
     k = 8
-    for T, E, cfgs in [
-        (
-            4096,
-            128,
-            [
-                {"BLOCK_T": 16, "SUB": 1, "num_warps": 4},
-                {"BLOCK_T": 32, "SUB": 1, "num_warps": 4},
-                {"BLOCK_T": 32, "SUB": 1, "num_warps": 2},
-                {"BLOCK_T": 64, "SUB": 1, "num_warps": 8},
-                {"BLOCK_T": 32, "SUB": 1, "num_warps": 4, "FUSE_SCAN": False},
-            ],
-        ),
-        (
-            4096,
-            16,
-            [
-                {"BLOCK_T": 64, "SUB": 1, "num_warps": 4},
-                {"BLOCK_T": 128, "SUB": 1, "num_warps": 4},
-                {"BLOCK_T": 256, "SUB": 1, "num_warps": 4},
-                {"BLOCK_T": 256, "SUB": 1, "num_warps": 8},
-            ],
-        ),
+    b = "BLOCK_T"
+    grid = [
+        (4096, 128, [(16, 1, 2), (32, 1, 4), (32, 1, 2), (64, 1, 8), (32, 1, 4, False)]),
+        (4096, 16, [(32, 1, 1), (32, 1, 2), (64, 1, 1), (64, 1, 2), (128, 1, 2), (256, 1, 4)]),
+        (65536, 128, [(32, 1, 4), (32, 2, 4), (32, 4, 4), (16, 2, 2)]),
         (
             1048576,
             128,
             [
-                {"BLOCK_T": 32, "SUB": 8, "num_warps": 4},
-                {"BLOCK_T": 32, "SUB": 2, "num_warps": 4},
-                {"BLOCK_T": 32, "SUB": 32, "num_warps": 4},
-                {"BLOCK_T": 16, "SUB": 16, "num_warps": 4},
-                {"BLOCK_T": 16, "SUB": 16, "num_warps": 2},
-                {"BLOCK_T": 64, "SUB": 4, "num_warps": 8},
-                {"BLOCK_T": 64, "SUB": 4, "num_warps": 4},
+                (32, 8, 4),
+                (32, 2, 4),
+                (32, 32, 4),
+                (16, 16, 2),
+                (16, 16, 4),
+                (64, 4, 8),
+                (64, 4, 4),
+                (32, 8, 2),
+                (32, 8, 8),
             ],
         ),
-    ]:
+    ]
+    for T, E, cfgs in grid:
         x = scores(T, E, torch.bfloat16, seed=3)
-        want = index_shuffling_reference(x, 0, E, None, k)
-        print(f"  T={T} E={E} default={tri._config(T, E, k, False)}")
-        for cfg in cfgs:
+        want_is = index_shuffling_reference(x, 0, E, None, k)
+        want_rt = route_reference(x, k, None, 0, E, False)
+        print(f"  T={T} E={E} default={tri._config(T, E, k, False)}", flush=True)
+        for c in cfgs:
+            cfg = {b: c[0], "SUB": c[1], "num_warps": c[2]}
+            if len(c) > 3:
+                cfg["FUSE_SCAN"] = c[3]
             try:
 
                 def run_is(cfg=cfg, x=x, E=E):
@@ -335,13 +325,17 @@ def sweep() -> None:
                 def run_rt(cfg=cfg, x=x, E=E):
                     return tri.routing_triton(x, k, None, 0, E, False, True, True, None, cfg)
 
-                got = run_is()
-                ok = all(same(a, b) for a, b in zip(got, want, strict=True))
-                print(f"    {cfg!s:60} ok={ok} IS {bench(run_is):8.1f}  route {bench(run_rt):8.1f}")
+                ok = all(same(a, b) for a, b in zip(run_is(), want_is, strict=True))
+                ok &= all(same(a, b) for a, b in zip(run_rt(), want_rt, strict=True))
+                print(
+                    f"    {c!s:22} ok={ok} IS {bench(run_is):8.1f}  route {bench(run_rt):8.1f}",
+                    flush=True,
+                )
                 if not ok:
                     FAILS.append(f"sweep {T} {E} {cfg}")
             except Exception as exc:
-                print(f"    {cfg!s:60} raised {exc!r}"[:300])
+                print(f"    {c!s:22} raised {exc!r}"[:300])
+                FAILS.append(f"sweep {T} {E} {cfg} raised")
 
 
 def profile() -> None:
@@ -362,15 +356,15 @@ def main() -> int:
     print(f"torch {torch.__version__} triton {triton.__version__} device {dev}")
     if not DRY:
         print(torch.cuda.get_device_name())
-    correctness()
-    no_sync_graph_compile()
+    parts = [correctness, no_sync_graph_compile]
     if not DRY:
-        for part in (timings, sweep, profile):
-            try:
-                part()
-            except Exception:
-                traceback.print_exc()
-                FAILS.append(part.__name__)
+        parts += [timings, sweep, profile]
+    for part in parts:
+        try:
+            part()
+        except Exception:
+            traceback.print_exc()
+            FAILS.append(part.__name__)
     print("FAILS:", FAILS if FAILS else "none")
     return 1 if FAILS else 0
 

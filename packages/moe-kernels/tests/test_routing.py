@@ -362,7 +362,7 @@ def test_bad_renormalize():
     "config",
     [
         {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False},
-        {"BLOCK_T": 16, "SUB": 4, "FUSE_SCAN": True},
+        {"BLOCK_T": 32, "SUB": 4, "FUSE_SCAN": True},
         {"BLOCK_T": 4, "SUB": 1, "FUSE_SCAN": False},
     ],
     ids=str,

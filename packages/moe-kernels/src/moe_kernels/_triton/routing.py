@@ -7,8 +7,8 @@ A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` t
    score in the high bits, ``E_PAD - 1 - e`` in the low bits, so ties go to the lower expert, NaN is
    -inf and -0.0 is +0.0) and takes ``top_k`` rounds of row maxima. An exclusive cumsum of the
    chosen-pair matrix down the tokens (plus the program's running count) ranks every pair inside
-   its expert; the rank goes to ``inverse`` (overwritten by C), the local expert (or -1) and the
-   weight to scratch, and the program's per-expert count to ``hist[l, program]``.
+   its expert; ``rank << L_BITS | local expert`` (or -1 when not routed) and the weight go to
+   scratch, the program's per-expert count to ``hist[l, program]``.
 B. ``_scan_kernel``: one program per local expert, exclusive scan of its ``hist`` row over programs.
 C. ``_place_kernel``: one program per A-program. It turns the per-expert totals into expert offsets,
    writes the sorted pairs (``expert_indices``, ``token_indices``, ``weights``) at
@@ -35,14 +35,23 @@ def _bits16_to_f32(bits, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _popcount(x):
+    """Set bits of each int32 (SWAR bit counting; the interpreter has no popc)."""
+    v = x.to(tl.uint32, bitcast=True)
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    return ((v * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
 def _topk_rank_kernel(
     x_ptr,  # (T, E) scores; int16 view for 16-bit floats, fp32 otherwise
     stride_t,
     stride_e,
     vtc_ptr,  # (1,) int32/int64 valid token count (unused when not HAS_VTC)
-    scr_e_ptr,  # (T, K) int32 out: local expert of each choice, -1 when not routed
+    pack_ptr,  # (T, K) int32 out: rank in expert (within program) << L_BITS | local expert, or -1
     scr_w_ptr,  # (T, K) fp32 out: weight of each choice (only when WEIGHTS)
-    rank_ptr,  # (T, K) int32 out: rank of the pair inside its expert, within this program
     hist_ptr,  # (L, n_programs) int32 out: pairs per local expert and program
     T,
     E,
@@ -52,23 +61,27 @@ def _topk_rank_kernel(
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    L_BITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # <= 32 (token bitmasks are int32)
     SUB: tl.constexpr,
     KIND: tl.constexpr,  # 0: fp32, 1: bf16, 2: fp16
     HAS_VTC: tl.constexpr,
     WEIGHTS: tl.constexpr,
     RENORM: tl.constexpr,
+    EVEN_E: tl.constexpr,  # E == E_PAD: no column masks
+    FULL_RANGE: tl.constexpr,  # start == 0 and end == E: no range masks
     SENT: tl.constexpr,  # below every real key: INT64_MIN (fp32) or INT32_MIN (16-bit)
 ):
     pid = tl.program_id(0)
     n_valid = T
     if HAS_VTC:
-        v = tl.load(vtc_ptr).to(tl.int64)
-        n_valid = tl.minimum(tl.maximum(v, 0), T).to(tl.int32)
+        vtc = tl.load(vtc_ptr).to(tl.int64)
+        n_valid = tl.minimum(tl.maximum(vtc, 0), T).to(tl.int32)
     cols = tl.arange(0, E_PAD)
     col_ok = cols < E
     in_range = (cols >= start) & (cols < end)
     jj = tl.arange(0, K_PAD)
+    k_ok = jj[None, :] < K
     low = E_PAD - 1 - cols  # tie-break: a lower expert gets a larger key
     running = tl.zeros([E_PAD], dtype=tl.int32)
     for s in range(SUB):
@@ -76,7 +89,10 @@ def _topk_rank_kernel(
         row_ok = rows < T
         rows64 = rows.to(tl.int64)
         offs = rows64[:, None] * stride_t + cols[None, :].to(tl.int64) * stride_e
-        ld_mask = row_ok[:, None] & col_ok[None, :]
+        if EVEN_E:
+            ld_mask = row_ok[:, None]
+        else:
+            ld_mask = row_ok[:, None] & col_ok[None, :]
         if KIND == 0:
             x = tl.load(x_ptr + offs, mask=ld_mask, other=0.0)
             x = tl.where(x != x, float("-inf"), x)
@@ -88,64 +104,74 @@ def _topk_rank_kernel(
             bits = tl.load(x_ptr + offs, mask=ld_mask, other=0).to(tl.int32)  # sign-extended
             mag = bits & 0x7FFF
             if KIND == 1:
-                is_nan = mag > 0x7F80
-                neg_inf = -128  # 0xFF80 as int16
+                bits = tl.where(mag > 0x7F80, -128, bits)  # NaN -> -inf (0xFF80)
             else:
-                is_nan = mag > 0x7C00
-                neg_inf = -1024  # 0xFC00 as int16
-            bits = tl.where(is_nan, neg_inf, bits)
-            bits = tl.where(mag == 0, 0, bits)
+                bits = tl.where(mag > 0x7C00, -1024, bits)  # NaN -> -inf (0xFC00)
             code = bits ^ ((bits >> 15) & 0x7FFF)
+            code = tl.where(mag == 0, 0, code)  # -0.0 -> +0.0
             key = (code << 16) | low[None, :]
-        key = tl.where(col_ok[None, :], key, SENT)
+        if not EVEN_E:
+            key = tl.where(col_ok[None, :], key, SENT)
 
-        choice = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
-        w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
-        wsum = tl.zeros([BLOCK_T], dtype=tl.float32)
+        # top_k rounds: the row maximum is unique; remember it, then knock it out.
+        mk = tl.full([BLOCK_T, K_PAD], SENT, dtype=key.dtype)
         for j in range(K):
             m = tl.max(key, axis=1)
             key = tl.where(key == m[:, None], SENT, key)
-            if KIND == 0:
-                e_j = E_PAD - 1 - m.to(tl.int32)  # low 32 bits
-            else:
-                e_j = E_PAD - 1 - (m & 0xFFFF)
-            choice = tl.where(jj[None, :] == j, e_j[:, None], choice)
-            if WEIGHTS:
-                if KIND == 0:
-                    c = (m >> 32).to(tl.int32)
-                    v = (c ^ ((c >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-                else:
-                    c = m >> 16
-                    v = _bits16_to_f32(c ^ ((c >> 15) & 0x7FFF), KIND == 1)
-                # NaN and -0.0 were canonicalised in the key: reload those few originals.
-                fix = row_ok & ((v == 0.0) | (v == float("-inf")))
-                orig_offs = rows64 * stride_t + e_j.to(tl.int64) * stride_e
-                if KIND == 0:
-                    orig = tl.load(x_ptr + orig_offs, mask=fix, other=0.0)
-                else:
-                    orig = _bits16_to_f32(
-                        tl.load(x_ptr + orig_offs, mask=fix, other=0).to(tl.int32), KIND == 1
-                    )
-                v = tl.where(fix, orig, v)
-                w = tl.where(jj[None, :] == j, v[:, None], w)
-                wsum = wsum + v
+            mk = tl.where(jj[None, :] == j, m[:, None], mk)
+        if KIND == 0:
+            choice = E_PAD - 1 - mk.to(tl.int32)  # low 32 bits
+        else:
+            choice = E_PAD - 1 - (mk & 0xFFFF)
 
-        routed_row = row_ok & (rows < n_valid)
-        picked = (key == SENT) & col_ok[None, :] & in_range[None, :] & routed_row[:, None]
-        picked_i = picked.to(tl.int32)
-        incl = tl.cumsum(picked_i, axis=0)
-        rank_te = incl - picked_i + running[None, :]
-        running += tl.sum(picked_i, axis=0)
+        if HAS_VTC:
+            routed_row = row_ok & (rows < n_valid)
+        else:
+            routed_row = row_ok
+        picked = (key == SENT) & routed_row[:, None]
+        if not EVEN_E:
+            picked = picked & col_ok[None, :]
+        if not FULL_RANGE:
+            picked = picked & in_range[None, :]
+        # Bit r of colmask[e]: token r of the block picked e (BLOCK_T <= 32). A pair's rank in its
+        # expert = the program's earlier count + the picks of the block's earlier tokens.
+        rr = tl.arange(0, BLOCK_T)
+        colmask = tl.sum(picked.to(tl.int32) << rr[:, None], axis=0)  # distinct bits: sum == or
 
-        k_ok = jj[None, :] < K
-        routed = (choice >= start) & (choice < end) & routed_row[:, None] & k_ok
-        rank = tl.gather(rank_te, tl.where(routed, choice, 0), axis=1)
+        routed = routed_row[:, None] & k_ok
+        if not FULL_RANGE:
+            routed = routed & (choice >= start) & (choice < end)
+        idx = tl.reshape(tl.where(routed, choice, 0), [BLOCK_T * K_PAD])
+        g_mask = tl.reshape(tl.gather(colmask, idx, axis=0), [BLOCK_T, K_PAD])
+        g_run = tl.reshape(tl.gather(running, idx, axis=0), [BLOCK_T, K_PAD])
+        below = ~(-1 << rr)  # bits of the earlier tokens
+        rank = g_run + _popcount(g_mask & below[:, None])
+        running += _popcount(colmask)
         out_offs = rows[:, None] * K + jj[None, :]
         st_mask = row_ok[:, None] & k_ok
-        tl.store(scr_e_ptr + out_offs, tl.where(routed, choice - start, -1), mask=st_mask)
-        tl.store(rank_ptr + out_offs, rank, mask=st_mask)
+        packed = tl.where(routed, (rank << L_BITS) | (choice - start), -1)
+        tl.store(pack_ptr + out_offs, packed, mask=st_mask)
         if WEIGHTS:
+            if KIND == 0:
+                c = (mk >> 32).to(tl.int32)
+                w = (c ^ ((c >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            else:
+                c = mk >> 16
+                w = _bits16_to_f32(c ^ ((c >> 15) & 0x7FFF), KIND == 1)
+            # NaN and -0.0 were canonicalised in the key: reload those few originals.
+            fix = st_mask & ((w == 0.0) | (w == float("-inf")))
+            orig_offs = rows64[:, None] * stride_t + choice.to(tl.int64) * stride_e
+            if KIND == 0:
+                orig = tl.load(x_ptr + orig_offs, mask=fix, other=0.0)
+            else:
+                orig = _bits16_to_f32(
+                    tl.load(x_ptr + orig_offs, mask=fix, other=0).to(tl.int32), KIND == 1
+                )
+            w = tl.where(fix, orig, w)
             if RENORM:
+                wsum = tl.sum(tl.where(jj[None, :] == 0, w, 0.0), axis=1)
+                for j in range(1, K):  # in choice order, as the reference adds
+                    wsum = wsum + tl.sum(tl.where(jj[None, :] == j, w, 0.0), axis=1)
                 w = tl.math.div_rn(w, wsum[:, None])
             tl.store(scr_w_ptr + out_offs, w, mask=st_mask)
     tl.store(hist_ptr + (cols - start) * n_programs + pid, running, mask=in_range)
@@ -169,9 +195,9 @@ def _scan_kernel(hist_ptr, counts_ptr, n_programs, CHUNK: tl.constexpr):
 
 @triton.jit
 def _place_kernel(
-    scr_e_ptr,  # (T, K) int32: local expert or -1
+    pack_ptr,  # (T, K) int32 from A: rank << L_BITS | local expert, or -1
     scr_w_ptr,  # (T, K) fp32 weights (only when WEIGHTS)
-    rank_ptr,  # (T, K) int32: in = rank inside the A-program, out = inverse (position or -1)
+    inverse_ptr,  # (T, K) int32 out: sorted position or -1 (only when INVERSE)
     hist_ptr,  # (L, n_programs) int32: per-program counts (FUSE_SCAN) or their exclusive prefix
     base_ptr,  # (n_programs, L) int32 scratch: this program's first position in each expert
     counts_ptr,  # (L,) int32: totals (written here when FUSE_SCAN, by the scan kernel otherwise)
@@ -188,11 +214,13 @@ def _place_kernel(
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     L_PAD: tl.constexpr,
+    L_BITS: tl.constexpr,
     NP_PAD: tl.constexpr,  # >= n_programs when FUSE_SCAN
     TOK_PER_PROG: tl.constexpr,
     CHUNK_T: tl.constexpr,
     FUSE_SCAN: tl.constexpr,
     WEIGHTS: tl.constexpr,
+    INVERSE: tl.constexpr,
     OFFSETS: tl.constexpr,
     TCPE: tl.constexpr,
 ):
@@ -238,12 +266,14 @@ def _place_kernel(
         row_ok = rows < T
         offs = rows[:, None] * K + jj[None, :]
         m = row_ok[:, None] & k_ok
-        le = tl.load(scr_e_ptr + offs, mask=m, other=-1)
-        routed = le >= 0
-        r = tl.load(rank_ptr + offs, mask=m, other=0)
+        packed = tl.load(pack_ptr + offs, mask=m, other=-1)
+        routed = packed >= 0
+        le = tl.where(routed, packed & ((1 << L_BITS) - 1), -1)
+        r = packed >> L_BITS
         b = tl.load(base_ptr + pid * L + le, mask=routed, other=0)
         pos = tl.where(routed, b + r, -1)
-        tl.store(rank_ptr + offs, pos, mask=m)
+        if INVERSE:
+            tl.store(inverse_ptr + offs, pos, mask=m)
         tl.store(expert_ptr + pos, le, mask=routed)
         tl.store(token_ptr + pos, tl.broadcast_to(rows[:, None], [CHUNK_T, K_PAD]), mask=routed)
         tail = m & (offs >= n)
@@ -260,19 +290,23 @@ def _next_pow2(n: int) -> int:
 
 
 _MAX_PROGRAMS = 4096  # programs of kernels A and C (bounds the length of a hist row)
+_MIN_PROGRAMS = 128  # spread small problems over about this many programs
 _FUSE_SCAN_MAX = 16384  # fold the scan into C when L_PAD * NP_PAD is at most this
 
 
 def _config(T: int, E: int, K: int, fp32: bool) -> dict[str, int]:
-    """Block sizes and warps from the problem size."""
+    """Block sizes and warps from the problem size: about 4096 keys per block (2048 for the int64
+    keys of fp32 scores), at least ~128 programs where T allows, at most 4096 programs."""
     e_pad = max(_next_pow2(E), 4)
-    tile = 2048 if fp32 else 4096  # int64 keys for fp32 scores, int32 keys for 16-bit scores
-    block_t = max(1, min(tile // e_pad, 256, _next_pow2(T)))
+    tile = 2048 if fp32 else 4096
+    min_programs = 1 if INTERPRET else _MIN_PROGRAMS  # the interpreter wants few, big blocks
+    block_t = max(1, min(tile // e_pad, 32, _next_pow2(triton.cdiv(T, min_programs))))
     n_blocks = triton.cdiv(T, block_t)
+    warps = max(1, min(8, block_t * e_pad // 1024))
     return {
         "BLOCK_T": block_t,
         "SUB": _next_pow2(triton.cdiv(n_blocks, _MAX_PROGRAMS)),
-        "num_warps": 1 if INTERPRET else (4 if block_t * e_pad <= 4096 else 8),
+        "num_warps": 1 if INTERPRET else warps,
     }
 
 
@@ -292,7 +326,8 @@ def routing_triton(
     config: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Launch the kernels for T > 0 (arguments already checked). Returns ``(counts, offsets,
-    expert, token, weights, inverse)``; ``offsets``/``weights`` are None when not asked for.
+    expert, token, weights, inverse)``; ``offsets`` is None unless ``with_offsets``, ``weights``
+    and ``inverse`` are None unless ``with_weights``.
     Fills ``tcpe`` (E+2,) when given. ``config`` overrides the launcher's choices (benchmarks)."""
     T, E = scores_TE.shape
     K = top_k
@@ -309,6 +344,7 @@ def routing_triton(
     k_pad = _next_pow2(K)
     l_pad = max(_next_pow2(L), 2)
     np_pad = max(_next_pow2(n_prog), 2)
+    chunk_t = max(1, min(tok_per_prog, 2048 // k_pad))
     fuse_scan = cfg.get("FUSE_SCAN", l_pad * np_pad <= _FUSE_SCAN_MAX)
     kind = _KIND[scores_TE.dtype]
     x = scores_TE if kind == 0 else scores_TE.view(torch.int16)
@@ -317,7 +353,7 @@ def routing_triton(
     # weights (T*K, fp32 bits).
     Lm = max(L, 1)
     counts = torch.empty(Lm, dtype=i32, device=dev)
-    inverse = torch.empty(T, K, dtype=i32, device=dev)
+    inverse = torch.empty(T, K, dtype=i32, device=dev) if with_weights else None
     expert = torch.empty(T * K, dtype=i32, device=dev)
     token = torch.empty(T * K, dtype=i32, device=dev)
     weights = torch.empty(T * K, dtype=torch.float32, device=dev) if with_weights else None
@@ -326,8 +362,11 @@ def routing_triton(
     scratch = torch.empty(2 * n_hist + T * K * (2 if with_weights else 1), dtype=i32, device=dev)
     hist = scratch[:n_hist]
     base = scratch[n_hist : 2 * n_hist]
-    scr_e = scratch[2 * n_hist : 2 * n_hist + T * K]
-    scr_w = scratch[2 * n_hist + T * K :].view(torch.float32) if with_weights else scr_e
+    packed = scratch[2 * n_hist : 2 * n_hist + T * K]
+    scr_w = scratch[2 * n_hist + T * K :].view(torch.float32) if with_weights else packed
+    l_bits = max(1, (Lm - 1).bit_length())
+    if (tok_per_prog - 1).bit_length() + l_bits > 31:
+        raise ValueError(f"too many experts ({L}) for this block size")
     vtc = valid_token_count
 
     _topk_rank_kernel[(n_prog,)](
@@ -335,9 +374,8 @@ def routing_triton(
         x.stride(0),
         x.stride(1),
         vtc if vtc is not None else expert,
-        scr_e,
+        packed,
         scr_w,
-        inverse,
         hist,
         T,
         E,
@@ -347,12 +385,15 @@ def routing_triton(
         K=K,
         K_PAD=k_pad,
         E_PAD=e_pad,
+        L_BITS=l_bits,
         BLOCK_T=block_t,
         SUB=sub,
         KIND=kind,
         HAS_VTC=vtc is not None,
         WEIGHTS=with_weights,
         RENORM=renormalize,
+        EVEN_E=e_pad == E,
+        FULL_RANGE=start == 0 and end == E,
         SENT=-(2**63) if kind == 0 else -(2**31),
         num_warps=cfg["num_warps"],
     )
@@ -360,9 +401,9 @@ def routing_triton(
         chunk = min(np_pad, 4096)
         _scan_kernel[(L,)](hist, counts, n_prog, CHUNK=chunk, num_warps=4)
     _place_kernel[(n_prog,)](
-        scr_e,
+        packed,
         scr_w,
-        inverse,
+        inverse if inverse is not None else packed,
         hist,
         base,
         counts,
@@ -379,13 +420,15 @@ def routing_triton(
         K=K,
         K_PAD=k_pad,
         L_PAD=l_pad,
+        L_BITS=l_bits,
         NP_PAD=np_pad if fuse_scan else 1,
         TOK_PER_PROG=tok_per_prog,
-        CHUNK_T=max(1, min(tok_per_prog, 2048 // k_pad)),
+        CHUNK_T=chunk_t,
         FUSE_SCAN=fuse_scan,
         WEIGHTS=with_weights,
+        INVERSE=inverse is not None,
         OFFSETS=with_offsets,
         TCPE=tcpe is not None,
-        num_warps=4 if not INTERPRET else 1,
+        num_warps=1 if INTERPRET else max(1, min(4, chunk_t * k_pad // 256)),
     )
     return counts[:L], offsets, expert, token, weights, inverse
