@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moe_kernels import mxfp8 as mx
+from moe_kernels._dispatch import INTERPRET
 
 
 def naive_blocked(s: np.ndarray) -> np.ndarray:
@@ -201,3 +202,21 @@ def test_compile_fullgraph() -> None:
     np.testing.assert_array_equal(u8(got[0])[:n], u8(want[0])[:n])
     for a, b in zip(got[1:], want[1:], strict=True):
         assert np.array_equal(a.view(torch.uint8).numpy(), b.view(torch.uint8).numpy())
+
+
+@pytest.mark.skipif(not INTERPRET, reason="launches the Triton kernels: needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("block_c", [4, 8, 32])
+def test_layout_column_chunks(block_c: int) -> None:
+    """Column chunks narrower than the row, and a partly masked last chunk."""
+    from moe_kernels._triton import mxfp8_layout as tlay
+
+    s = rand_scales((200, 18), seed=11)  # Cp = 20: 5, 3 or 1 chunks
+    ends = torch.tensor([0, 77, 200], dtype=torch.int32)
+    blocked, rows = tlay.to_blocked_per_group_2d(s, ends, block_c=block_c)
+    np.testing.assert_array_equal(u8(blocked)[:128], naive_blocked(u8(s)[:77]))
+    np.testing.assert_array_equal(u8(blocked)[128:256], naive_blocked(u8(s)[77:]))
+    out3 = tlay.to_blocked_per_group_3d(s.view(2, 100, 18), block_c=block_c)
+    for e in range(2):
+        np.testing.assert_array_equal(
+            u8(out3)[e], naive_blocked(u8(s)[100 * e : 100 * (e + 1)]).reshape(-1)
+        )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moe_kernels import mxfp8 as mx
+from moe_kernels._dispatch import INTERPRET
 
 # ------------------------------------------------------------------ independent float64 oracle
 
@@ -259,3 +260,32 @@ def test_compile_fullgraph() -> None:
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True)(x)
     assert torch.equal(got, f(x))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="launches the Triton kernels: needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("variant", ["reshape", "rowblocks", "tload"])
+def test_dim1_kernel_variants_and_tiles(variant: str) -> None:
+    """Every column-wise kernel variant, with tiles that mask rows and columns, batched."""
+    from moe_kernels._triton import mxfp8_quant as tq
+
+    x = make_x(2 * 96, 40, torch.bfloat16, seed=8).view(2, 96, 40)
+    for bm, bk in ((32, 8), (64, 16), (128, 64)):
+        d, s = tq.to_mxfp8_dim1(x, True, block_m=bm, block_k=bk, variant=variant)
+        for e in range(2):
+            want_d, want_s = oracle_mxfp8(x[e].t().contiguous(), "floor")
+            np.testing.assert_array_equal(bits(d[e]), want_d)
+            np.testing.assert_array_equal(bits(s[e]), want_s)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="launches the Triton kernels: needs TRITON_INTERPRET=1")
+def test_dim0_and_dequant_tiles() -> None:
+    from moe_kernels._triton import mxfp8_quant as tq
+
+    x = make_x(40, 192, torch.float32, seed=9)
+    want_d, want_s = oracle_mxfp8(x, "rceil")
+    for bm, bk in ((16, 32), (64, 128), (8, 256)):
+        d, s = tq.to_mxfp8(x, False, block_m=bm, block_k=bk)
+        np.testing.assert_array_equal(bits(d), want_d)
+        np.testing.assert_array_equal(bits(s), want_s)
+        back = tq.from_mxfp8(d, s, torch.float32, block_m=bm, block_k=bk)
+        assert torch.equal(back.isnan(), mx.from_mxfp8(d, s, torch.float32).isnan())

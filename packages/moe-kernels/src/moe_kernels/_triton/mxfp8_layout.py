@@ -118,14 +118,12 @@ def _ceil_to(n: int, m: int) -> int:
 
 
 def _block_c(Cp: int, block_c: int | None) -> tuple[int, int]:
-    """Column chunk (a power of two >= 4) and warps: the largest of 128/64/32 dividing Cp, so no
-    lanes are masked (whole Cp, rounded up to a power of two, under the interpreter)."""
+    """Column chunk (a power of two >= 4) and warps. Wide chunks win even when the last one is
+    partly masked (H200, 131072 x 224 scales: 128 -> 1.20x a clone, 64 -> 1.32x, 32 -> 1.45x;
+    256 columns: 128 -> 1.11x, 32 -> 1.97x); under the interpreter the whole row in one chunk."""
     if block_c is None:
-        if INTERPRET:
-            block_c = max(4, triton.next_power_of_2(Cp))
-        else:
-            block_c = next((b for b in (128, 64, 32) if Cp % b == 0), 0)
-            block_c = block_c or min(64, max(4, triton.next_power_of_2(Cp)))
+        cap = 1 << 30 if INTERPRET else 128
+        block_c = min(cap, max(4, triton.next_power_of_2(Cp)))
     return block_c, 4 if block_c <= 32 else 8
 
 
