@@ -16,6 +16,7 @@ kernels (memory-safe) and is undefined behaviour by contract.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from moe_kernels import _validate as V
 from moe_kernels._dispatch import op_name, use_triton
@@ -29,6 +30,20 @@ def _triton():
     from moe_kernels._triton import tokens as tri  # imported lazily: triton only when used
 
     return tri
+
+
+def _direct(*tensors: torch.Tensor | None) -> bool:
+    """True for plain CUDA tensors in eager mode (no compile, tracing, dispatch mode or functorch
+    transform): the public functions then call the implementation directly and skip the custom
+    op's dispatcher overhead (tens of microseconds per call, as much as the kernels take at
+    T=4096). CPU tensors, compile, export and fake tensors always go through the custom op.
+    (The same rule as ``moe_kernels.routing``; a candidate for ``_dispatch.py``.)"""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if functorch_active is not None and functorch_active():
+        return False
+    return all(t is None or (type(t) is torch.Tensor and t.is_cuda) for t in tensors)
 
 
 def _index_1d(name: str, t: object, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
@@ -50,8 +65,7 @@ def _float_2d(name: str, t: object) -> torch.Tensor:
 # gather_scale_dense_tokens
 
 
-@torch.library.custom_op(op_name("gather_scale_dense_tokens"), mutates_args=())
-def _gather_scale_op(
+def _gather_scale_impl(
     x: torch.Tensor,
     token_indices: torch.Tensor,
     expert_indices: torch.Tensor,
@@ -70,6 +84,11 @@ def _gather_scale_op(
         expert_indices_N=expert_indices.contiguous(),
         valid_token_count=valid_token_count,
     )
+
+
+_gather_scale_op = torch.library.custom_op(op_name("gather_scale_dense_tokens"), mutates_args=())(
+    _gather_scale_impl
+)
 
 
 @_gather_scale_op.register_fake
@@ -100,7 +119,8 @@ def gather_scale_dense_tokens(
     V.dim_size("scores", scores, 0, x.shape[0], "T, the rows of x")
     V.dim_size("expert_indices", expert_indices, 0, token_indices.shape[0], "len(token_indices)")
     V.valid_token_count(valid_token_count, "x", x)
-    return _gather_scale_op(x, token_indices, expert_indices, scores, valid_token_count)
+    op = _gather_scale_impl if _direct(x, scores, valid_token_count) else _gather_scale_op
+    return op(x, token_indices, expert_indices, scores, valid_token_count)
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,8 +148,7 @@ def _scatter_order(
     return src_N, bounds_T1
 
 
-@torch.library.custom_op(op_name("scatter_add_dense_tokens"), mutates_args=("out_tokens",))
-def _scatter_add_op(
+def _scatter_add_impl(
     out_tokens: torch.Tensor,
     in_tokens: torch.Tensor,
     token_indices: torch.Tensor,
@@ -142,6 +161,11 @@ def _scatter_add_op(
         return
     src_N, bounds_T1 = _scatter_order(token_indices, out_tokens.shape[0], valid_token_count)
     _triton().scatter_add_sorted(out_tokens, in_tokens, src_N, bounds_T1)
+
+
+_scatter_add_op = torch.library.custom_op(
+    op_name("scatter_add_dense_tokens"), mutates_args=("out_tokens",)
+)(_scatter_add_impl)
 
 
 @_scatter_add_op.register_fake
@@ -174,15 +198,18 @@ def scatter_add_dense_tokens(
     V.dim_size("in_tokens", in_tokens, 1, out_tokens.shape[1], "D of out_tokens")
     V.dim_size("in_tokens", in_tokens, 0, token_indices.shape[0], "len(token_indices)")
     V.valid_token_count(valid_token_count, "out_tokens", out_tokens)
-    _scatter_add_op(out_tokens, in_tokens, token_indices, valid_token_count)
+    if _direct(out_tokens, in_tokens, valid_token_count):
+        _scatter_add_impl(out_tokens, in_tokens, token_indices, valid_token_count)
+        torch.autograd.graph.increment_version(out_tokens)  # what the custom op does for us
+    else:
+        _scatter_add_op(out_tokens, in_tokens, token_indices, valid_token_count)
 
 
 # --------------------------------------------------------------------------------------------
 # dispatch / combine (RoutingPlan driven)
 
 
-@torch.library.custom_op(op_name("dispatch"), mutates_args=())
-def _dispatch_op(
+def _dispatch_impl(
     x: torch.Tensor, token_indices: torch.Tensor, weights: torch.Tensor, scale: bool
 ) -> torch.Tensor:
     if not use_triton(x.device):
@@ -196,13 +223,15 @@ def _dispatch_op(
     )
 
 
+_dispatch_op = torch.library.custom_op(op_name("dispatch"), mutates_args=())(_dispatch_impl)
+
+
 @_dispatch_op.register_fake
 def _(x, token_indices, weights, scale):
     return x.new_empty((token_indices.shape[0], x.shape[1]))
 
 
-@torch.library.custom_op(op_name("combine"), mutates_args=())
-def _combine_op(
+def _combine_impl(
     y: torch.Tensor,
     inverse: torch.Tensor,
     weights: torch.Tensor,
@@ -212,6 +241,9 @@ def _combine_op(
     if not use_triton(y.device):
         return _ref.combine(y, inverse, weights, weighted, out_dtype)
     return _triton().combine(y, inverse, weights.contiguous() if weighted else None, out_dtype)
+
+
+_combine_op = torch.library.custom_op(op_name("combine"), mutates_args=())(_combine_impl)
 
 
 @_combine_op.register_fake
@@ -247,7 +279,8 @@ def dispatch(x: torch.Tensor, plan: RoutingPlan, *, scale: bool = False) -> torc
     V.dim_size("x", x, 0, plan.inverse.shape[0], "T, the rows of plan.inverse")
     if not isinstance(scale, bool):
         raise TypeError(f"scale must be a bool, got {type(scale).__name__}")
-    return _dispatch_op(x, plan.token_indices, plan.weights, scale)
+    op = _dispatch_impl if _direct(x) else _dispatch_op
+    return op(x, plan.token_indices, plan.weights, scale)
 
 
 def combine(
@@ -275,4 +308,5 @@ def combine(
         raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
     if out_dtype not in V.FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of float32, bfloat16, float16, got {out_dtype}")
-    return _combine_op(y, plan.inverse, plan.weights, weighted, out_dtype)
+    op = _combine_impl if _direct(y) else _combine_op
+    return op(y, plan.inverse, plan.weights, weighted, out_dtype)
