@@ -160,6 +160,15 @@ def test_dim1_odd_k_and_noncontiguous_input() -> None:
     np.testing.assert_array_equal(bits(s1), want_s)
 
 
+def test_dim0_row_strided_input() -> None:
+    base = make_x(24, 160, torch.bfloat16, seed=10)
+    x = base[:, 32:128]  # (24, 96), row stride 160
+    d, s = mx.to_mxfp8(x)
+    want_d, want_s = oracle_mxfp8(x.contiguous(), "rceil")
+    np.testing.assert_array_equal(bits(d), want_d)
+    np.testing.assert_array_equal(bits(s), want_s)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_round_trip_error_bound(mode: str) -> None:
     x = make_x(33, 64, torch.float32, seed=3)[7:]  # skip the special rows
