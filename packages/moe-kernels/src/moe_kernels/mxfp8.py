@@ -4,7 +4,8 @@ the cuBLAS blocked scale layout (whole, per row group, per expert) and a grouped
 Every op is a ``torch.library`` custom op (``moe_kernels::<name>``) with a fake implementation:
 safe under ``torch.compile(fullgraph=True)`` and CUDA-graph capture, no host sync, deterministic.
 CUDA runs Triton kernels, CPU the pure-torch reference (the kernels under ``TRITON_INTERPRET=1``);
-both are bit-exact to each other.
+both are bit-exact to each other (checked on an H200), except that the interpreter truncates where
+``from_mxfp8`` rounds to bfloat16 (only bf16-subnormal results need rounding there).
 
 Numerics of the casts (``to_mxfp8``, ``to_mxfp8_dim1``), per block of 32 values with fp32 amax:
 
