@@ -31,7 +31,7 @@ CASES = [(op, i) for op in kernels.OPS for i in range(len(kernels.shapes(QUICK)[
 
 @pytest.fixture(scope="module")
 def ceiling_gbps() -> float:
-    return kernels.copy_ceiling_gbps(DEVICE, quick=QUICK)
+    return kernels.copy_ceiling_gbps(DEVICE)
 
 
 def _case(op: str, index: int) -> kernels.Case:

@@ -324,9 +324,13 @@ def all_cases(
 # measurement
 
 
-def copy_ceiling_gbps(device: torch.device, *, quick: bool) -> float:
-    """Bytes read + written per second by ``clone()`` of a large buffer (1 GiB on CUDA)."""
-    n = (1 << 30) if device.type == "cuda" and not quick else (32 << 20)
+def copy_ceiling_gbps(device: torch.device) -> float:
+    """Bytes read + written per second by ``clone()`` of a buffer far larger than the caches
+    (1 GiB on CUDA, at most 1/8 of the GPU's memory; 32 MiB on CPU)."""
+    if device.type == "cuda":
+        n = min(1 << 30, torch.cuda.get_device_properties(device).total_memory // 8)
+    else:
+        n = 32 << 20
     buf = torch.empty(n, dtype=torch.uint8, device=device)
     buf.fill_(1)
     us = bench_us(buf.clone, device)
@@ -406,7 +410,7 @@ def run(
         if unknown:
             raise ValueError(f"unknown ops {unknown}; known: {', '.join(OPS)}")
     gen = torch.Generator(device=device).manual_seed(seed)
-    ceiling = copy_ceiling_gbps(device, quick=quick)
+    ceiling = copy_ceiling_gbps(device)
     rows: list[Row] = []
     bar = report.progress(enabled=progress, desc="kernels", unit="case")
     with torch.no_grad():
