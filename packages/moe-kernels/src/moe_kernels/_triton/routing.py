@@ -302,7 +302,7 @@ def _config(T: int, E: int, K: int, fp32: bool) -> dict[str, int]:
     min_programs = 1 if INTERPRET else _MIN_PROGRAMS  # the interpreter wants few, big blocks
     block_t = max(1, min(tile // e_pad, 32, _next_pow2(triton.cdiv(T, min_programs))))
     n_blocks = triton.cdiv(T, block_t)
-    warps = max(1, min(8, block_t * e_pad // 1024))
+    warps = max(2, min(8, block_t * e_pad // 1024))
     return {
         "BLOCK_T": block_t,
         "SUB": _next_pow2(triton.cdiv(n_blocks, _MAX_PROGRAMS)),
@@ -338,6 +338,8 @@ def routing_triton(
     if config:
         cfg.update(config)
     block_t, sub = cfg["BLOCK_T"], cfg["SUB"]
+    if block_t > 32 or block_t & (block_t - 1) or sub & (sub - 1):
+        raise ValueError(f"BLOCK_T must be a power of two <= 32 and SUB a power of two: {cfg}")
     tok_per_prog = block_t * sub
     n_prog = triton.cdiv(T, tok_per_prog)
     e_pad = max(_next_pow2(E), 4)
