@@ -204,3 +204,14 @@ def test_compiled_engine_matches_eager():
     n = cfg.window + 2
     for f, (a, b) in enumerate(zip(latents(eager, n), latents(comp, n), strict=True)):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=f"frame {f}")
+
+
+def test_unmasked_variant_equals_masked_once_ring_is_full():
+    eng = tiny_engine(seed=6)
+    latents(eng, eng.config.window)  # ring full from now on
+    z = torch.randn(4, 8, 8)
+    args = (z, torch.tensor(0.5), eng._buttons, eng._mouse, eng.cache)
+    with torch.no_grad():
+        v_masked = eng.model(*args, commit=False, masked=True)
+        v_open = eng.model(*args, commit=False, masked=False)
+    torch.testing.assert_close(v_open, v_masked, atol=1e-5, rtol=1e-5)

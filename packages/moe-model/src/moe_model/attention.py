@@ -52,13 +52,15 @@ class Attention(nn.Module):
         sin_NP: torch.Tensor,
         cache: KVRingCache,
         layer: int,
-        bias_S: torch.Tensor,
+        bias_S: torch.Tensor | None,
         *,
         commit: bool,
         kv_only: bool = False,
     ) -> torch.Tensor | None:
-        """``commit``: also write this frame's keys/values into the ring slot (after attending,
-        so the frame sees the same history as in the denoise pass). ``kv_only``: commit only."""
+        """``bias_S``: additive mask over the (window + 1) * N keys, or None when every slot is
+        filled (then SDPA can take its flash kernel). ``commit``: also write this frame's
+        keys/values into the ring slot (after attending, so the frame sees the same history as
+        in the denoise pass). ``kv_only``: commit only."""
         N = x_ND.shape[0]
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         k_NHD = apply_rope(self.k_norm(self.k_proj(x_ND).view(N, Hkv, Dh)), cos_NP, sin_NP)
@@ -73,7 +75,10 @@ class Attention(nn.Module):
         G = H // Hkv
         q_HMD = q_NHD.view(N, Hkv, G, Dh).permute(1, 2, 0, 3).reshape(Hkv, G * N, Dh)
         o_HMD = F.scaled_dot_product_attention(
-            q_HMD[None], k_HSD[None], v_HSD[None], attn_mask=bias_S.view(1, 1, 1, -1)
+            q_HMD[None],
+            k_HSD[None],
+            v_HSD[None],
+            attn_mask=None if bias_S is None else bias_S.view(1, 1, 1, -1),
         )[0]
         o_ND = o_HMD.view(Hkv, G, N, Dh).permute(2, 0, 1, 3).reshape(N, H * Dh)
         if commit:

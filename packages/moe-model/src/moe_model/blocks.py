@@ -66,7 +66,7 @@ class Block(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KVRingCache,
         layer: int,
-        bias_S: torch.Tensor,
+        bias_S: torch.Tensor | None,
         *,
         commit: bool,
         kv_only: bool = False,

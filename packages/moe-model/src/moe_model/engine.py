@@ -97,14 +97,17 @@ class WorldModel(nn.Module):
         cache: KVRingCache,
         *,
         commit: bool,
+        masked: bool = True,
     ) -> torch.Tensor | None:
         """Velocity (C, h, w) fp32 of latent ``z`` at noise level ``sigma`` (denoise pass), or,
-        with ``commit``, write the frame's keys/values into the ring and return None."""
+        with ``commit``, write the frame's keys/values into the ring and return None.
+        ``masked=False`` skips the mask of unfilled ring slots: only valid once the ring is full
+        (``cache.frame >= window``)."""
         dtype = self.patch_embed.weight.dtype
         x_ND = self.patch_embed(self.patchify(z_Chw).to(dtype))
         c_C = self.cond(sigma, buttons, mouse)
         rope = self.rope(cache.frame)
-        bias_S = cache.attn_bias(dtype)
+        bias_S = cache.attn_bias(dtype) if masked else None
         last = len(self.blocks) - 1
         for l, block in enumerate(self.blocks):
             x_ND = block(
@@ -226,8 +229,9 @@ class WorldEngine:
         self._img = torch.zeros(
             8 * cfg.latent_h, 8 * cfg.latent_w, 3, dtype=torch.uint8, device=dev
         )
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self._graph_dec: torch.cuda.CUDAGraph | None = None
+        self._frames_done = 0  # host mirror of cache.frame (chooses the masked variant)
         self.compiled = False
         self.set_runtime(compile=compile, cuda_graph=cuda_graph)
 
@@ -245,29 +249,35 @@ class WorldEngine:
         else:
             self._step_fn, self._cache_fn = self._denoise_step, self._cache_pass
         self.compiled, self.cuda_graph = compile, cuda_graph
-        self._graph = self._graph_dec = None
+        self._graphs, self._graph_dec = {}, None
         if cuda_graph:
             self._capture()
 
     # -- device work of one frame (static shapes, no host syncs) --------------------------------
 
+    # Two variants of every pass: ``masked`` while the ring is filling (the first ``window``
+    # frames), unmasked once every slot holds a frame (SDPA may then use its flash kernel). The
+    # host knows which one applies from its own frame count: no device read.
+
     def _denoise_step(
-        self, z: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
+        self, z: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, masked: bool
     ) -> torch.Tensor:
-        v = self.model(z, sigma, self._buttons, self._mouse, self.cache, commit=False)
+        b, m = self._buttons, self._mouse
+        v = self.model(z, sigma, b, m, self.cache, commit=False, masked=masked)
         return z + (sigma_next - sigma) * v
 
-    def _cache_pass(self, z: torch.Tensor) -> None:
-        self.model(z, self._sigmas[-1], self._buttons, self._mouse, self.cache, commit=True)
+    def _cache_pass(self, z: torch.Tensor, masked: bool) -> None:
+        b, m = self._buttons, self._mouse
+        self.model(z, self._sigmas[-1], b, m, self.cache, commit=True, masked=masked)
         self.cache.advance()
 
     @torch.no_grad()
-    def _frame_work(self) -> None:
+    def _frame_work(self, masked: bool) -> None:
         z = self._noise
         for i in range(self.config.denoise_steps):
-            z = self._step_fn(z, self._sigmas[i], self._sigmas[i + 1])
+            z = self._step_fn(z, self._sigmas[i], self._sigmas[i + 1], masked)
         self._latent.copy_(z)
-        self._cache_fn(self._latent)
+        self._cache_fn(self._latent, masked)
 
     @torch.no_grad()
     def _decode_work(self) -> None:
@@ -278,15 +288,21 @@ class WorldEngine:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._frame_work()
+            for masked in (True, True, False, False):
+                self._frame_work(masked)
                 self._decode_work()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._frame_work()
+        # Every persistent tensor (cache, latent, image) lives outside the graphs' pool, so the
+        # three graphs (never replayed concurrently) can share it.
+        pool = None
+        for masked in (True, False):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._frame_work(masked)
+            pool = graph.pool()
+            self._graphs[masked] = graph
         self._graph_dec = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph_dec, pool=self._graph.pool()):
+        with torch.cuda.graph(self._graph_dec, pool=pool):
             self._decode_work()
         self.reset()
 
@@ -295,6 +311,7 @@ class WorldEngine:
     def reset(self) -> None:
         """Empty the KV cache, frame counter to 0, controller cleared, noise re-seeded."""
         self.cache.reset()
+        self._frames_done = 0
         self._gen.manual_seed(self.seed)
         self._buttons.zero_()
         self._mouse.zero_()
@@ -324,10 +341,12 @@ class WorldEngine:
         """
         self._set_ctrl(ctrl)
         self._noise.normal_(generator=self._gen)
-        if self._graph is not None:
-            self._graph.replay()
+        masked = self._frames_done < self.config.window
+        if self._graphs:
+            self._graphs[masked].replay()
         else:
-            self._frame_work()
+            self._frame_work(masked)
+        self._frames_done += 1
         if not return_img:
             return self._latent.clone()
         if self._graph_dec is not None:
