@@ -15,6 +15,9 @@ import triton.language as tl
 from moe_kernels._dispatch import INTERPRET
 
 # Gather scale modes.
+# WHILE_LOOPS (True only under the interpreter): triton 3.5's interpreter cannot ``range()`` over a
+# runtime scalar (it holds scalars as 1-element arrays), so the loops there are ``while`` loops;
+# the GPU compiles the ``for`` loops.
 SCALE_NONE, SCALE_ROW, SCALE_SCORES = 0, 1, 2
 
 
@@ -66,6 +69,68 @@ def _gather_rows_kernel(
 
 
 @triton.jit
+def _scatter_step(
+    acc,
+    r,
+    count,
+    start,
+    src_ptr,
+    in_ptr,
+    cols,
+    col_in,
+    stride_in,
+    stride_id,
+    OUT_DTYPE: tl.constexpr,
+):
+    """Add each row's r-th source (if it has one) to acc, rounding to OUT_DTYPE."""
+    has = count > r
+    src = tl.load(src_ptr + start + r, mask=has, other=0).to(tl.int64)
+    v = tl.load(
+        in_ptr + src[:, None] * stride_in + cols[None, :] * stride_id,
+        mask=has[:, None] & col_in[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    # Round to out's dtype after every add: the sequential in-order sum in out's dtype.
+    total = (acc + v).to(OUT_DTYPE).to(tl.float32)
+    return tl.where(has[:, None], total, acc)
+
+
+@triton.jit
+def _combine_step(
+    acc,
+    j,
+    rows,
+    row_in,
+    cols,
+    col_in,
+    inv_ptr,
+    y_ptr,
+    w_ptr,
+    N,
+    stride_yn,
+    stride_yd,
+    stride_it,
+    stride_ik,
+    WEIGHTED: tl.constexpr,
+):
+    """acc + (weights[p] *) y[p] for p = inverse[row, j]; unrouted entries add +0.0."""
+    pos = tl.load(inv_ptr + rows * stride_it + j * stride_ik, mask=row_in, other=-1)
+    pos = pos.to(tl.int64)
+    ok = row_in & (pos >= 0) & (pos < N)
+    v = tl.load(
+        y_ptr + pos[:, None] * stride_yn + cols[None, :] * stride_yd,
+        mask=ok[:, None] & col_in[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    if WEIGHTED:
+        w = tl.load(w_ptr + pos, mask=ok, other=0.0).to(tl.float32)
+        v = w[:, None] * v
+    # Unrouted entries load as +0.0, and acc + 0.0 == acc bit for bit (acc starts at +0.0 and
+    # round-to-nearest never produces -0.0 from a sum with a +0.0 start): same as skipping.
+    return acc + v
+
+
+@triton.jit
 def _scatter_add_kernel(
     out_ptr,  # (T, D), updated in place
     in_ptr,  # (N, D)
@@ -79,6 +144,7 @@ def _scatter_add_kernel(
     stride_id,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -93,17 +159,38 @@ def _scatter_add_kernel(
     touched = (count > 0)[:, None] & col_in[None, :]
     dst = out_ptr + rows[:, None] * stride_ot + cols[None, :] * stride_od
     acc = tl.load(dst, mask=touched, other=0.0).to(tl.float32)
-    for r in range(0, longest):
-        has = count > r
-        src = tl.load(src_ptr + start + r, mask=has, other=0).to(tl.int64)
-        v = tl.load(
-            in_ptr + src[:, None] * stride_in + cols[None, :] * stride_id,
-            mask=has[:, None] & col_in[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        # Round to out's dtype after every add: the sequential in-order sum in out's dtype.
-        total = (acc + v).to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc = tl.where(has[:, None], total, acc)
+    if WHILE_LOOPS:
+        r = longest * 0
+        while r < longest:
+            acc = _scatter_step(
+                acc,
+                r,
+                count,
+                start,
+                src_ptr,
+                in_ptr,
+                cols,
+                col_in,
+                stride_in,
+                stride_id,
+                out_ptr.dtype.element_ty,
+            )
+            r += 1
+    else:
+        for r in range(0, longest):
+            acc = _scatter_step(
+                acc,
+                r,
+                count,
+                start,
+                src_ptr,
+                in_ptr,
+                cols,
+                col_in,
+                stride_in,
+                stride_id,
+                out_ptr.dtype.element_ty,
+            )
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=touched)
 
 
@@ -124,6 +211,7 @@ def _combine_kernel(
     WEIGHTED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -132,21 +220,46 @@ def _combine_kernel(
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     col_in = cols < D
     acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    for j in range(0, K):
-        pos = tl.load(inv_ptr + rows * stride_it + j * stride_ik, mask=row_in, other=-1)
-        pos = pos.to(tl.int64)
-        ok = row_in & (pos >= 0) & (pos < N)
-        v = tl.load(
-            y_ptr + pos[:, None] * stride_yn + cols[None, :] * stride_yd,
-            mask=ok[:, None] & col_in[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        if WEIGHTED:
-            w = tl.load(w_ptr + pos, mask=ok, other=0.0).to(tl.float32)
-            v = w[:, None] * v
-        # Unrouted entries load as +0.0, and acc + 0.0 == acc bit for bit (acc starts at +0.0 and
-        # round-to-nearest never produces -0.0 from a sum with a +0.0 start): same as skipping.
-        acc = acc + v
+    if WHILE_LOOPS:
+        j = K * 0
+        while j < K:
+            acc = _combine_step(
+                acc,
+                j,
+                rows,
+                row_in,
+                cols,
+                col_in,
+                inv_ptr,
+                y_ptr,
+                w_ptr,
+                N,
+                stride_yn,
+                stride_yd,
+                stride_it,
+                stride_ik,
+                WEIGHTED,
+            )
+            j += 1
+    else:
+        for j in range(0, K):
+            acc = _combine_step(
+                acc,
+                j,
+                rows,
+                row_in,
+                cols,
+                col_in,
+                inv_ptr,
+                y_ptr,
+                w_ptr,
+                N,
+                stride_yn,
+                stride_yd,
+                stride_it,
+                stride_ik,
+                WEIGHTED,
+            )
     dst = out_ptr + rows[:, None] * D + cols[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
@@ -250,6 +363,7 @@ def scatter_add_sorted(
         in_ND.stride(1),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        WHILE_LOOPS=INTERPRET,
         num_warps=num_warps,
     )
 
@@ -287,6 +401,7 @@ def combine(
         WEIGHTED=weights_N is not None,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        WHILE_LOOPS=INTERPRET,
         num_warps=num_warps,
         enable_fp_fusion=False,  # w * y then + acc, two roundings, like the reference
     )
