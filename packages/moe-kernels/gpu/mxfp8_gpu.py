@@ -126,23 +126,18 @@ def check_casts() -> None:
                     )
                     ok = same_bits(d1, rd1) and same_bits(s1, rs1)
                     check(f"to_mxfp8_dim1 {M}x{K} {dtype} {mode} native={native}", ok)
-                for variant, configs in DIM1_CONFIGS.items():  # every timed launch config
-                    for bm, bk in configs:
-                        d1, s1 = tq.to_mxfp8_dim1(
-                            xd[: M // 32 * 32],
-                            mode == "floor",
-                            block_m=bm,
-                            block_k=bk,
-                            variant=variant,
-                        )
-                        ok = same_bits(d1, rd1) and same_bits(s1, rs1)
-                        check(f"to_mxfp8_dim1 {variant} {bm}x{bk} {M}x{K} {dtype} {mode}", ok)
+                for bm, bk in DIM1_CONFIGS:  # every timed launch config
+                    d1, s1 = tq.to_mxfp8_dim1(
+                        xd[: M // 32 * 32], mode == "floor", block_m=bm, block_k=bk
+                    )
+                    ok = same_bits(d1, rd1) and same_bits(s1, rs1)
+                    check(f"to_mxfp8_dim1 {bm}x{bk} {M}x{K} {dtype} {mode}", ok)
                 for bm, bk in DIM0_CONFIGS:
                     d, s = tq.to_mxfp8(xd, mode == "floor", block_m=bm, block_k=bk)
                     ok = same_bits(d, rd) and same_bits(s, rs)
                     check(f"to_mxfp8 {bm}x{bk} {M}x{K} {dtype} {mode}", ok)
                 d, s = mx.to_mxfp8(xd, scaling_mode=mode)
-                for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                for out_dtype in OUT_DTYPES:
                     poison(M * K * 4)
                     got = mx.from_mxfp8(d, s, out_dtype)
                     want = ref.from_mxfp8(d.cpu(), s.cpu(), out_dtype)
@@ -153,14 +148,13 @@ def check_casts() -> None:
     b = make_x(3 * 64, 96, torch.bfloat16, seed=5, special=False).view(3, 64, 96)
     rd = torch.stack([ref.to_mxfp8_dim1(b[e], "rceil")[0].view(torch.uint8) for e in range(3)])
     rs = torch.stack([ref.to_mxfp8_dim1(b[e], "rceil")[1].view(torch.uint8) for e in range(3)])
-    for variant in DIM1_CONFIGS:
-        d, s = tq.to_mxfp8_dim1(b.to(dev), False, variant=variant)
-        check(f"to_mxfp8_dim1 {variant} batched (3, 64, 96)", same_bits(d, rd) and same_bits(s, rs))
+    d, s = tq.to_mxfp8_dim1(b.to(dev), False)
+    check("to_mxfp8_dim1 batched (3, 64, 96)", same_bits(d, rd) and same_bits(s, rs))
     # dequant of every byte with every scale byte
     data = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # (256, 256)
     scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8)
     for bm, bk in DEQ_CONFIGS:
-        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for out_dtype in OUT_DTYPES:
             got = tq.from_mxfp8(data.to(dev), scale.to(dev), out_dtype, block_m=bm, block_k=bk)
             want = ref.from_mxfp8(data, scale, out_dtype)
             check(f"from_mxfp8 {bm}x{bk} all bytes -> {out_dtype}", same_float(got, want))
@@ -435,13 +429,13 @@ def time_layouts() -> None:
         t.add("public fn", lambda s=s: mx.to_blocked_per_group_3d(s))
 
 
+# the interpreter truncates fp32 -> bf16 (bf16-subnormal results differ): no bf16 in a dry run
+OUT_DTYPES = (
+    (torch.float32, torch.float16) if DRY else (torch.float32, torch.bfloat16, torch.float16)
+)
 DIM0_CONFIGS = [(None, None), (32, 128), (16, 256), (32, 256), (64, 256), (16, 512)]
 DEQ_CONFIGS = [(None, None), (32, 256), (16, 512)]
-DIM1_CONFIGS = {
-    "reshape": [(None, None), (64, 64)],
-    "rowblocks": [(64, 64), (128, 64), (64, 128), (128, 128), (32, 256), (256, 32)],
-    "tload": [(64, 64), (128, 64), (64, 128), (128, 32), (32, 128)],
-}
+DIM1_CONFIGS = [(None, None), (64, 64), (32, 64), (32, 256), (32, 32)]
 
 
 def time_casts() -> None:
@@ -458,12 +452,9 @@ def time_casts() -> None:
             t.add(f"dim0 {bm or 'auto'}x{bk or 'auto'}", fn)
         t.add("dim0 auto int-rounding", lambda x=x: tq.to_mxfp8(x, False, native_cast=False))
         t.add("dim1 torch ref", lambda x=x: ref.to_mxfp8_dim1(x, "rceil"))
-        for variant, configs in DIM1_CONFIGS.items():
-            for bm, bk in configs:
-                fn = lambda x=x, bm=bm, bk=bk, v=variant: tq.to_mxfp8_dim1(
-                    x, False, block_m=bm, block_k=bk, variant=v
-                )
-                t.add(f"dim1 {variant} {bm or 'auto'}x{bk or 'auto'}", fn)
+        for bm, bk in DIM1_CONFIGS:
+            fn = lambda x=x, bm=bm, bk=bk: tq.to_mxfp8_dim1(x, False, block_m=bm, block_k=bk)
+            t.add(f"dim1 {bm or 'auto'}x{bk or 'auto'}", fn)
         d, sc = mx.to_mxfp8(x)
         for bm, bk in DEQ_CONFIGS:
             fn = lambda d=d, sc=sc, bm=bm, bk=bk: tq.from_mxfp8(

@@ -272,14 +272,13 @@ def test_compile_fullgraph() -> None:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="launches the Triton kernels: needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("variant", ["reshape", "rowblocks", "tload"])
-def test_dim1_kernel_variants_and_tiles(variant: str) -> None:
-    """Every column-wise kernel variant, with tiles that mask rows and columns, batched."""
+def test_dim1_kernel_tiles() -> None:
+    """The column-wise kernel with tiles that mask rows and columns, batched."""
     from moe_kernels._triton import mxfp8_quant as tq
 
     x = make_x(2 * 96, 40, torch.bfloat16, seed=8).view(2, 96, 40)
     for bm, bk in ((32, 8), (64, 16), (128, 64)):
-        d, s = tq.to_mxfp8_dim1(x, True, block_m=bm, block_k=bk, variant=variant)
+        d, s = tq.to_mxfp8_dim1(x, True, block_m=bm, block_k=bk)
         for e in range(2):
             want_d, want_s = oracle_mxfp8(x[e].t().contiguous(), "floor")
             np.testing.assert_array_equal(bits(d[e]), want_d)

@@ -42,11 +42,8 @@ __all__ = [
 SCALING_MODES = ("floor", "rceil")
 _SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BLOCK = 32
-
-
-def _ceil_to(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
+BLOCK = _ref.BLOCK
+_ceil_to = _ref.ceil_to
 
 
 def _tq():

@@ -18,7 +18,7 @@ _E4M3_NAN = 0x7F
 TILE_ROWS, TILE_COLS = 128, 4  # one cuBLAS scale tile: 128 x 4 bytes, 512 contiguous bytes
 
 
-def _ceil_to(n: int, m: int) -> int:
+def ceil_to(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
@@ -99,7 +99,7 @@ def from_mxfp8(
 def to_blocked(scale_RC: torch.Tensor) -> torch.Tensor:
     """cuBLAS 1D-block-scaling layout of (R, C) 8-bit scales, shaped (Rp, Cp), zero padded."""
     R, C = scale_RC.shape
-    Rp, Cp = _ceil_to(R, TILE_ROWS), _ceil_to(C, TILE_COLS)
+    Rp, Cp = ceil_to(R, TILE_ROWS), ceil_to(C, TILE_COLS)
     u8 = scale_RC.view(torch.uint8)
     padded = torch.nn.functional.pad(u8, (0, Cp - C, 0, Rp - R))
     # rows r = (i, r // 32, r % 32), cols (j, c) -> order (i, j, r % 32, r // 32, c)
@@ -131,7 +131,7 @@ def to_blocked_per_group_2d(
     """
     R, C = scale_RC.shape
     G = group_end_offsets.shape[0]
-    Cp = _ceil_to(C, TILE_COLS)
+    Cp = ceil_to(C, TILE_COLS)
     R_out = R + TILE_ROWS * G
     dev = scale_RC.device
     sizes, start_rows = compute_per_group_blocked_scale_offsets(group_end_offsets)
@@ -146,7 +146,7 @@ def to_blocked_per_group_2d(
     rowmajor = torch.where(valid[:, None], u8[src] if R > 0 else u8.new_zeros(R_out, C), 0)
     rowmajor = torch.nn.functional.pad(rowmajor, (0, Cp - C))
     # Every group starts on a 128-row boundary, so one global swizzle lays out each group alone.
-    Rp_out = _ceil_to(R_out, TILE_ROWS)
+    Rp_out = ceil_to(R_out, TILE_ROWS)
     rowmajor = torch.nn.functional.pad(rowmajor, (0, 0, 0, Rp_out - R_out))
     blocked = to_blocked(rowmajor)[:R_out]
     return blocked.view(scale_RC.dtype), start_rows
@@ -155,7 +155,7 @@ def to_blocked_per_group_2d(
 def to_blocked_per_group_3d(scale_ENC: torch.Tensor) -> torch.Tensor:
     """(E, N, C) scales -> (E, Np * Cp): each expert's (N, C) matrix laid out by ``to_blocked``."""
     E, N, C = scale_ENC.shape
-    Np, Cp = _ceil_to(N, TILE_ROWS), _ceil_to(C, TILE_COLS)
+    Np, Cp = ceil_to(N, TILE_ROWS), ceil_to(C, TILE_COLS)
     u8 = scale_ENC.view(torch.uint8)
     padded = torch.nn.functional.pad(u8, (0, Cp - C, 0, Np - N))
     tiles = padded.reshape(E, Np // TILE_ROWS, 4, 32, Cp // TILE_COLS, TILE_COLS)
