@@ -136,14 +136,13 @@ def _scatter_order(
     num_rows = token_indices_N.shape[0]
     small = max(num_rows, num_tokens) < 2**31 - 1
     key_dtype = torch.int32 if small else torch.int64
-    tok_N = token_indices_N.to(key_dtype)
-    live_N = (tok_N >= 0) & (tok_N < num_tokens)
+    live_N = (token_indices_N >= 0) & (token_indices_N < num_tokens)
     if valid_token_count is not None:
-        rows_N = torch.arange(num_rows, device=tok_N.device, dtype=key_dtype)
-        live_N &= rows_N < valid_token_count.reshape(()).to(key_dtype)
-    key_N = torch.where(live_N, tok_N, num_tokens)
+        rows_N = torch.arange(num_rows, device=token_indices_N.device)
+        live_N &= rows_N < valid_token_count.reshape(())
+    key_N = torch.where(live_N, token_indices_N, num_tokens).to(key_dtype)
     key_sorted_N, src_N = torch.sort(key_N, stable=True)
-    queries = torch.arange(num_tokens + 1, device=tok_N.device, dtype=key_dtype)
+    queries = torch.arange(num_tokens + 1, device=key_N.device, dtype=key_dtype)
     bounds_T1 = torch.searchsorted(key_sorted_N, queries, out_int32=small)
     return src_N, bounds_T1
 
