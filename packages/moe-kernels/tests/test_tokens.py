@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe_kernels import routing
 from moe_kernels._dispatch import INTERPRET, use_triton
@@ -186,6 +188,29 @@ def test_scatter_add_matches_sequential_oracle(out_dtype, in_dtype, num_tokens, 
         assert bool(((out.float() - expected.float()).abs() <= slack).all())
     else:
         assert_matches(out, expected)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    num_tokens=st.integers(1, 12),
+    dim=st.integers(1, 40),
+    n=st.integers(0, 40),
+    vtc=st.one_of(st.none(), st.integers(-2, 45)),
+    seed=st.integers(0, 2**16),
+)
+def test_gather_then_scatter_property(num_tokens, dim, n, vtc, seed):
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(-1, num_tokens, (n,), generator=g, dtype=torch.int32)
+    exp = torch.randint(0, 3, (n,), generator=g, dtype=torch.int32)
+    x = torch.randn(num_tokens, dim, generator=g)
+    scores = torch.rand(num_tokens, 3, generator=g)
+    count = None if vtc is None else torch.tensor([vtc])
+    rows = gather_scale_dense_tokens(x, tok, exp, scores, count)
+    assert torch.equal(rows, gather_oracle(x, tok, exp, scores, count))
+    out = torch.randn(num_tokens, dim, generator=g)
+    expected = scatter_oracle(out, rows, tok, count)
+    scatter_add_dense_tokens(out, rows, tok, count)
+    assert torch.equal(out, expected)
 
 
 def test_scatter_add_order_is_ascending_i():
