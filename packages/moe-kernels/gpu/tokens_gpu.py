@@ -282,8 +282,8 @@ def timings(num_tokens: int, dim: int, k: int, num_experts: int) -> None:
     row(shape, "index_add_ fp32", t_ia32, scatter_bytes + n * dim * 2, c_s, None)
     t = bench(lambda: tk.scatter_add_dense_tokens(out32, y, plan.token_indices))
     row(shape, "scatter_add fp32<-bf16", t, scatter_bytes, c_s, t_ia32)
-    src, bounds = tk._scatter_order(plan.token_indices, num_tokens, None)
-    t = bench(lambda: tk._scatter_order(plan.token_indices, num_tokens, None))
+    src, bounds = ref.scatter_order(plan.token_indices, num_tokens, None)
+    t = bench(lambda: ref.scatter_order(plan.token_indices, num_tokens, None))
     row(shape, "  scatter order (sort)", t, 1, c_s, None)
     t = bench(lambda: tri.scatter_add_sorted(out32, y, src, bounds))
     row(shape, "  scatter kernel only", t, scatter_bytes, c_s, t_ia32)
@@ -312,7 +312,7 @@ def sweep(num_tokens: int, dim: int, k: int, num_experts: int) -> None:
     x = torch.randn(num_tokens, dim, device=dev, dtype=dtype)
     y = torch.randn(n, dim, device=dev, dtype=dtype)
     out32 = torch.zeros(num_tokens, dim, device=dev)
-    src, bounds = tk._scatter_order(plan.token_indices, num_tokens, None)
+    src, bounds = ref.scatter_order(plan.token_indices, num_tokens, None)
     print("config sweep (BLOCK_N, BLOCK_D, warps): us")
     print(
         "  default gather",

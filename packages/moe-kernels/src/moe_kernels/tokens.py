@@ -16,12 +16,15 @@ kernels (memory-safe) and is undefined behaviour by contract.
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from moe_kernels import _validate as V
 from moe_kernels._dispatch import op_name, use_triton
 from moe_kernels._reference import tokens as _ref
-from moe_kernels.routing import RoutingPlan
+
+# _direct: eager calls on plain CUDA tensors skip the custom op's dispatcher (tens of microseconds
+# per call), the rule routing uses; compile, export, fake and CPU tensors go through the op.
+# (Shared by two modules now: a candidate for _dispatch.py.)
+from moe_kernels.routing import RoutingPlan, _direct
 
 __all__ = ["combine", "dispatch", "gather_scale_dense_tokens", "scatter_add_dense_tokens"]
 
@@ -30,20 +33,6 @@ def _triton():
     from moe_kernels._triton import tokens as tri  # imported lazily: triton only when used
 
     return tri
-
-
-def _direct(*tensors: torch.Tensor | None) -> bool:
-    """True for plain CUDA tensors in eager mode (no compile, tracing, dispatch mode or functorch
-    transform): the public functions then call the implementation directly and skip the custom
-    op's dispatcher overhead (tens of microseconds per call, as much as the kernels take at
-    T=4096). CPU tensors, compile, export and fake tensors always go through the custom op.
-    (The same rule as ``moe_kernels.routing``; a candidate for ``_dispatch.py``.)"""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    if functorch_active is not None and functorch_active():
-        return False
-    return all(t is None or (type(t) is torch.Tensor and t.is_cuda) for t in tensors)
 
 
 def _index_1d(name: str, t: object, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
@@ -127,26 +116,6 @@ def gather_scale_dense_tokens(
 # scatter_add_dense_tokens
 
 
-def _scatter_order(
-    token_indices_N: torch.Tensor, num_tokens: int, valid_token_count: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(src, bounds): the live entries i grouped by destination row, ascending i inside a row
-    (a stable device-side sort of the destinations, no host sync); row t's sources are
-    ``src[bounds[t]:bounds[t+1]]``."""
-    num_rows = token_indices_N.shape[0]
-    small = max(num_rows, num_tokens) < 2**31 - 1
-    key_dtype = torch.int32 if small else torch.int64
-    live_N = (token_indices_N >= 0) & (token_indices_N < num_tokens)
-    if valid_token_count is not None:
-        rows_N = torch.arange(num_rows, device=token_indices_N.device)
-        live_N &= rows_N < valid_token_count.reshape(())
-    key_N = torch.where(live_N, token_indices_N, num_tokens).to(key_dtype)
-    key_sorted_N, src_N = torch.sort(key_N, stable=True)
-    queries = torch.arange(num_tokens + 1, device=key_N.device, dtype=key_dtype)
-    bounds_T1 = torch.searchsorted(key_sorted_N, queries, out_int32=small)
-    return src_N, bounds_T1
-
-
 def _scatter_add_impl(
     out_tokens: torch.Tensor,
     in_tokens: torch.Tensor,
@@ -158,7 +127,7 @@ def _scatter_add_impl(
         return
     if out_tokens.numel() == 0 or in_tokens.shape[0] == 0:
         return
-    src_N, bounds_T1 = _scatter_order(token_indices, out_tokens.shape[0], valid_token_count)
+    src_N, bounds_T1 = _ref.scatter_order(token_indices, out_tokens.shape[0], valid_token_count)
     _triton().scatter_add_sorted(out_tokens, in_tokens, src_N, bounds_T1)
 
 

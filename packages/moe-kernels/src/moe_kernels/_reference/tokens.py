@@ -71,6 +71,23 @@ def dispatch(
     return gather_rows(x_TD, token_indices_N, weights_N if scale else None, live_N)
 
 
+def scatter_order(
+    token_indices_N: torch.Tensor, num_tokens: int, valid_token_count: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, bounds): the live entries i grouped by destination row, ascending i inside a row
+    (a stable device-side sort of the destinations, no host sync); row t's sources are
+    ``src[bounds[t]:bounds[t+1]]``. Shared by the reference and the Triton path."""
+    num_rows = token_indices_N.shape[0]
+    small = max(num_rows, num_tokens) < 2**31 - 1
+    key_dtype = torch.int32 if small else torch.int64
+    live_N = _row_mask(token_indices_N, num_tokens, valid_token_count)
+    key_N = torch.where(live_N, token_indices_N, num_tokens).to(key_dtype)
+    key_sorted_N, src_N = torch.sort(key_N, stable=True)
+    queries = torch.arange(num_tokens + 1, device=key_N.device, dtype=key_dtype)
+    bounds_T1 = torch.searchsorted(key_sorted_N, queries, out_int32=small)
+    return src_N, bounds_T1
+
+
 def scatter_add_dense_tokens(
     out_TD: torch.Tensor,
     in_ND: torch.Tensor,
@@ -84,13 +101,10 @@ def scatter_add_dense_tokens(
     Entries with token index -1 (or out of range) or i >= valid_token_count are skipped.
     """
     num_tokens = out_TD.shape[0]
-    live_N = _row_mask(token_indices_N, num_tokens, valid_token_count)
-    key_N = torch.where(live_N, token_indices_N.long(), num_tokens)
-    key_sorted_N, src_N = torch.sort(key_N, stable=True)
-    bounds_T1 = torch.searchsorted(key_sorted_N, torch.arange(num_tokens + 1, device=key_N.device))
-    start_T, count_T = bounds_T1[:-1], bounds_T1[1:] - bounds_T1[:-1]
-    rows_T = torch.arange(num_tokens, device=key_N.device)
-    longest = int(count_T.max()) if num_tokens > 0 else 0
+    src_N, bounds_T1 = scatter_order(token_indices_N, num_tokens, valid_token_count)
+    start_T, count_T = bounds_T1[:-1].long(), (bounds_T1[1:] - bounds_T1[:-1]).long()
+    rows_T = torch.arange(num_tokens, device=out_TD.device)
+    longest = int(count_T.max()) if num_tokens > 0 else 0  # the one host read (loop bound)
     for r in range(longest):  # r-th contribution of every row that has one: no duplicates
         has_R = count_T > r
         dst_R = rows_T[has_R]
