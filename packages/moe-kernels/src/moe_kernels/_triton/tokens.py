@@ -1,8 +1,9 @@
 """Triton kernels for token movement (gather / dispatch, scatter-add, combine) and their launchers.
 
 Every kernel moves D-long rows: one program per (block of BLOCK_N rows, chunk of BLOCK_D columns),
-16-byte vector accesses along D, masks for odd D, int64 row offsets. The launchers pick the block
-shape and warps from D, the element size and the row count. Nothing here checks arguments: the
+16-byte vector accesses along D, masks for odd D, int64 row offsets (column offsets are int32:
+a column stride times D must stay below 2**31). The launchers pick the block shape and warps
+from the kernel, D and the row count. Nothing here checks arguments: the
 public module ``moe_kernels.tokens`` does that before any launch.
 """
 
@@ -14,11 +15,12 @@ import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET
 
-# Gather scale modes.
+# Gather scale modes: plain copy, times a per-row weight, times scores[token, expert].
+SCALE_NONE, SCALE_ROW, SCALE_SCORES = 0, 1, 2
+
 # WHILE_LOOPS (True only under the interpreter): triton 3.5's interpreter cannot ``range()`` over a
 # runtime scalar (it holds scalars as 1-element arrays), so the loops there are ``while`` loops;
 # the GPU compiles the ``for`` loops.
-SCALE_NONE, SCALE_ROW, SCALE_SCORES = 0, 1, 2
 
 
 @triton.jit
