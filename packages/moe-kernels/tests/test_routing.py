@@ -230,6 +230,13 @@ def test_valid_token_count(valid):
     check_plan(route(x, 2, valid_token_count=vtc), naive_plan(x, 2, valid=valid))
 
 
+def test_more_than_65536_experts():
+    x = make_scores(3, 70001, torch.bfloat16, "ties", seed=2)
+    check_plan(
+        route(x, 2, expert_index_start=5, renormalize=True), naive_plan(x, 2, 5, None, None, True)
+    )
+
+
 def test_empty_tokens():
     x = torch.empty(0, 6)
     tcpe, expert, token = index_shuffling(x, 1, 4, None, 3)

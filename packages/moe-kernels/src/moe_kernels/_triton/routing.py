@@ -10,7 +10,7 @@ A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` (
    a popcount of the earlier tokens' bits plus the program's running count, ranks every pair
    inside its expert; ``rank << L_BITS | local expert`` (or -1 when not routed) and the weight go
    to scratch, the program's per-expert count to ``hist[l, program]``.
-B. ``_scan_kernel``: one program per local expert, exclusive scan of its ``hist`` row over programs
+B. ``_scan_kernel``: exclusive scans of the ``hist`` rows over programs, a few experts per program
    (skipped for small problems: every C program then reduces the whole, small, ``hist`` itself).
 C. ``_place_kernel``: one program per A-program. It turns the per-expert totals into expert offsets,
    writes the sorted pairs (``expert_indices``, ``token_indices``, ``weights``) at
@@ -185,19 +185,21 @@ def _topk_rank_kernel(
 
 
 @triton.jit
-def _scan_kernel(hist_ptr, counts_ptr, n_programs, CHUNK: tl.constexpr):
-    """Row ``l`` of hist (pairs per program) -> its exclusive prefix; counts[l] = the total."""
-    l = tl.program_id(0)
-    row = hist_ptr + l * n_programs
-    carry = tl.zeros([], dtype=tl.int32)
+def _scan_kernel(hist_ptr, counts_ptr, L, n_programs, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr):
+    """Rows of hist (pairs per program), BLOCK_L experts per program -> their exclusive prefix
+    over programs; counts[l] = the row's total."""
+    ls = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_ok = ls < L
+    rows = hist_ptr + ls[:, None] * n_programs
+    carry = tl.zeros([BLOCK_L], dtype=tl.int32)
     for c in range(0, n_programs, CHUNK):
         idx = c + tl.arange(0, CHUNK)
-        ok = idx < n_programs
-        h = tl.load(row + idx, mask=ok, other=0)
-        incl = tl.cumsum(h, axis=0)
-        tl.store(row + idx, incl - h + carry, mask=ok)
-        carry += tl.sum(h, axis=0)
-    tl.store(counts_ptr + l, carry)
+        ok = l_ok[:, None] & (idx[None, :] < n_programs)
+        h = tl.load(rows + idx[None, :], mask=ok, other=0)
+        incl = tl.cumsum(h, axis=1)
+        tl.store(rows + idx[None, :], incl - h + carry[:, None], mask=ok)
+        carry += tl.sum(h, axis=1)
+    tl.store(counts_ptr + ls, carry, mask=l_ok)
 
 
 @triton.jit
@@ -345,6 +347,8 @@ def routing_triton(
     L = end - start
     dev = scores_TE.device
     i32 = torch.int32
+    if scores_TE.dtype != torch.float32 and _next_pow2(E) > 2**16:
+        scores_TE = scores_TE.float()  # 16-bit keys hold the expert in 16 bits; fp32 is exact
     cfg = _config(T, E, K, scores_TE.dtype == torch.float32)
     if config:
         cfg.update(config)
@@ -412,7 +416,10 @@ def routing_triton(
     )
     if L > 0 and not fuse_scan:
         chunk = min(np_pad, 4096)
-        _scan_kernel[(L,)](hist, counts, n_prog, CHUNK=chunk, num_warps=4)
+        block_l = max(1, min(l_pad, 4096 // chunk))
+        _scan_kernel[(triton.cdiv(L, block_l),)](
+            hist, counts, L, n_prog, BLOCK_L=block_l, CHUNK=chunk, num_warps=1 if INTERPRET else 4
+        )
     _place_kernel[(n_prog,)](
         packed,
         scr_w,
