@@ -7,3 +7,39 @@ syncs, deterministic.
 """
 
 __version__ = "0.1.0"
+
+from moe_kernels.mxfp8 import (
+    compute_per_group_blocked_scale_offsets,
+    from_mxfp8,
+    mxfp8_grouped_mm,
+    to_blocked,
+    to_blocked_per_group_2d,
+    to_blocked_per_group_3d,
+    to_mxfp8,
+    to_mxfp8_dim1,
+)
+from moe_kernels.routing import RoutingPlan, index_shuffling, route
+from moe_kernels.tokens import (
+    combine,
+    dispatch,
+    gather_scale_dense_tokens,
+    scatter_add_dense_tokens,
+)
+
+__all__ = [
+    "RoutingPlan",
+    "combine",
+    "compute_per_group_blocked_scale_offsets",
+    "dispatch",
+    "from_mxfp8",
+    "gather_scale_dense_tokens",
+    "index_shuffling",
+    "mxfp8_grouped_mm",
+    "route",
+    "scatter_add_dense_tokens",
+    "to_blocked",
+    "to_blocked_per_group_2d",
+    "to_blocked_per_group_3d",
+    "to_mxfp8",
+    "to_mxfp8_dim1",
+]

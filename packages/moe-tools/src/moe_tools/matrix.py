@@ -16,12 +16,13 @@ import torch
 
 from moe_tools import report
 from moe_tools.report import Result, Row, short_error
-from moe_tools.timing import default_device, time_fn
+from moe_tools.timing import default_device, graph_time_fn, time_fn
 
 COLUMNS = [
     "impl",
     "eager_ms",
     "compiled_ms",
+    "graph_ms",
     "speedup",
     "self_max",
     "self_mean",
@@ -167,6 +168,8 @@ def run(
             backend = compile_backend if compile else None
             rows.append(_measure(layer, impl, x_TD, y_base, device, warmup, iters, backend=backend))
             _free(device)
+        if device.type == "cuda":
+            rows.append(_grouped_gemms_row(layer, tokens, device, warmup, iters))
     torch._dynamo.reset()
     return Result("matrix", rows, COLUMNS, extra)
 
@@ -224,8 +227,46 @@ def _measure(
         return row
     finally:
         torch._dynamo.reset()
+    try:  # the compiled layer replayed in a CUDA graph: its device time, no launch cost
+        graph = graph_time_fn(lambda: compiled(x_TD), device, warmup=warmup, iters=iters)
+        row["graph_ms"] = graph.median_ms if graph is not None else None
+    except Exception as exc:
+        row["status"] = f"ok (no CUDA graph: {short_error(exc, limit=60)})"
     row["speedup"] = row["eager_ms"] / row["compiled_ms"] if row["compiled_ms"] else None
     if y_base is not None:
         row["comp_vs_base_max"], row["comp_vs_base_mean"] = diff_stats(yc, y_base)
     row["comp_vs_eager_max"], row["comp_vs_eager_mean"] = diff_stats(yc, y1)
+    return row
+
+
+GEMMS_ROW = "grouped_gemms"
+
+
+def _grouped_gemms_row(
+    layer: torch.nn.Module, tokens: int, device: torch.device, warmup: int, iters: int
+) -> Row:
+    """The experts' two ``torch._grouped_mm`` calls alone (tokens * top_k rows split evenly over
+    the experts): the floor the sync-free implementations are compared with."""
+    row = _empty_row(GEMMS_ROW, "reference: the two expert GEMMs alone")
+    if not hasattr(torch, "_grouped_mm"):
+        row["status"] = "unavailable: torch._grouped_mm missing"
+        return row
+    E, k = layer.n_experts, layer.top_k
+    w_in, w_out = layer.in_proj.mT, layer.out_proj.mT  # (E, D, H'), (E, H, D)
+    rows = tokens * k
+    gen = torch.Generator(device=device).manual_seed(1)
+    xs = torch.randn(rows, w_in.shape[1], device=device, dtype=w_in.dtype, generator=gen)
+    h = torch.randn(rows, w_out.shape[1], device=device, dtype=w_out.dtype, generator=gen)
+    offs = (torch.arange(1, E + 1, device=device) * rows // E).to(torch.int32)
+
+    def gemms() -> None:
+        torch._grouped_mm(xs, w_in, offs=offs)
+        torch._grouped_mm(h, w_out, offs=offs)
+
+    try:
+        row["eager_ms"] = time_fn(gemms, device, warmup=warmup, iters=iters).median_ms
+        graph = graph_time_fn(gemms, device, warmup=warmup, iters=iters)
+        row["graph_ms"] = graph.median_ms if graph is not None else None
+    except Exception as exc:
+        row["status"] = f"unavailable: {short_error(exc)}"
     return row

@@ -124,6 +124,30 @@ def time_fn(
     return timer.result()
 
 
+def graph_time_fn(
+    fn: Callable[[], object],
+    device: torch.device | str,
+    *,
+    warmup: int = 3,
+    iters: int = 20,
+) -> Timing | None:
+    """Capture one call of ``fn`` in a CUDA graph and time ``iters`` replays (CUDA events): the
+    device time without the host's launch cost. None on CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_fn(graph.replay, device, warmup=1, iters=iters)
+
+
 def bench_us(
     fn: Callable[[], object],
     device: torch.device | str,
