@@ -1,4 +1,4 @@
-"""Developer sessions: ``nox -s tests`` (every torch version), ``nox -s benchmarks``, ``lint``, ``build``.
+"""Developer sessions: ``tests`` (every torch version), ``benchmarks``, ``lint``, ``build``.
 
 Kernel tests run twice: on the torch reference path, then on the Triton kernels through the
 interpreter (``TRITON_INTERPRET=1``), so CI exercises the kernels without a GPU.

@@ -7,8 +7,13 @@ import torch
 
 import moe_kernels
 
-deps = sorted({r.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip()
-               for r in requires("moe-kernels") or [] if "extra ==" not in r})
+deps = sorted(
+    {
+        r.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip()
+        for r in requires("moe-kernels") or []
+        if "extra ==" not in r
+    }
+)
 assert deps == ["torch", "triton", "triton-windows"], deps
 print("moe_kernels", moe_kernels.__version__, "requires", deps)
 
