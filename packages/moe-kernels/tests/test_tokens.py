@@ -460,7 +460,7 @@ def test_direct_eager_path_matches_custom_op(monkeypatch):
     )
     out_op = torch.zeros(7, 12)
     scatter_add_dense_tokens(out_op, src, plan.token_indices)
-    monkeypatch.setattr(tokens, "_direct", lambda *tensors: True)
+    monkeypatch.setattr(tokens, "eager_direct", lambda *tensors: True)
     got = (
         dispatch(x, plan, scale=True),
         combine(src, plan),

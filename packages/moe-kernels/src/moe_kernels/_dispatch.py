@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 NAMESPACE = "moe_kernels"
 
@@ -38,3 +39,20 @@ def use_triton(device: torch.device) -> bool:
 def op_name(name: str) -> str:
     """The qualified custom-op name, ``moe_kernels::<name>``."""
     return f"{NAMESPACE}::{name}"
+
+
+def eager_direct(*tensors: torch.Tensor | None) -> bool:
+    """True when a public function may call an op's implementation directly instead of through
+    the custom-op dispatcher, which costs tens of microseconds per call on the host (as much as
+    the kernels themselves at small sizes): plain CUDA tensors that need no autograd, in eager
+    mode, with no compilation, dispatch mode (fake tensors, export) or functorch transform active.
+    Everything else goes through the registered op, which keeps compile and autograd honest."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if functorch_active is not None and functorch_active():
+        return False
+    return all(
+        t is None or (type(t) is torch.Tensor and t.is_cuda and not t.requires_grad)
+        for t in tensors
+    )

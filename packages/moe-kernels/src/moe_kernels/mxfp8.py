@@ -21,10 +21,9 @@ Numerics of the casts (``to_mxfp8``, ``to_mxfp8_dim1``), per block of 32 values 
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _validate as v
-from ._dispatch import op_name, use_triton
+from ._dispatch import eager_direct, op_name, use_triton
 from ._reference import mxfp8 as _ref
 
 __all__ = [
@@ -74,19 +73,6 @@ def _check_x(x: torch.Tensor, dim: int) -> None:
         raise ValueError(f"x's {which} must be a multiple of 32, got shape {tuple(x.shape)}")
 
 
-def _direct(*tensors: torch.Tensor) -> bool:
-    """True for plain CUDA tensors without autograd in eager mode (no tracing, dispatch mode or
-    functorch transform): the public functions then call the implementation directly, skipping
-    the custom-op dispatcher's per-call host overhead (tens of microseconds, more than the layout
-    kernels take). Compilation, export, fake tensors, autograd and CPU go through the custom op."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    if functorch_active is not None and functorch_active():
-        return False
-    return all(type(t) is torch.Tensor and t.is_cuda and not t.requires_grad for t in tensors)
-
-
 def _check_offsets(name: str, offs: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     v.dtype(name, offs, v.INDEX_DTYPES)
     v.rank(name, offs, 1)
@@ -127,7 +113,7 @@ def to_mxfp8(x: torch.Tensor, *, scaling_mode: str = "rceil") -> tuple[torch.Ten
     Returns data (M, K) ``float8_e4m3fn`` and scale (M, K // 32) ``float8_e8m0fnu``.
     """
     _check_x(x, 1)
-    op = _to_mxfp8_impl if _direct(x) else _to_mxfp8_op
+    op = _to_mxfp8_impl if eager_direct(x) else _to_mxfp8_op
     return op(x, _check_mode(scaling_mode))
 
 
@@ -161,7 +147,7 @@ def to_mxfp8_dim1(
     Returns data (K, M) ``float8_e4m3fn`` and scale (K, M // 32) ``float8_e8m0fnu``.
     """
     _check_x(x, 0)
-    op = _to_mxfp8_dim1_impl if _direct(x) else _to_mxfp8_dim1_op
+    op = _to_mxfp8_dim1_impl if eager_direct(x) else _to_mxfp8_dim1_op
     return op(x, _check_mode(scaling_mode))
 
 
@@ -201,7 +187,7 @@ def from_mxfp8(
         raise ValueError(f"data's K must be a multiple of 32, got shape {tuple(data.shape)}")
     if tuple(scale.shape) != (M, K // BLOCK):
         raise ValueError(f"scale must have shape {(M, K // BLOCK)}, got {tuple(scale.shape)}")
-    op = _from_mxfp8_impl if _direct(data, scale) else _from_mxfp8_op
+    op = _from_mxfp8_impl if eager_direct(data, scale) else _from_mxfp8_op
     return op(data.view(torch.uint8), scale.view(torch.uint8), dtype)
 
 
@@ -239,7 +225,7 @@ def to_blocked(scale: torch.Tensor) -> torch.Tensor:
     row-of-tiles order; padding is zero.
     """
     _check_scales("scale", scale, 2)
-    op = _to_blocked_impl if _direct(scale) else _to_blocked_op
+    op = _to_blocked_impl if eager_direct(scale) else _to_blocked_op
     return op(scale.view(torch.uint8)).view(scale.dtype)
 
 
@@ -276,7 +262,7 @@ def compute_per_group_blocked_scale_offsets(
     v.rank("group_end_offsets", group_end_offsets, 1)
     if group_end_offsets.shape[0] < 1:
         raise ValueError("group_end_offsets must hold at least one group, got shape (0,)")
-    op = _group_offsets_impl if _direct(group_end_offsets) else _group_offsets_op
+    op = _group_offsets_impl if eager_direct(group_end_offsets) else _group_offsets_op
     return op(group_end_offsets)
 
 
@@ -319,7 +305,7 @@ def to_blocked_per_group_2d(
     """
     _check_scales("scales", scales, 2)
     _check_offsets("group_end_offsets", group_end_offsets, "scales", scales)
-    op = _blocked_2d_impl if _direct(scales, group_end_offsets) else _blocked_2d_op
+    op = _blocked_2d_impl if eager_direct(scales, group_end_offsets) else _blocked_2d_op
     blocked, start_rows = op(scales.view(torch.uint8), group_end_offsets)
     return blocked.view(scales.dtype), start_rows
 
@@ -345,7 +331,7 @@ def to_blocked_per_group_3d(scales: torch.Tensor) -> torch.Tensor:
     """(E, N, C) scales -> (E, ceil(N/128)*128 * ceil(C/4)*4), same dtype: each expert's (N, C)
     matrix laid out with ``to_blocked`` (flattened)."""
     _check_scales("scales", scales, 3)
-    op = _blocked_3d_impl if _direct(scales) else _blocked_3d_op
+    op = _blocked_3d_impl if eager_direct(scales) else _blocked_3d_op
     return op(scales.view(torch.uint8)).view(scales.dtype)
 
 
@@ -475,5 +461,5 @@ def mxfp8_grouped_mm(
         raise ValueError(f"a's K must be a multiple of 32, got shape {tuple(a.shape)}")
     v.dim_size("b", b, 1, K, "K, matching a")
     v.dim_size("offsets", offsets, 0, E, "one end offset per expert of b")
-    op = _mxfp8_grouped_mm_impl if _direct(a, b, offsets) else _mxfp8_grouped_mm_op
+    op = _mxfp8_grouped_mm_impl if eager_direct(a, b, offsets) else _mxfp8_grouped_mm_op
     return op(a, b, offsets, out_dtype)

@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _validate as V
-from ._dispatch import op_name, use_triton
+from ._dispatch import eager_direct, op_name, use_triton
 from ._reference.routing import index_shuffling_reference, route_reference
 
 __all__ = ["RoutingPlan", "index_shuffling", "route"]
@@ -72,19 +71,6 @@ def _check(
     if T * top_k >= 2**31 or T * E >= 2**31:
         raise ValueError(f"{name} is too large for int32 indices: shape {tuple(scores.shape)}")
     return scores, top_k, start, end
-
-
-def _direct(*tensors: torch.Tensor | None) -> bool:
-    """True for plain CUDA tensors in eager mode with no tracing, dispatch mode or functorch
-    transform active: the public functions then call the op's implementation directly, skipping
-    the dispatcher's per-call overhead (tens of microseconds, as much as the kernels take at
-    T=4096). Compilation, export, fake tensors and CPU tensors always go through the custom op."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    if functorch_active is not None and functorch_active():
-        return False
-    return all(t is None or (type(t) is torch.Tensor and t.is_cuda) for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +152,7 @@ def index_shuffling(
         expert_index_end,
         valid_token_count,
     )
-    op = _index_shuffling_impl if _direct(scores, valid_token_count) else _index_shuffling_op
+    op = _index_shuffling_impl if eager_direct(scores, valid_token_count) else _index_shuffling_op
     return op(scores, start, end, valid_token_count, top_k)
 
 
@@ -244,5 +230,5 @@ def route(
     )
     if not isinstance(renormalize, bool):
         raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
-    op = _route_impl if _direct(scores, valid_token_count) else _route_op
+    op = _route_impl if eager_direct(scores, valid_token_count) else _route_op
     return RoutingPlan(*op(scores, top_k, valid_token_count, start, end, renormalize))

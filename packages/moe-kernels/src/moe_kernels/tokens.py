@@ -18,13 +18,9 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import op_name, use_triton
+from moe_kernels._dispatch import eager_direct, op_name, use_triton
 from moe_kernels._reference import tokens as _ref
-
-# _direct: eager calls on plain CUDA tensors skip the custom op's dispatcher (tens of microseconds
-# per call), the rule routing uses; compile, export, fake and CPU tensors go through the op.
-# (Shared by two modules now: a candidate for _dispatch.py.)
-from moe_kernels.routing import RoutingPlan, _direct
+from moe_kernels.routing import RoutingPlan
 
 __all__ = ["combine", "dispatch", "gather_scale_dense_tokens", "scatter_add_dense_tokens"]
 
@@ -108,7 +104,7 @@ def gather_scale_dense_tokens(
     V.dim_size("scores", scores, 0, x.shape[0], "T, the rows of x")
     V.dim_size("expert_indices", expert_indices, 0, token_indices.shape[0], "len(token_indices)")
     V.valid_token_count(valid_token_count, "x", x)
-    op = _gather_scale_impl if _direct(x, scores, valid_token_count) else _gather_scale_op
+    op = _gather_scale_impl if eager_direct(x, scores, valid_token_count) else _gather_scale_op
     return op(x, token_indices, expert_indices, scores, valid_token_count)
 
 
@@ -166,7 +162,7 @@ def scatter_add_dense_tokens(
     V.dim_size("in_tokens", in_tokens, 1, out_tokens.shape[1], "D of out_tokens")
     V.dim_size("in_tokens", in_tokens, 0, token_indices.shape[0], "len(token_indices)")
     V.valid_token_count(valid_token_count, "out_tokens", out_tokens)
-    if _direct(out_tokens, in_tokens, valid_token_count):
+    if eager_direct(out_tokens, in_tokens, valid_token_count):
         _scatter_add_impl(out_tokens, in_tokens, token_indices, valid_token_count)
         torch.autograd.graph.increment_version(out_tokens)  # what the custom op does for us
     else:
@@ -247,7 +243,7 @@ def dispatch(x: torch.Tensor, plan: RoutingPlan, *, scale: bool = False) -> torc
     V.dim_size("x", x, 0, plan.inverse.shape[0], "T, the rows of plan.inverse")
     if not isinstance(scale, bool):
         raise TypeError(f"scale must be a bool, got {type(scale).__name__}")
-    op = _dispatch_impl if _direct(x) else _dispatch_op
+    op = _dispatch_impl if eager_direct(x) else _dispatch_op
     return op(x, plan.token_indices, plan.weights, scale)
 
 
@@ -276,5 +272,5 @@ def combine(
         raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
     if out_dtype not in V.FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of float32, bfloat16, float16, got {out_dtype}")
-    op = _combine_impl if _direct(y) else _combine_op
+    op = _combine_impl if eager_direct(y) else _combine_op
     return op(y, plan.inverse, plan.weights, weighted, out_dtype)

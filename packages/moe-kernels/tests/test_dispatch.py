@@ -1,0 +1,38 @@
+"""The backend decision and the eager fast-path rule in ``moe_kernels._dispatch``."""
+
+import torch
+
+from moe_kernels._dispatch import INTERPRET, eager_direct, op_name, use_triton
+
+
+def test_use_triton_by_device():
+    assert use_triton(torch.device("cuda")) is True
+    assert use_triton(torch.device("cpu")) is INTERPRET
+
+
+def test_op_name():
+    assert op_name("route") == "moe_kernels::route"
+
+
+def test_eager_direct_never_for_cpu_tensors():
+    assert eager_direct(torch.zeros(2)) is False
+    assert eager_direct(None, torch.zeros(2)) is False
+
+
+def test_eager_direct_never_under_compile():
+    seen = []
+
+    def f(x):
+        seen.append(eager_direct())  # no tensors: the rule is decided by the mode alone
+        return x + 1
+
+    assert eager_direct() is True  # plain eager, nothing to check
+    torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(2))
+    assert seen == [False]
+
+
+def test_eager_direct_never_under_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert eager_direct() is False
