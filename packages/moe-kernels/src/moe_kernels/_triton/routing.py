@@ -21,6 +21,12 @@ Measured on the H200 (``gpu/routing_gpu.py``): at T=2^20, E=128, k=8 (bf16) A is
 (~2/3 of the time: k rounds of compare/select/row-max over every score) and C's scattered 4-byte
 stores take the rest; at T=4096 the kernels take ~10-25 us and eager calls are bound by the host's
 launch cost.
+
+``WHILE_LOOPS`` (True only under the interpreter, from ``INTERPRET``): triton 3.5's interpreter
+holds runtime scalars as 1-element arrays and its ``range()`` calls ``int()`` on them, an error
+with numpy 2.4 (deprecated since 1.25; triton 3.8 squeezes first). So the two loops with a runtime
+bound (B's over programs, C's ``token_count_per_expert`` over E) are ``while`` loops there; the GPU
+compiles the ``for`` loops (same sm_90 PTX as without the flag).
 """
 
 from __future__ import annotations
@@ -185,21 +191,51 @@ def _topk_rank_kernel(
 
 
 @triton.jit
-def _scan_kernel(hist_ptr, counts_ptr, L, n_programs, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr):
+def _scan_chunk(rows, l_ok, c, n_programs, carry, CHUNK: tl.constexpr):
+    """Programs [c, c + CHUNK) of the hist rows -> their exclusive prefix plus carry; returns
+    carry plus the chunk's totals."""
+    idx = c + tl.arange(0, CHUNK)
+    ok = l_ok[:, None] & (idx[None, :] < n_programs)
+    h = tl.load(rows + idx[None, :], mask=ok, other=0)
+    incl = tl.cumsum(h, axis=1)
+    tl.store(rows + idx[None, :], incl - h + carry[:, None], mask=ok)
+    return carry + tl.sum(h, axis=1)
+
+
+@triton.jit
+def _scan_kernel(
+    hist_ptr,
+    counts_ptr,
+    L,
+    n_programs,
+    BLOCK_L: tl.constexpr,
+    CHUNK: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
+):
     """Rows of hist (pairs per program), BLOCK_L experts per program -> their exclusive prefix
     over programs; counts[l] = the row's total."""
     ls = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     l_ok = ls < L
     rows = hist_ptr + ls[:, None] * n_programs
     carry = tl.zeros([BLOCK_L], dtype=tl.int32)
-    for c in range(0, n_programs, CHUNK):
-        idx = c + tl.arange(0, CHUNK)
-        ok = l_ok[:, None] & (idx[None, :] < n_programs)
-        h = tl.load(rows + idx[None, :], mask=ok, other=0)
-        incl = tl.cumsum(h, axis=1)
-        tl.store(rows + idx[None, :], incl - h + carry[:, None], mask=ok)
-        carry += tl.sum(h, axis=1)
+    if WHILE_LOOPS:
+        c = n_programs * 0
+        while c < n_programs:
+            carry = _scan_chunk(rows, l_ok, c, n_programs, carry, CHUNK)
+            c += CHUNK
+    else:
+        for c in range(0, n_programs, CHUNK):
+            carry = _scan_chunk(rows, l_ok, c, n_programs, carry, CHUNK)
     tl.store(counts_ptr + ls, carry, mask=l_ok)
+
+
+@triton.jit
+def _tcpe_chunk(tcpe_ptr, counts_ptr, c, ls, E, L, start):
+    """tcpe[e] for e in c + ls: the local count of e inside [start, start + L), else 0."""
+    e = c + ls
+    inside = (e >= start) & (e < start + L)
+    v = tl.load(counts_ptr + (e - start), mask=inside, other=0)
+    tl.store(tcpe_ptr + e, v, mask=e < E)
 
 
 @triton.jit
@@ -232,6 +268,7 @@ def _place_kernel(
     INVERSE: tl.constexpr,
     OFFSETS: tl.constexpr,
     TCPE: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -260,11 +297,14 @@ def _place_kernel(
     tl.debug_barrier()  # base (and counts, when FUSE_SCAN) visible to the whole program
     if TCPE:  # noqa: SIM102
         if pid == 0:
-            for c in range(0, E, L_PAD):
-                e = c + ls
-                inside = (e >= start) & (e < start + L)
-                v = tl.load(counts_ptr + (e - start), mask=inside, other=0)
-                tl.store(tcpe_ptr + e, v, mask=e < E)
+            if WHILE_LOOPS:
+                c = E * 0
+                while c < E:
+                    _tcpe_chunk(tcpe_ptr, counts_ptr, c, ls, E, L, start)
+                    c += L_PAD
+            else:
+                for c in range(0, E, L_PAD):
+                    _tcpe_chunk(tcpe_ptr, counts_ptr, c, ls, E, L, start)
             tl.store(tcpe_ptr + E, T)
             tl.store(tcpe_ptr + E + 1, n)
 
@@ -418,7 +458,14 @@ def routing_triton(
         chunk = min(np_pad, 4096)
         block_l = max(1, min(l_pad, 4096 // chunk))
         _scan_kernel[(triton.cdiv(L, block_l),)](
-            hist, counts, L, n_prog, BLOCK_L=block_l, CHUNK=chunk, num_warps=1 if INTERPRET else 4
+            hist,
+            counts,
+            L,
+            n_prog,
+            BLOCK_L=block_l,
+            CHUNK=chunk,
+            WHILE_LOOPS=INTERPRET,
+            num_warps=1 if INTERPRET else 4,
         )
     _place_kernel[(n_prog,)](
         packed,
@@ -449,6 +496,7 @@ def routing_triton(
         INVERSE=inverse is not None,
         OFFSETS=with_offsets,
         TCPE=tcpe is not None,
+        WHILE_LOOPS=INTERPRET,
         num_warps=1 if INTERPRET else max(1, min(4, chunk_t * k_pad // 256)),
     )
     return counts[:L], offsets, expert, token, weights, inverse
