@@ -340,10 +340,14 @@ def copy_ceiling_gbps(device: torch.device) -> float:
     return 2 * n / us / 1e3
 
 
+def _clone_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A buffer whose clone reads + writes ``nbytes``."""
+    return torch.ones(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
+
+
 def clone_us(nbytes: int, device: torch.device) -> float:
     """Median time of cloning a buffer whose read + write traffic is ``nbytes``."""
-    buf = torch.ones(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
-    return bench_us(buf.clone, device)
+    return bench_us(_clone_buffer(nbytes, device).clone, device)
 
 
 # Implementations timed a second way, replayed from a CUDA graph: ours and the clone are
@@ -365,10 +369,11 @@ def measure_case(case: Case, device: torch.device, ceiling_gbps: float | None) -
     """Rows of one case: each implementation, then the same-bytes clone."""
     rows: list[Row] = []
     base = dict(op=case.op, shape=case.shape, bytes=case.nbytes or None)
-    clone = clone_us(case.nbytes, device) if case.nbytes else None
-    clone_buf = torch.ones(max(case.nbytes // 2, 1), dtype=torch.uint8, device=device)
-    clone_graph = graph_us(clone_buf.clone, device) if case.nbytes else None
-    del clone_buf
+    clone = clone_graph = None
+    if case.nbytes:
+        buf = _clone_buffer(case.nbytes, device)
+        clone, clone_graph = bench_us(buf.clone, device), graph_us(buf.clone, device)
+        del buf
     graphs: dict[str, float | None] = {}
     times: dict[str, float] = {}
     for impl, fn in case.impls.items():
