@@ -1,0 +1,43 @@
+"""Pure-torch reference of the gathered grouped GEMM (the CPU path and the tests' oracle).
+
+A loop over the groups with fp32 accumulation. It reads ``offsets`` on the host (one sync): it is
+the CPU path; the Triton kernel is the sync-free one. Inputs are assumed checked by
+``moe_kernels.grouped_mm``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_grouped_mm(
+    x_TD: torch.Tensor,
+    w_END: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    row_indices_P: torch.Tensor | None,
+    activation: str | None,
+) -> torch.Tensor:
+    """(P, N) in x's dtype: ``y[p] = act(x[rows[p]] @ w[e].T)`` for offsets[e] <= p < offsets[e+1],
+    computed in fp32 (product, sum and SiLU), cast once; rows past offsets[E] and rows whose index
+    is outside [0, T) are zero."""
+    num_tokens, _ = x_TD.shape
+    num_experts, n, _ = w_END.shape
+    num_rows = num_tokens if row_indices_P is None else row_indices_P.shape[0]
+    y_PN = torch.zeros((num_rows, n), dtype=torch.float32, device=x_TD.device)
+    if row_indices_P is None:
+        src_P = torch.arange(num_rows, device=x_TD.device)
+    else:
+        src_P = row_indices_P.long()
+    live_P = (src_P >= 0) & (src_P < num_tokens)
+    bounds = [min(max(int(b), 0), num_rows) for b in offsets_E1.tolist()]  # the host read
+    for e in range(num_experts):
+        start, end = bounds[e], max(bounds[e + 1], bounds[e])
+        if end <= start or num_tokens == 0:
+            continue
+        src = torch.where(live_P[start:end], src_P[start:end], 0)
+        h = x_TD.index_select(0, src).float() @ w_END[e].float().T
+        if activation == "silu":
+            h = F.silu(h)
+        y_PN[start:end] = torch.where(live_P[start:end, None], h, 0.0)
+    return y_PN.to(x_TD.dtype)

@@ -1,0 +1,237 @@
+"""Triton grouped GEMM with a gathered A operand and a fused SiLU epilogue, and its launcher.
+
+``y[p] = act(x[rows[p]] @ w[e].T)`` for the rows p of group e (``offsets[e] <= p < offsets[e+1]``).
+
+Grid: a static upper bound of output tiles, ``(ceil(P / BM) + E) * ceil(N / BN)`` programs (no
+host read of ``offsets``). Each program loads the E+1 boundaries, counts the BM-row tiles of every
+segment (the E groups, then the tail ``[offsets[E], P)`` as segment E), finds its segment with a
+cumulative sum and either computes a BM x BN tile of its group (fp32 accumulator, ``tl.dot`` over
+BK-wide K steps, software pipelined by ``num_stages``), writes zeros (tail tiles), or exits (the
+spare programs of the bound). Tiles are ordered GROUP_M m-tiles at a time for L2 reuse of B.
+
+A rows are loaded through ``row_indices`` (a pointer gather; rows contiguous along D, so 16-byte
+vector loads). Rows past the group's end are clamped to a real row (unmasked loads in the K loop)
+and not stored. B tiles are read from w[e] (N, D) as (BK, BN) through strides. Nothing here checks
+arguments: the public module ``moe_kernels.grouped_mm`` does that before any launch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_kernels._dispatch import INTERPRET
+
+ACT_NONE, ACT_SILU = 0, 1
+
+
+@triton.jit
+def _find_tile(
+    offs_ptr, E, P, t, BM: tl.constexpr, BLOCK_E: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """(segment, first row, end row) of m-tile t; segment E is the tail, E+1 means no work."""
+    idx = tl.arange(0, BLOCK_E)
+    start = tl.load(offs_ptr + idx, mask=idx <= E, other=P).to(tl.int32)
+    end = tl.load(offs_ptr + idx + 1, mask=idx < E, other=P).to(tl.int32)
+    # Clamp for memory safety (offsets are trusted to be a non-decreasing prefix sum <= P).
+    start = tl.minimum(tl.maximum(start, 0), P)
+    end = tl.minimum(tl.maximum(end, start), P)
+    tiles = (end - start + BM - 1) // BM
+    cum = tl.cumsum(tiles, axis=0)  # inclusive
+    seg = tl.sum((cum <= t).to(tl.int32), axis=0)
+    here = idx == seg
+    first_tile = tl.sum(tl.where(here, cum - tiles, 0), axis=0)
+    row0 = tl.sum(tl.where(here, start, 0), axis=0) + (t - first_tile) * BM
+    row_end = tl.sum(tl.where(here, end, 0), axis=0)
+    return seg, row0, row_end
+
+
+@triton.jit
+def _gather_grouped_mm_kernel(
+    x_ptr,  # (T, D)
+    w_ptr,  # (E, N, D)
+    offs_ptr,  # (E+1,) int32/int64
+    ridx_ptr,  # (P,) int32/int64 (HAS_RIDX only)
+    y_ptr,  # (P, N), contiguous
+    T,
+    P,
+    N,
+    D,
+    E,
+    stride_xt,
+    stride_xd,
+    stride_we,
+    stride_wn,
+    stride_wd,
+    HAS_RIDX: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # fp32 operands for tl.dot (the interpreter's bf16 dot is wrong)
+    IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(P, BM) + E
+    num_n = tl.cdiv(N, BN)
+    # Grouped ordering: GROUP_M consecutive m-tiles sweep all n-tiles before moving on.
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+
+    seg, row0, row_end = _find_tile(offs_ptr, E, P, pid_m, BM, BLOCK_E)
+    rows = row0 + tl.arange(0, BM)
+    row_in = rows < row_end
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_in = cols < N
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if seg == E:  # tail rows [offsets[E], P): zeros
+        zero = tl.zeros((BM, BN), dtype=y_ptr.dtype.element_ty)
+        tl.store(y_ptrs, zero, mask=row_in[:, None] & col_in[None, :])
+    elif seg < E:
+        safe_rows = tl.where(row_in, rows, row0)  # row0 < row_end: a row of this group
+        if HAS_RIDX:
+            src = tl.load(ridx_ptr + safe_rows).to(tl.int64)
+            live = row_in & (src >= 0) & (src < T)
+            src = tl.where(live, src, 0)
+        else:
+            src = safe_rows.to(tl.int64)
+            live = row_in
+        safe_cols = tl.where(col_in, cols, 0)
+        ks = tl.arange(0, BK)
+        a_ptrs = x_ptr + src[:, None] * stride_xt + ks[None, :] * stride_xd
+        b_ptrs = (
+            w_ptr
+            + seg.to(tl.int64) * stride_we
+            + safe_cols.to(tl.int64)[None, :] * stride_wn
+            + ks[:, None] * stride_wd
+        )
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BK)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_in = ks < D - k * BK
+                a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BK * stride_xd
+            b_ptrs += BK * stride_wd
+        if ACTIVATION == 1:
+            acc = acc / (1.0 + tl.exp(-acc))  # silu in fp32
+        acc = tl.where(live[:, None], acc, 0.0)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+
+
+class GemmConfig(NamedTuple):
+    """Tile shape and launch parameters of one grouped-GEMM launch."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 4
+
+
+def _pow2_clamp(value: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(value, 1))))
+
+
+def pick_config(num_rows: int, n: int, d: int, num_experts: int) -> GemmConfig:
+    """Tiles, warps and stages from the problem.
+
+    GPU: 128 x 128 x 64 tiles, 8 warps, 4 stages (wgmma-sized on Hopper), BM 64 when groups
+    average fewer than 128 rows (fewer padded rows), BN/BK shrunk for small N/D.
+    Interpreter: few, large programs (each program costs ~0.4 ms of numpy overhead).
+    """
+    if INTERPRET:
+        return GemmConfig(
+            block_m=_pow2_clamp(num_rows, 16, 32),
+            block_n=_pow2_clamp(n, 16, 128),
+            block_k=_pow2_clamp(d, 16, 128),
+            group_m=4,
+            num_warps=4,
+            num_stages=1,
+        )
+    block_m = 128 if num_rows >= 128 * max(num_experts, 1) else 64
+    block_n = _pow2_clamp(n, 16, 128)
+    block_k = _pow2_clamp(d, 16, 64)
+    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return GemmConfig(block_m, block_n, block_k, 8, num_warps, 4 if block_k <= 64 else 3)
+
+
+def num_programs(num_rows: int, n: int, num_experts: int, cfg: GemmConfig) -> int:
+    """The static grid: an upper bound of (m-tiles of every group and of the tail) x n-tiles."""
+    return (triton.cdiv(num_rows, cfg.block_m) + num_experts) * triton.cdiv(n, cfg.block_n)
+
+
+def gather_grouped_mm(
+    x_TD: torch.Tensor,
+    w_END: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    row_indices_P: torch.Tensor | None,
+    activation: int,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """(P, N) in x's dtype; see ``moe_kernels.grouped_mm.gather_grouped_mm``. Inputs checked."""
+    num_tokens, dim = x_TD.shape
+    num_experts, n, _ = w_END.shape
+    num_rows = num_tokens if row_indices_P is None else row_indices_P.shape[0]
+    y_PN = torch.empty((num_rows, n), dtype=x_TD.dtype, device=x_TD.device)
+    if num_rows == 0 or n == 0:
+        return y_PN
+    if num_tokens == 0 or dim == 0 or num_experts == 0:
+        return y_PN.zero_()  # no A rows / empty K: every row is act(0) = 0
+    cfg = config or pick_config(num_rows, n, dim, num_experts)
+    grid = (num_programs(num_rows, n, num_experts, cfg),)
+    _gather_grouped_mm_kernel[grid](
+        x_TD,
+        w_END,
+        offsets_E1,
+        row_indices_P if row_indices_P is not None else offsets_E1,
+        y_PN,
+        num_tokens,
+        num_rows,
+        n,
+        dim,
+        num_experts,
+        x_TD.stride(0),
+        x_TD.stride(1),
+        w_END.stride(0),
+        w_END.stride(1),
+        w_END.stride(2),
+        HAS_RIDX=row_indices_P is not None,
+        ACTIVATION=activation,
+        BM=cfg.block_m,
+        BN=cfg.block_n,
+        BK=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        BLOCK_E=triton.next_power_of_2(num_experts + 1),
+        EVEN_K=dim % cfg.block_k == 0,
+        UPCAST=INTERPRET,
+        IEEE=x_TD.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y_PN
