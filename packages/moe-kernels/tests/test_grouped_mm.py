@@ -134,23 +134,28 @@ def test_deterministic_and_matches_route_dispatch():
 
 @pytest.mark.skipif(not TRITON, reason="launch configs exist on the Triton path only")
 @pytest.mark.parametrize(
-    "block_m,group_m", [(16, 1), (16, 3), (32, 2)], ids=["bm16-g1", "bm16-g3", "bm32-g2"]
+    "block_m,group_m,tma,sorted_rows",
+    [(16, 1, False, False), (16, 3, True, False), (32, 2, False, True), (16, 2, True, True)],
+    ids=["bm16-g1", "bm16-g3-tma", "bm32-g2-sorted", "bm16-g2-tma-sorted"],
 )
-def test_tile_configs_agree(block_m, group_m):
-    """Many m-tiles per group, grouped tile orders, spare programs of the static grid: the
-    explicit config and the default both match the oracle."""
+def test_tile_configs_agree(block_m, group_m, tma, sorted_rows):
+    """Many m-tiles per group, grouped tile orders, spare programs of the static grid, TMA
+    descriptors for B (and for A when the rows are sorted; BN 16 < N = 40 so the last n-tile
+    reads past the expert): the explicit config and the default both match the oracle."""
     from moe_kernels._triton import grouped_mm as tri
 
-    x = rand((40, 64), torch.float32, 12, 0.3)
-    w = rand((3, 48, 64), torch.float32, 13, 0.3)
+    x = rand((60, 64), torch.float32, 12, 0.3)
+    w = rand((3, 40, 64), torch.float32, 13, 0.3)
     offsets = make_offsets([33, 0, 20])
-    rows = torch.randint(0, 40, (60,), generator=torch.Generator().manual_seed(14)).int()
+    rows = torch.randint(0, 60, (60,), generator=torch.Generator().manual_seed(14)).int()
     rows[53:] = -1
+    rows = None if sorted_rows else rows
+    expected = oracle(x, w, offsets, rows, "silu")
     base = tri.gather_grouped_mm(x, w, offsets, rows, tri.ACT_SILU)
-    cfg = tri.GemmConfig(block_m, 16, 32, group_m, 4, 1)
+    cfg = tri.GemmConfig(block_m, 16, 32, group_m, 4, 1, tma)
     y = tri.gather_grouped_mm(x, w, offsets, rows, tri.ACT_SILU, config=cfg)
-    assert_close(y, oracle(x, w, offsets, rows, "silu"), 64)
-    assert_close(base, oracle(x, w, offsets, rows, "silu"), 64)
+    assert_close(y, expected, 64)
+    assert_close(base, expected, 64)
 
 
 def test_empty_shapes():

@@ -11,8 +11,11 @@ spare programs of the bound). Tiles are ordered GROUP_M m-tiles at a time for L2
 
 A rows are loaded through ``row_indices`` (a pointer gather; rows contiguous along D, so 16-byte
 vector loads). Rows past the group's end are clamped to a real row (unmasked loads in the K loop)
-and not stored. B tiles are read from w[e] (N, D) as (BK, BN) through strides. Nothing here checks
-arguments: the public module ``moe_kernels.grouped_mm`` does that before any launch.
+and not stored. B tiles are read from w[e] (N, D) as (BK, BN) through strides, or (config
+``tma=True``) as (BN, BK) through a host-built TMA descriptor of w viewed as (E*N, D), transposed
+in registers; A tiles of sorted rows (no ``row_indices``) can come through TMA as well.
+Nothing here checks arguments: the public module ``moe_kernels.grouped_mm`` does that before any
+launch.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_kernels._dispatch import INTERPRET
 
@@ -56,6 +60,8 @@ def _gather_grouped_mm_kernel(
     offs_ptr,  # (E+1,) int32/int64
     ridx_ptr,  # (P,) int32/int64 (HAS_RIDX only)
     y_ptr,  # (P, N), contiguous
+    a_desc,  # TMA descriptor of x (T, D), block (BM, BK) (A_TMA only)
+    b_desc,  # TMA descriptor of w viewed (E*N, D), block (BN, BK) (B_TMA only)
     T,
     P,
     N,
@@ -74,6 +80,8 @@ def _gather_grouped_mm_kernel(
     GROUP_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr,
+    A_TMA: tl.constexpr,  # sorted rows (no row_indices): A tiles through TMA
+    B_TMA: tl.constexpr,  # B tiles through TMA (the last n-tile may read the next expert: unused)
     UPCAST: tl.constexpr,  # fp32 operands for tl.dot (the interpreter's bf16 dot is wrong)
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
 ):
@@ -117,13 +125,18 @@ def _gather_grouped_mm_kernel(
         )
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, tl.cdiv(D, BK)):
-            if EVEN_K:
+            if A_TMA:
+                a = a_desc.load([row0, k * BK])  # rows past P and columns past D read as 0
+            elif EVEN_K:
                 a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(ks < D - k * BK)[None, :], other=0.0)
+            if B_TMA:
+                b = b_desc.load([seg * N + pid_n * BN, k * BK]).T
+            elif EVEN_K:
                 b = tl.load(b_ptrs)
             else:
-                k_in = ks < D - k * BK
-                a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=(ks < D - k * BK)[:, None], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -152,6 +165,7 @@ class GemmConfig(NamedTuple):
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 4
+    tma: bool = False  # B (and A when rows are sorted) through TMA descriptors where possible
 
 
 def _pow2_clamp(value: int, lo: int, hi: int) -> int:
@@ -181,6 +195,12 @@ def pick_config(num_rows: int, n: int, d: int, num_experts: int) -> GemmConfig:
     return GemmConfig(block_m, block_n, block_k, 8, num_warps, 4 if block_k <= 64 else 3)
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor over t as a 2-D row-major matrix: contiguous, 16-byte rows and base."""
+    row_bytes = t.shape[-1] * t.element_size()
+    return t.is_contiguous() and row_bytes % 16 == 0 and t.data_ptr() % 16 == 0
+
+
 def num_programs(num_rows: int, n: int, num_experts: int, cfg: GemmConfig) -> int:
     """The static grid: an upper bound of (m-tiles of every group and of the tail) x n-tiles."""
     return (triton.cdiv(num_rows, cfg.block_m) + num_experts) * triton.cdiv(n, cfg.block_n)
@@ -204,6 +224,13 @@ def gather_grouped_mm(
     if num_tokens == 0 or dim == 0 or num_experts == 0:
         return y_PN.zero_()  # no A rows / empty K: every row is act(0) = 0
     cfg = config or pick_config(num_rows, n, dim, num_experts)
+    a_tma = cfg.tma and row_indices_P is None and _tma_ok(x_TD)
+    b_tma = cfg.tma and _tma_ok(w_END)
+    a_desc = TensorDescriptor.from_tensor(x_TD, [cfg.block_m, cfg.block_k]) if a_tma else None
+    b_desc = None
+    if b_tma:
+        w_flat = w_END.view(num_experts * n, dim)
+        b_desc = TensorDescriptor.from_tensor(w_flat, [cfg.block_n, cfg.block_k])
     grid = (num_programs(num_rows, n, num_experts, cfg),)
     _gather_grouped_mm_kernel[grid](
         x_TD,
@@ -211,6 +238,8 @@ def gather_grouped_mm(
         offsets_E1,
         row_indices_P if row_indices_P is not None else offsets_E1,
         y_PN,
+        a_desc,
+        b_desc,
         num_tokens,
         num_rows,
         n,
@@ -229,6 +258,8 @@ def gather_grouped_mm(
         GROUP_M=cfg.group_m,
         BLOCK_E=triton.next_power_of_2(num_experts + 1),
         EVEN_K=dim % cfg.block_k == 0,
+        A_TMA=a_tma,
+        B_TMA=b_tma,
         UPCAST=INTERPRET,
         IEEE=x_TD.dtype == torch.float32,
         num_warps=cfg.num_warps,

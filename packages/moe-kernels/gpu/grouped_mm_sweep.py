@@ -1,0 +1,303 @@
+"""GPU check and config sweep of ``gather_grouped_mm`` at the seed MoE shape (one H200 run).
+
+PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
+    python3 packages/moe-kernels/gpu/grouped_mm_sweep.py            # H200, < 150 s
+    python3 packages/moe-kernels/gpu/grouped_mm_sweep.py --dry-run  # CPU, interpreter, tiny
+
+Routing: ``moe_kernels.route`` on random softmax scores, T=2048 tokens, E=16 experts, top-8
+(P=16384 rows). GEMM1: x (T, 2048) gathered through the plan, w1 (E, 1024, 2048), SiLU.
+GEMM2: h (P, 1024) already sorted (row_indices None), w2 (E, 2048, 1024), no activation. bf16.
+
+Rows timed (all inside CUDA graphs: 20 calls captured, the graph replayed, median replay / 20):
+  (a) today's path: ``dispatch`` + ``torch._grouped_mm`` + ``F.silu``
+  (b) ``torch._grouped_mm`` alone on pre-gathered rows
+  (c) ``gather_grouped_mm`` (gather + GEMM + SiLU fused), one row per launch config
+  (d) GEMM2 shape: ``gather_grouped_mm`` configs vs ``torch._grouped_mm``
+  (e) the experts end to end, today's path vs fused GEMM1 + our GEMM2 (best configs)
+Correctness of every config (first, outside graphs, outputs poisoned with NaN, under
+``torch.cuda.set_sync_debug_mode("error")``): against the fp32 torch reference with a bf16
+tolerance |y - ref| <= 2**-7 * |ref| + 2**-7 * max|ref| / 64 (one bf16 rounding of each side plus
+fp32 accumulation-order noise); the tail rows must be exactly zero. A failing config is reported
+and skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import traceback
+
+DRY = "--dry-run" in sys.argv
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import moe_kernels  # noqa: E402
+from moe_kernels._reference import grouped_mm as ref  # noqa: E402
+from moe_kernels._triton import grouped_mm as tri  # noqa: E402
+from moe_kernels.grouped_mm import gather_grouped_mm  # noqa: E402
+
+dev = torch.device("cpu" if DRY else "cuda")
+if DRY:
+    T, E, K, D_MODEL, HIDDEN = 32, 4, 2, 64, 32
+    CONFIGS = [tri.GemmConfig(32, 32, 32, 2, 4, 1), tri.GemmConfig(16, 32, 64, 1, 4, 1, True)]
+    CONFIGS2 = CONFIGS
+    CALLS, REPLAYS = 1, 1
+else:
+    T, E, K, D_MODEL, HIDDEN = 2048, 16, 8, 2048, 1024
+    C = tri.GemmConfig  # (block_m, block_n, block_k, group_m, num_warps, num_stages, tma)
+    CONFIGS = [
+        C(128, 128, 64, 8, 8, 3),
+        C(128, 128, 64, 8, 8, 4),
+        C(128, 128, 64, 8, 4, 4),
+        C(128, 128, 64, 1, 8, 4),
+        C(128, 128, 64, 16, 8, 4),
+        C(128, 256, 64, 8, 8, 3),
+        C(128, 256, 64, 8, 8, 4),
+        C(128, 128, 128, 8, 8, 3),
+        C(128, 64, 64, 8, 4, 4),
+        C(64, 128, 64, 8, 4, 4),
+        C(64, 256, 64, 8, 8, 4),
+        C(256, 128, 64, 8, 8, 3),
+        C(128, 128, 64, 8, 8, 3, True),
+        C(128, 128, 64, 8, 8, 4, True),
+        C(128, 256, 64, 8, 8, 3, True),
+        C(64, 256, 64, 8, 8, 4, True),
+    ]
+    CONFIGS2 = [CONFIGS[i] for i in (0, 1, 5, 6, 7, 11, 12, 13, 14)]
+    CALLS, REPLAYS = 20, 7
+FAILS: list[str] = []
+
+
+def graph_us(fn) -> float:
+    """Median over REPLAYS of (a graph of CALLS calls of fn) / CALLS, in microseconds."""
+    if DRY:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()  # warm up: compile, allocator
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    del graph
+    return statistics.median(times)
+
+
+def poison(nbytes: int) -> None:
+    """Leave NaN-filled blocks in the caching allocator so fresh outputs start as NaN."""
+    blocks = [torch.full((nbytes // 4 + 1024,), float("nan"), device=dev) for _ in range(3)]
+    del blocks
+
+
+def max_err(y: torch.Tensor, expected: torch.Tensor, n_valid: int) -> tuple[float, bool]:
+    """(max |y - ref|, within the bf16 tolerance and zero tail)."""
+    yf, ef = y.float(), expected.float()
+    err = (yf - ef).abs()
+    tol = 2.0**-7 * ef.abs() + 2.0**-7 * float(ef.abs().max()) / 64
+    ok = bool(torch.isfinite(yf).all()) and bool((err <= tol).all())
+    ok = ok and bool((y[n_valid:] == 0).all())
+    return float(err.max()) if err.numel() else 0.0, ok
+
+
+def grouped_mm_torch(a_PD: torch.Tensor, w_END: torch.Tensor, offsets: torch.Tensor):
+    return torch._grouped_mm(a_PD, w_END.transpose(-2, -1), offs=offsets[1:])
+
+
+ROWS: list[tuple] = []  # (section, name, us, tflops, vs_a, vs_b, err)
+
+
+def row(section, name, us, flops, base_a, base_b, err="") -> None:
+    tflops = flops / us / 1e6 if us > 0 else float("nan")
+    vs_a = f"{base_a / us:.2f}x" if base_a else ""
+    vs_b = f"{base_b / us:.2f}x" if base_b else ""
+    ROWS.append((section, name, us, tflops, vs_a, vs_b, err))
+    print(
+        f"{section:3} {name:34} {us:9.1f} us {tflops:7.1f} TF/s  vs(a) {vs_a:>6}  "
+        f"vs(b) {vs_b:>6}  err {err}",
+        flush=True,
+    )
+
+
+def cfg_name(c: tri.GemmConfig) -> str:
+    name = f"BM{c.block_m} BN{c.block_n} BK{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
+    return name + (" tma" if c.tma else "")
+
+
+def sweep(
+    section: str,
+    configs,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor | None,
+    act: int,
+    expected: torch.Tensor,
+    n_valid: int,
+    flops: float,
+    base_a: float,
+    base_b: float,
+) -> tuple[tri.GemmConfig | None, float]:
+    best, best_us = None, float("inf")
+    for cfg in configs:
+        name = cfg_name(cfg)
+        try:
+            poison(expected.numel() * 2)
+            if not DRY:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                y = tri.gather_grouped_mm(x, w, offsets, rows, act, config=cfg)
+            finally:
+                if not DRY:
+                    torch.cuda.set_sync_debug_mode("default")
+            err, ok = max_err(y, expected, n_valid)
+            y2 = tri.gather_grouped_mm(x, w, offsets, rows, act, config=cfg)
+            if not torch.equal(y, y2):
+                ok = False
+                err = float("nan")
+            if not ok:
+                print(f"{section:3} {name:34} FAIL (max err {err:.3g} or not deterministic)")
+                FAILS.append(f"{section} {name}")
+                continue
+            us = graph_us(lambda cfg=cfg: tri.gather_grouped_mm(x, w, offsets, rows, act, cfg))
+            row(section, name, us, flops, base_a, base_b, f"{err:.3g}")
+            if us < best_us:
+                best, best_us = cfg, us
+        except Exception as exc:  # a config that does not compile / run: report and go on
+            print(f"{section:3} {name:34} ERROR {type(exc).__name__}: {str(exc)[:160]}")
+            FAILS.append(f"{section} {name}")
+            if DRY:
+                traceback.print_exc()
+    return best, best_us
+
+
+def main() -> int:
+    t_start = time.perf_counter()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name() if not DRY else 'cpu (interpreter)'}")
+    print(f"torch {torch.__version__}, T={T} E={E} k={K} d_model={D_MODEL} hidden={HIDDEN} bf16")
+    scores = torch.randn(T, E, device=dev, generator=gen).softmax(-1)
+    plan = moe_kernels.route(scores, K)
+    num_rows = plan.token_indices.shape[0]
+    n_valid = num_rows  # every pair is routed (all experts local)
+    x = (torch.randn(T, D_MODEL, device=dev, generator=gen) * 0.5).bfloat16()
+    w1 = (torch.randn(E, HIDDEN, D_MODEL, device=dev, generator=gen) / D_MODEL**0.5).bfloat16()
+    w2 = (torch.randn(E, D_MODEL, HIDDEN, device=dev, generator=gen) / HIDDEN**0.5).bfloat16()
+    offsets = plan.offsets
+    print(f"counts per expert: {plan.counts.tolist()}")
+
+    # references (fp32 torch loop over groups)
+    ref1 = ref.gather_grouped_mm(x, w1, offsets, plan.token_indices, "silu")
+    xs = moe_kernels.dispatch(x, plan)
+    h = ref1  # GEMM2's input: the (sorted) activations
+    ref2 = ref.gather_grouped_mm(h, w2, offsets, None, None)
+    flops1 = 2.0 * n_valid * HIDDEN * D_MODEL
+    flops2 = 2.0 * n_valid * D_MODEL * HIDDEN
+
+    # (a) / (b) and a clone of the gathered bytes
+    have_gmm = hasattr(torch, "_grouped_mm")
+    us_a = us_b = us_b2 = 0.0
+    try:
+        y_a = F.silu(grouped_mm_torch(moe_kernels.dispatch(x, plan), w1, offsets))
+        err_a, _ = max_err(y_a, ref1, n_valid)
+
+        def path_a():
+            return F.silu(grouped_mm_torch(moe_kernels.dispatch(x, plan), w1, offsets))
+
+        us_a = graph_us(path_a)
+        row("a", "dispatch+_grouped_mm+silu", us_a, flops1, us_a, 0, f"{err_a:.3g}")
+        us_b = graph_us(lambda: grouped_mm_torch(xs, w1, offsets))
+        row("b", "_grouped_mm (pre-gathered)", us_b, flops1, us_a, us_b)
+    except Exception as exc:
+        have_gmm = False
+        print(f"(a)/(b) torch._grouped_mm unavailable here: {type(exc).__name__}: {exc}"[:200])
+    us_clone = graph_us(lambda: xs.clone())
+    row("-", "clone of the gathered A (P x D)", us_clone, 0.0, 0, 0)
+
+    # (c) fused gather + GEMM1 + silu
+    best1, best1_us = sweep(
+        "c",
+        CONFIGS,
+        x,
+        w1,
+        offsets,
+        plan.token_indices,
+        tri.ACT_SILU,
+        ref1,
+        n_valid,
+        flops1,
+        us_a,
+        us_b,
+    )
+    # default launcher choice through the public op (eager direct path)
+    try:
+        y_pub = gather_grouped_mm(x, w1, offsets, plan.token_indices, activation="silu")
+        err, ok = max_err(y_pub, ref1, n_valid)
+        us = graph_us(
+            lambda: gather_grouped_mm(x, w1, offsets, plan.token_indices, activation="silu")
+        )
+        status = f"{err:.3g}" + ("" if ok else " FAIL")
+        row("c", "public op, launcher default", us, flops1, us_a, us_b, status)
+        if not ok:
+            FAILS.append("c public op")
+    except Exception as exc:
+        print(f"c   public op ERROR {type(exc).__name__}: {str(exc)[:160]}")
+        FAILS.append("c public op")
+
+    # (d) GEMM2 shape: sorted rows, no activation
+    if have_gmm:
+        err_b2, _ = max_err(grouped_mm_torch(h, w2, offsets), ref2, n_valid)
+        us_b2 = graph_us(lambda: grouped_mm_torch(h, w2, offsets))
+        row("d", "_grouped_mm GEMM2", us_b2, flops2, 0, us_b2, f"{err_b2:.3g}")
+    best2, best2_us = sweep(
+        "d", CONFIGS2, h, w2, offsets, None, tri.ACT_NONE, ref2, n_valid, flops2, 0, us_b2
+    )
+
+    # (e) the experts end to end
+    if have_gmm and best1 is not None and best2 is not None:
+
+        def today():
+            a = F.silu(grouped_mm_torch(moe_kernels.dispatch(x, plan), w1, offsets))
+            return grouped_mm_torch(a, w2, offsets)
+
+        def fused():
+            a = tri.gather_grouped_mm(x, w1, offsets, plan.token_indices, tri.ACT_SILU, best1)
+            return tri.gather_grouped_mm(a, w2, offsets, None, tri.ACT_NONE, best2)
+
+        us_today = graph_us(today)
+        us_fused = graph_us(fused)
+        row("e", "today: dispatch+mm+silu+mm", us_today, flops1 + flops2, us_today, 0)
+        row("e", "fused gather mm+silu, our mm", us_fused, flops1 + flops2, us_today, 0)
+
+    print()
+    if best1 is not None:
+        print(f"best GEMM1 (gather+silu): {cfg_name(best1)}  {best1_us:.1f} us")
+    if best2 is not None:
+        print(f"best GEMM2 (sorted):      {cfg_name(best2)}  {best2_us:.1f} us")
+    print(f"failed configs: {FAILS or 'none'}")
+    print(f"total {time.perf_counter() - t_start:.1f} s")
+    return 1 if FAILS and (best1 is None or best2 is None) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
