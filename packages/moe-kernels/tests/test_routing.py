@@ -385,7 +385,9 @@ def test_kernel_launch_shapes(config, dtype):
     T, E, k, start, end, valid = 75, 11, 3, 2, 9, 70
     x = make_scores(T, E, dtype, "ties", seed=11, layout="col")
     want = naive_plan(x, k, start, end, valid, renormalize=True)
-    tcpe = torch.full((E + 2,), 99, dtype=torch.int32)
-    got = routing_triton(x, k, _vtc(valid), start, end, True, True, True, tcpe=tcpe, config=config)
-    check_plan(RoutingPlan(*got), want)
-    assert_int(tcpe, want["tcpe"], "token_count_per_expert")
+    for one_buffer in (False, True):
+        got = routing_triton(
+            x, k, _vtc(valid), start, end, True, True, True, True, config, one_buffer
+        )
+        check_plan(RoutingPlan(*got[:6]), want)
+        assert_int(got[6], want["tcpe"], "token_count_per_expert")

@@ -5,7 +5,7 @@ expert, so a row of all -inf still picks ``top_k`` distinct experts 0..k-1) and 
 (expert, token) pairs whose expert lies in ``[expert_index_start, expert_index_end)`` by expert,
 then token. Rows at or past ``valid_token_count`` (a one-element device tensor, clamped to [0, T],
 never read on the host) are not routed. CUDA runs the Triton kernels of ``_triton/routing.py``
-(three launches, no atomics, no sync), CPU the torch reference of ``_reference/routing.py``.
+(two or three launches, no atomics, no sync), CPU the torch reference of ``_reference/routing.py``.
 """
 
 from __future__ import annotations
@@ -77,12 +77,13 @@ def _check(
 # index_shuffling
 
 
-def _index_shuffling_impl(
+def _index_shuffling_run(
     routing_scores: torch.Tensor,
     expert_index_start: int,
     expert_index_end: int,
     valid_token_count: torch.Tensor | None,
     top_k: int,
+    one_buffer: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, E = routing_scores.shape
     if T == 0 or not use_triton(routing_scores.device):
@@ -91,8 +92,7 @@ def _index_shuffling_impl(
         )
     from ._triton.routing import routing_triton
 
-    tcpe = torch.empty(E + 2, dtype=torch.int32, device=routing_scores.device)
-    _, _, expert, token, _, _ = routing_triton(
+    _, _, expert, token, _, _, tcpe = routing_triton(
         routing_scores,
         top_k,
         valid_token_count,
@@ -101,9 +101,22 @@ def _index_shuffling_impl(
         renormalize=False,
         with_weights=False,
         with_offsets=False,
-        tcpe=tcpe,
+        with_tcpe=True,
+        one_buffer=one_buffer,
     )
     return tcpe, expert, token
+
+
+def _index_shuffling_impl(
+    routing_scores: torch.Tensor,
+    expert_index_start: int,
+    expert_index_end: int,
+    valid_token_count: torch.Tensor | None,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _index_shuffling_run(
+        routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k
+    )
 
 
 _index_shuffling_op = torch.library.custom_op(op_name("index_shuffling"), mutates_args=())(
@@ -152,21 +165,23 @@ def index_shuffling(
         expert_index_end,
         valid_token_count,
     )
-    op = _index_shuffling_impl if eager_direct(scores, valid_token_count) else _index_shuffling_op
-    return op(scores, start, end, valid_token_count, top_k)
+    if eager_direct(scores, valid_token_count):  # one allocation, no dispatcher
+        return _index_shuffling_run(scores, start, end, valid_token_count, top_k, one_buffer=True)
+    return _index_shuffling_op(scores, start, end, valid_token_count, top_k)
 
 
 # ---------------------------------------------------------------------------------------------
 # route
 
 
-def _route_impl(
+def _route_run(
     scores: torch.Tensor,
     top_k: int,
     valid_token_count: torch.Tensor | None,
     expert_index_start: int,
     expert_index_end: int,
     renormalize: bool,
+    one_buffer: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     T, _ = scores.shape
     if T == 0 or not use_triton(scores.device):
@@ -184,7 +199,21 @@ def _route_impl(
         renormalize=renormalize,
         with_weights=True,
         with_offsets=True,
-        tcpe=None,
+        with_tcpe=False,
+        one_buffer=one_buffer,
+    )[:6]
+
+
+def _route_impl(
+    scores: torch.Tensor,
+    top_k: int,
+    valid_token_count: torch.Tensor | None,
+    expert_index_start: int,
+    expert_index_end: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _route_run(
+        scores, top_k, valid_token_count, expert_index_start, expert_index_end, renormalize
     )
 
 
@@ -230,5 +259,8 @@ def route(
     )
     if not isinstance(renormalize, bool):
         raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
-    op = _route_impl if eager_direct(scores, valid_token_count) else _route_op
-    return RoutingPlan(*op(scores, top_k, valid_token_count, start, end, renormalize))
+    if eager_direct(scores, valid_token_count):  # one allocation, no dispatcher
+        return RoutingPlan(
+            *_route_run(scores, top_k, valid_token_count, start, end, renormalize, True)
+        )
+    return RoutingPlan(*_route_op(scores, top_k, valid_token_count, start, end, renormalize))
