@@ -3,6 +3,7 @@
 PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
     python3 packages/moe-kernels/gpu/grouped_mm_sweep.py            # H200, < 150 s
     python3 packages/moe-kernels/gpu/grouped_mm_sweep.py --dry-run  # CPU, interpreter, tiny
+    python3 packages/moe-kernels/gpu/grouped_mm_sweep.py --ptx      # CPU: compile for sm_90a
 
 Routing: ``moe_kernels.route`` on random softmax scores, T=2048 tokens, E=16 experts, top-8
 (P=16384 rows). GEMM1: x (T, 2048) gathered through the plan, w1 (E, 1024, 2048), SiLU.
@@ -19,6 +20,11 @@ Correctness of every config (first, outside graphs, outputs poisoned with NaN, u
 tolerance |y - ref| <= 2**-7 * |ref| + 2**-7 * max|ref| / 64 (one bf16 rounding of each side plus
 fp32 accumulation-order noise); the tail rows must be exactly zero. A failing config is reported
 and skipped.
+
+``--ptx`` (no GPU needed): compiles every swept config for sm_90a with the installed Triton
+(integer arguments and pointers marked 16-divisible, as a launch with these shapes would
+specialize them) and prints shared memory, registers, spills, the number of cp.async / TMA loads
+(0 of both = the K loop is not pipelined) and the wgmma wait depths (a 1 = wgmma overlaps).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import time
 import traceback
 
 DRY = "--dry-run" in sys.argv
+PTX = "--ptx" in sys.argv
 if DRY:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
@@ -41,7 +48,7 @@ from moe_kernels._reference import grouped_mm as ref  # noqa: E402
 from moe_kernels._triton import grouped_mm as tri  # noqa: E402
 from moe_kernels.grouped_mm import gather_grouped_mm  # noqa: E402
 
-dev = torch.device("cpu" if DRY else "cuda")
+dev = torch.device("cpu" if DRY or PTX else "cuda")
 if DRY:
     T, E, K, D_MODEL, HIDDEN = 32, 4, 2, 64, 32
     CONFIGS = [tri.GemmConfig(32, 32, 32, 2, 4, 1), tri.GemmConfig(16, 32, 64, 1, 4, 1, True)]
@@ -191,6 +198,74 @@ def sweep(
     return best, best_us
 
 
+def ptx_check() -> int:
+    """Compile each config for sm_90a on this machine and report what ptxas says."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kern = tri._gather_grouped_mm_kernel
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    divisible = ["x_ptr", "w_ptr", "offs_ptr", "ridx_ptr", "y_ptr", "T", "P", "N", "D", "E"]
+    divisible += ["stride_xt", "stride_we", "stride_wn"]
+    shapes = [("gemm1", True, tri.ACT_SILU, CONFIGS), ("gemm2", False, tri.ACT_NONE, CONFIGS2)]
+    for label, has_ridx, act, configs in shapes:
+        for cfg in configs:
+            a_tma, b_tma = cfg.tma and not has_ridx, cfg.tma
+            sig = {n: "i32" for n in ("T", "P", "N", "D", "E", "stride_xt", "stride_we")}
+            sig.update(stride_wn="i32", x_ptr="*bf16", w_ptr="*bf16", offs_ptr="*i32")
+            sig.update(ridx_ptr="*i32", y_ptr="*bf16")
+            sig["a_desc"] = f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>"
+            sig["b_desc"] = f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>"
+            consts = dict(stride_xd=1, stride_wd=1, HAS_RIDX=has_ridx, ACTIVATION=act)
+            consts.update(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m)
+            consts.update(BLOCK_E=32, EVEN_K=True, A_TMA=a_tma, B_TMA=b_tma)
+            consts.update(UPCAST=False, IEEE=False)
+            if not a_tma:
+                consts["a_desc"] = None
+            if not b_tma:
+                consts["b_desc"] = None
+            for name in consts:
+                sig[name] = "constexpr"
+            attrs = {
+                (kern.arg_names.index(n),): [["tt.divisibility", 16]]
+                for n in divisible
+                if sig[n] != "constexpr"
+            }
+            try:
+                src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
+                opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+                ptx = compiled.asm["ptx"]
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                    f.write(ptx)
+                out = subprocess.run(
+                    [ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                    capture_output=True,
+                    text=True,
+                ).stderr
+                os.unlink(f.name)
+                regs = re.findall(r"Used (\d+) registers", out)
+                spills = re.findall(r"(\d+) bytes spill stores", out)
+                waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned\s+(\d+)", ptx)))
+                print(
+                    f"{label} {cfg_name(cfg):34} smem {compiled.metadata.shared:6d}  "
+                    f"regs {regs[0] if regs else '?':>3}  spill {spills[0] if spills else '?'}  "
+                    f"cp.async {len(re.findall(r'cp.async.c[ag]', ptx)):3d}  "
+                    f"tma {len(re.findall(r'cp.async.bulk.tensor', ptx)):2d}  "
+                    f"wgmma waits {','.join(waits)}",
+                    flush=True,
+                )
+            except Exception as exc:
+                print(f"{label} {cfg_name(cfg):34} ERROR {type(exc).__name__}: {str(exc)[:200]}")
+                FAILS.append(f"{label} {cfg_name(cfg)}")
+    return 1 if FAILS else 0
+
+
 def main() -> int:
     t_start = time.perf_counter()
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -300,4 +375,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ptx_check() if PTX else main())

@@ -164,7 +164,7 @@ class GemmConfig(NamedTuple):
     block_k: int = 64
     group_m: int = 8
     num_warps: int = 8
-    num_stages: int = 4
+    num_stages: int = 3
     tma: bool = False  # B (and A when rows are sorted) through TMA descriptors where possible
 
 
@@ -175,8 +175,10 @@ def _pow2_clamp(value: int, lo: int, hi: int) -> int:
 def pick_config(num_rows: int, n: int, d: int, num_experts: int) -> GemmConfig:
     """Tiles, warps and stages from the problem.
 
-    GPU: 128 x 128 x 64 tiles, 8 warps, 4 stages (wgmma-sized on Hopper), BM 64 when groups
-    average fewer than 128 rows (fewer padded rows), BN/BK shrunk for small N/D.
+    GPU: 128 x 128 x 64 tiles, 8 warps, 3 stages (wgmma-sized on Hopper; 96 KiB of shared memory,
+    so two programs fit on an SM), BM 64 when groups average fewer than 128 rows (fewer padded
+    rows), BN/BK shrunk for small N/D. Sized from sm_90a compiles (no spills, async wgmma);
+    the H200 sweep ``gpu/grouped_mm_sweep.py`` is what should settle it.
     Interpreter: few, large programs (each program costs ~0.4 ms of numpy overhead).
     """
     if INTERPRET:
@@ -192,7 +194,7 @@ def pick_config(num_rows: int, n: int, d: int, num_experts: int) -> GemmConfig:
     block_n = _pow2_clamp(n, 16, 128)
     block_k = _pow2_clamp(d, 16, 64)
     num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-    return GemmConfig(block_m, block_n, block_k, 8, num_warps, 4 if block_k <= 64 else 3)
+    return GemmConfig(block_m, block_n, block_k, 8, num_warps, 3)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
