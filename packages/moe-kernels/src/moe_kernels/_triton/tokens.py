@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels._triton.launch import FastKernel
 
 # Gather scale modes: plain copy, times a per-row weight, times scores[token, expert].
 SCALE_NONE, SCALE_ROW, SCALE_SCORES = 0, 1, 2
@@ -278,6 +279,11 @@ _GPU_SHAPES = {"gather": (256, 2048), "combine": (1024, 1024), "scatter": (1024,
 _INTERPRET_SHAPE = (4096, 16384)  # numpy: slow per program, fast per element
 
 
+_gather_rows = FastKernel(_gather_rows_kernel)
+_scatter_add = FastKernel(_scatter_add_kernel)
+_combine = FastKernel(_combine_kernel)
+
+
 def pick_config(kind: str, num_rows: int, dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_D, num_warps) for ``kind`` moving ``num_rows`` rows of ``dim`` elements.
 
@@ -314,25 +320,30 @@ def gather_rows(
     num_experts = scale.shape[1] if mode == SCALE_SCORES else 0
     stride_st, stride_se = scale.stride() if mode == SCALE_SCORES else (0, 0)
     grid = (triton.cdiv(num_rows, block_n), triton.cdiv(dim, block_d))
-    _gather_rows_kernel[grid](
-        x_TD,
-        out_ND,
-        token_indices_N,
-        expert_indices_N if expert_indices_N is not None else token_indices_N,
-        scale if scale is not None else x_TD,
-        valid_token_count if valid_token_count is not None else token_indices_N,
-        num_rows,
-        dim,
-        num_tokens,
-        num_experts,
-        x_TD.stride(0),
-        x_TD.stride(1),
-        stride_st,
-        stride_se,
-        SCALE_MODE=mode,
-        HAS_VTC=valid_token_count is not None,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
+    _gather_rows.launch(
+        grid,
+        (
+            x_TD,
+            out_ND,
+            token_indices_N,
+            expert_indices_N if expert_indices_N is not None else token_indices_N,
+            scale if scale is not None else x_TD,
+            valid_token_count if valid_token_count is not None else token_indices_N,
+            num_rows,
+            dim,
+            num_tokens,
+            num_experts,
+            x_TD.stride(0),
+            x_TD.stride(1),
+            stride_st,
+            stride_se,
+        ),
+        dict(
+            SCALE_MODE=mode,
+            HAS_VTC=valid_token_count is not None,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+        ),
         num_warps=num_warps,
     )
     return out_ND
@@ -352,20 +363,25 @@ def scatter_add_sorted(
         return
     block_n, block_d, num_warps = config or pick_config("scatter", num_tokens, dim)
     grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d))
-    _scatter_add_kernel[grid](
-        out_TD,
-        in_ND,
-        src_N,
-        bounds_T1,
-        num_tokens,
-        dim,
-        out_TD.stride(0),
-        out_TD.stride(1),
-        in_ND.stride(0),
-        in_ND.stride(1),
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        WHILE_LOOPS=INTERPRET,
+    _scatter_add.launch(
+        grid,
+        (
+            out_TD,
+            in_ND,
+            src_N,
+            bounds_T1,
+            num_tokens,
+            dim,
+            out_TD.stride(0),
+            out_TD.stride(1),
+            in_ND.stride(0),
+            in_ND.stride(1),
+        ),
+        dict(
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            WHILE_LOOPS=INTERPRET,
+        ),
         num_warps=num_warps,
     )
 
@@ -387,23 +403,28 @@ def combine(
         return out_TD.zero_()
     block_n, block_d, num_warps = config or pick_config("combine", num_tokens, dim)
     grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d))
-    _combine_kernel[grid](
-        y_ND,
-        weights_N if weights_N is not None else y_ND,
-        inverse_TK,
-        out_TD,
-        num_tokens,
-        top_k,
-        num_rows,
-        dim,
-        y_ND.stride(0),
-        y_ND.stride(1),
-        inverse_TK.stride(0),
-        inverse_TK.stride(1),
-        WEIGHTED=weights_N is not None,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        WHILE_LOOPS=INTERPRET,
+    _combine.launch(
+        grid,
+        (
+            y_ND,
+            weights_N if weights_N is not None else y_ND,
+            inverse_TK,
+            out_TD,
+            num_tokens,
+            top_k,
+            num_rows,
+            dim,
+            y_ND.stride(0),
+            y_ND.stride(1),
+            inverse_TK.stride(0),
+            inverse_TK.stride(1),
+        ),
+        dict(
+            WEIGHTED=weights_N is not None,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            WHILE_LOOPS=INTERPRET,
+        ),
         num_warps=num_warps,
         enable_fp_fusion=False,  # w * y then + acc, two roundings, like the reference
     )
