@@ -351,8 +351,9 @@ def clone_us(nbytes: int, device: torch.device) -> float:
 
 
 # Implementations timed a second way, replayed from a CUDA graph: ours and the clone are
-# capture-safe by contract; torch-native routing syncs (bincount) and peers are not ours to promise.
-GRAPH_IMPLS = ("moe_kernels", "clone")
+# capture-safe by contract, torchao's layout kernels capture too (a failed capture gives no
+# number); torch-native routing syncs (bincount), so it is never captured.
+GRAPH_IMPLS = ("moe_kernels", "clone", "torchao")
 
 
 def graph_us(fn: Thunk, device: torch.device) -> float | None:

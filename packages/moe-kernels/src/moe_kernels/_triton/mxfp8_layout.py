@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import INTERPRET
+from .launch import FastKernel
 
 
 @triton.jit
@@ -127,14 +128,19 @@ def _block_c(Cp: int, block_c: int | None) -> tuple[int, int]:
     return block_c, 4 if block_c <= 32 else 8
 
 
+_group_offsets = FastKernel(_group_offsets_kernel)
+_blocked_2d_groups = FastKernel(_blocked_2d_groups_kernel)
+_blocked_3d = FastKernel(_blocked_3d_kernel)
+
+
 def group_offsets(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(G,) end offsets -> sizes (G,) int32, start_rows (G + 1,) int32."""
     G = group_end_offsets.shape[0]
     dev = group_end_offsets.device
     sizes = torch.empty(G, dtype=torch.int32, device=dev)
     start_rows = torch.empty(G + 1, dtype=torch.int32, device=dev)
-    _group_offsets_kernel[(1,)](
-        group_end_offsets, sizes, start_rows, G, GP=max(2, triton.next_power_of_2(G))
+    _group_offsets.launch(
+        (1,), (group_end_offsets, sizes, start_rows, G), dict(GP=max(2, triton.next_power_of_2(G)))
     )
     return sizes, start_rows
 
@@ -153,19 +159,13 @@ def to_blocked_per_group_2d(
     start_rows = torch.empty(G + 1, dtype=torch.int32, device=dev)
     bc, warps = _block_c(Cp, block_c)
     n_tiles = triton.cdiv(R, 128) + G
-    _blocked_2d_groups_kernel[(n_tiles, triton.cdiv(Cp, bc))](
-        scale_RC.view(torch.uint8),
-        group_end_offsets,
-        out.view(torch.uint8),
-        start_rows,
-        C,
-        Cp,
-        G,
-        scale_RC.stride(0),
-        GP=max(2, triton.next_power_of_2(G)),
-        BLOCK_C=bc,
+    _blocked_2d_groups.launch(
+        (n_tiles, triton.cdiv(Cp, bc)),
+        (scale_RC.view(torch.uint8), group_end_offsets, out.view(torch.uint8), start_rows, C, Cp,
+         G, scale_RC.stride(0)),
+        dict(GP=max(2, triton.next_power_of_2(G)), BLOCK_C=bc),
         num_warps=warps,
-    )
+    )  # fmt: skip
     return out, start_rows
 
 
@@ -180,18 +180,13 @@ def to_blocked_per_group_3d(scale_ENC: torch.Tensor, *, block_c: int | None = No
         return out
     bc, warps = _block_c(Cp, block_c)
     n_tiles = Np // 128
-    _blocked_3d_kernel[(E * n_tiles, triton.cdiv(Cp, bc))](
-        scale_ENC.view(torch.uint8),
-        out.view(torch.uint8),
-        N,
-        C,
-        Cp,
-        n_tiles,
-        scale_ENC.stride(0),
-        scale_ENC.stride(1),
-        BLOCK_C=bc,
+    _blocked_3d.launch(
+        (E * n_tiles, triton.cdiv(Cp, bc)),
+        (scale_ENC.view(torch.uint8), out.view(torch.uint8), N, C, Cp, n_tiles,
+         scale_ENC.stride(0), scale_ENC.stride(1)),
+        dict(BLOCK_C=bc),
         num_warps=warps,
-    )
+    )  # fmt: skip
     return out
 
 
