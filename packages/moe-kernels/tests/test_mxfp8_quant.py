@@ -273,16 +273,43 @@ def test_compile_fullgraph() -> None:
 
 @pytest.mark.skipif(not INTERPRET, reason="launches the Triton kernels: needs TRITON_INTERPRET=1")
 def test_dim1_kernel_tiles() -> None:
-    """The column-wise kernel with tiles that mask rows and columns, batched."""
+    """The column-wise kernels with tiles that mask rows and columns, batched."""
     from moe_kernels._triton import mxfp8_quant as tq
 
     x = make_x(2 * 96, 40, torch.bfloat16, seed=8).view(2, 96, 40)
-    for bm, bk in ((32, 8), (64, 16), (128, 64)):
-        d, s = tq.to_mxfp8_dim1(x, True, block_m=bm, block_k=bk)
+    x[1, 50, 7] = float("nan")
+    x[0, 70, 30] = float("-inf")
+    want = [oracle_mxfp8(x[e].t().contiguous(), "floor") for e in range(2)]
+    configs = [
+        {"variant": "tload", "BLOCK_M": 32, "BLOCK_K": 8},
+        {"variant": "tload", "BLOCK_M": 128, "BLOCK_K": 64},
+        {"RPT": 16, "KV": 2, "BLOCK_M": 64, "BLOCK_K": 16},  # the GPU default's shape of tile
+        {"RPT": 32, "KV": 1, "BLOCK_M": 128, "BLOCK_K": 32, "K_FAST": False},
+        {"RPT": 8, "KV": 4, "BLOCK_M": 32, "BLOCK_K": 32},
+        {"RPT": 4, "KV": 2, "BLOCK_M": 64, "BLOCK_K": 8},
+    ]
+    for cfg in configs:
+        d, s = tq.to_mxfp8_dim1(x, True, config=cfg)
         for e in range(2):
-            want_d, want_s = oracle_mxfp8(x[e].t().contiguous(), "floor")
-            np.testing.assert_array_equal(bits(d[e]), want_d)
-            np.testing.assert_array_equal(bits(s[e]), want_s)
+            np.testing.assert_array_equal(bits(d[e]), want[e][0], err_msg=str(cfg))
+            np.testing.assert_array_equal(bits(s[e]), want[e][1], err_msg=str(cfg))
+
+
+def test_dim1_config() -> None:
+    """Launch-config resolution (pure Python: both paths)."""
+    from moe_kernels._triton import mxfp8_quant as tq
+
+    cfg = tq.dim1_config(16384, 8192, config={"RPT": 16, "KV": 2, "BLOCK_M": 128, "BLOCK_K": 32})
+    assert cfg["variant"] == "regs" and cfg["num_warps"] == 4  # one thread per 16 x 2 cell
+    assert tq.dim1_config(96, 40, config={"variant": "tload"})["variant"] == "tload"
+    assert tq.dim1_config(40, 64)["variant"] == "tload"  # M % 32 != 0: no packed-word kernel
+    assert tq.dim1_config(64, 64, block_m=32, block_k=16)["BLOCK_K"] == 16
+    with pytest.raises(ValueError, match="unknown keys"):
+        tq.dim1_config(64, 64, config={"BLOCK_N": 32})
+    with pytest.raises(ValueError, match="variant"):
+        tq.dim1_config(64, 64, config={"variant": "smem"})
+    with pytest.raises(ValueError, match="RPT"):
+        tq.dim1_config(64, 64, config={"RPT": 12})
 
 
 @pytest.mark.skipif(not INTERPRET, reason="launches the Triton kernels: needs TRITON_INTERPRET=1")

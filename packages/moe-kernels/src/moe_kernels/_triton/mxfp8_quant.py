@@ -34,13 +34,10 @@ def _e4m3_bits_rne(q):
 
 
 @triton.jit
-def _quantize_blocks(x, AXIS: tl.constexpr, FLOOR: tl.constexpr, NATIVE_CAST: tl.constexpr):
-    """MX-quantise fp32 ``x`` in blocks along ``AXIS`` (of size 32).
+def _mx_exponent(amax, FLOOR: tl.constexpr):
+    """Block scale from int32 ``|x|`` bit maxima (NaN > inf > finite as integers).
 
-    Returns (data bits as uint8, same shape as x; biased e8m0 scale bytes as uint8, x reduced
-    along AXIS)."""
-    bits = x.to(tl.int32, bitcast=True)
-    amax = tl.max(bits & 0x7FFFFFFF, axis=AXIS)  # int max: NaN > inf > finite
+    Returns (unbiased exponent e in [-127, 127] as int32, is_nan)."""
     biased = amax >> 23
     e = biased - 135
     if not FLOOR:
@@ -48,15 +45,32 @@ def _quantize_blocks(x, AXIS: tl.constexpr, FLOOR: tl.constexpr, NATIVE_CAST: tl
     e = tl.where(biased == 0, -127, e)
     e = tl.where(amax == 0x7F800000, 127, e)
     e = tl.minimum(tl.maximum(e, -127), 127)
-    is_nan = amax > 0x7F800000
+    return e, amax > 0x7F800000
+
+
+@triton.jit
+def _mx_encode(x, e, is_nan, NATIVE_CAST: tl.constexpr):
+    """e4m3 bits (int32) of fp32 ``x / 2**e``; ``e`` and ``is_nan`` broadcast against ``x``."""
     inv = tl.where(e == 127, 0x00400000, (127 - e) << 23).to(tl.float32, bitcast=True)
-    q = x * tl.expand_dims(inv, AXIS)
+    q = x * inv
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     if NATIVE_CAST:
         qbits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
         qbits = _e4m3_bits_rne(q)
-    qbits = tl.where(tl.expand_dims(is_nan, AXIS), 0x7F, qbits)
+    return tl.where(is_nan, 0x7F, qbits)
+
+
+@triton.jit
+def _quantize_blocks(x, AXIS: tl.constexpr, FLOOR: tl.constexpr, NATIVE_CAST: tl.constexpr):
+    """MX-quantise fp32 ``x`` in blocks along ``AXIS`` (of size 32).
+
+    Returns (data bits as uint8, same shape as x; biased e8m0 scale bytes as uint8, x reduced
+    along AXIS)."""
+    bits = x.to(tl.int32, bitcast=True)
+    amax = tl.max(bits & 0x7FFFFFFF, axis=AXIS)  # int max: NaN > inf > finite
+    e, is_nan = _mx_exponent(amax, FLOOR)
+    qbits = _mx_encode(x, tl.expand_dims(e, AXIS), tl.expand_dims(is_nan, AXIS), NATIVE_CAST)
     scale = tl.where(is_nan, 255, e + 127)
     return qbits.to(tl.uint8), scale.to(tl.uint8)
 
@@ -121,6 +135,91 @@ def _mxfp8_dim1_kernel(
     srows = tl.program_id(0) * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)
     s_ptrs = scale_ptr + b * K * MB + cols[:, None].to(tl.int64) * MB + srows[None, :]
     tl.store(s_ptrs, s, (cols[:, None] < K) & (srows[None, :] < MB))
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _mxfp8_dim1_regs_kernel(
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    M,
+    K,
+    stride_xb,
+    stride_xm,
+    FLOOR: tl.constexpr,
+    NATIVE_CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RPT: tl.constexpr,
+    KV: tl.constexpr,
+    VW: tl.constexpr,
+    K_FAST: tl.constexpr,
+):
+    """x (B, M, K) -> data (B, K, M // 4) int32 (4 e4m3 bytes each), scale (B, K, M // 32).
+
+    Needs M % 32 == 0. Each thread owns RPT consecutive rows ("a group") of KV adjacent columns:
+    it loads them KV-wide, takes the block amax in registers (32 // RPT lanes share a block of 32
+    rows: a log2(32 // RPT)-step lane reduction), and packs its RPT output bytes per column
+    (contiguous along M in data) into int32 words stored VW words at a time, so the data never
+    goes through shared memory.
+
+    Layout control: the load and the store are 2-D, (cells, KV) and (cells, VW), whose dim 1 is
+    the only contiguous one and whose dim 0 enumerates (column group kl, row group g, register
+    index) from its lowest bits up, through index arithmetic Triton sees no contiguity in. Triton
+    then puts the low bits on lanes and warps and the high ones in registers; the launcher uses
+    exactly (BLOCK_K // KV) * (BLOCK_M // RPT) threads, so the register bits are the rows (load)
+    and the words (store), and every reshape/permute in between is free."""
+    S: tl.constexpr = BLOCK_M // RPT  # row groups
+    NB: tl.constexpr = BLOCK_M // 32  # blocks of 32 rows
+    LM: tl.constexpr = 32 // RPT  # row groups per block
+    KL: tl.constexpr = BLOCK_K // KV  # column groups
+    WPT: tl.constexpr = RPT // 4  # int32 words per thread and column
+    HH: tl.constexpr = WPT // VW
+    b = tl.program_id(2).to(tl.int64)
+    if K_FAST:
+        pid_k = tl.program_id(0)
+        pid_m = tl.program_id(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+    j = tl.arange(0, KV)[None, :]
+    # load: cell i = (r * S + g) * KL + kl
+    i = tl.max_contiguous(tl.arange(0, RPT * S * KL), 1)
+    row = ((pid_m * S + (i // KL) % S) * RPT + i // (KL * S))[:, None]
+    col = (pid_k * BLOCK_K + (i % KL) * KV)[:, None] + j
+    x_ptrs = x_ptr + b * stride_xb + row.to(tl.int64) * stride_xm + col
+    x = tl.load(x_ptrs, mask=(row < M) & (col < K), other=0.0).to(tl.float32)
+    x = tl.reshape(x, (RPT, S, KL, KV))
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)  # (S, KL, KV)
+    amax = tl.max(tl.reshape(amax, (NB, LM, KL, KV)), axis=1)  # (NB, KL, KV)
+    e, is_nan = _mx_exponent(amax, FLOOR)
+    e_g = tl.reshape(tl.broadcast_to(e[:, None, :, :], (NB, LM, KL, KV)), (S, KL, KV))
+    nan_g = tl.reshape(tl.broadcast_to(is_nan[:, None, :, :], (NB, LM, KL, KV)), (S, KL, KV))
+    q = _mx_encode(x, e_g[None], nan_g[None], NATIVE_CAST)  # (RPT, S, KL, KV)
+    # row r = (hh * VW + v) * 4 + byte: byte `byte` of word v of vector hh (little-endian)
+    q = tl.reshape(q, (HH, VW, 4, S, KL, KV))
+    shift = (tl.arange(0, 4) * 8)[None, None, :, None, None, None]
+    words = tl.reduce(q << shift, 2, _bit_or)  # (HH, VW, S, KL, KV)
+    words = tl.reshape(tl.permute(words, (4, 0, 2, 3, 1)), (KV * HH * S * KL, VW))
+    # store: cell c = ((j * HH + hh) * S + g) * KL + kl
+    c = tl.max_contiguous(tl.arange(0, KV * HH * S * KL), 1)
+    kcol = (pid_k * BLOCK_K + (c % KL) * KV + c // (KL * S * HH))[:, None]
+    MW = M // 4
+    wcol = ((pid_m * S + (c // KL) % S) * WPT + ((c // (KL * S)) % HH) * VW)[:, None]
+    wcol = wcol + tl.arange(0, VW)[None, :]
+    d_ptrs = data_ptr + b * K * MW + kcol.to(tl.int64) * MW + wcol
+    tl.store(d_ptrs, words, (kcol < K) & (wcol < MW))
+    MB = M // 32
+    scale = tl.where(is_nan, 255, e + 127).to(tl.uint8)  # (NB, KL, KV)
+    kk = pid_k * BLOCK_K + tl.arange(0, KL)[None, :, None] * KV + tl.arange(0, KV)[None, None, :]
+    nb = pid_m * NB + tl.arange(0, NB)[:, None, None]
+    s_ptrs = scale_ptr + b * K * MB + kk.to(tl.int64) * MB + nb
+    tl.store(s_ptrs, scale, (nb < MB) & (kk < K))
 
 
 @triton.jit
@@ -211,6 +310,78 @@ def to_mxfp8(
     return data, scale
 
 
+DIM1_VARIANTS = ("regs", "tload")
+_DIM1_KEYS = ("variant", "BLOCK_M", "BLOCK_K", "num_warps", "RPT", "KV", "K_FAST")
+
+
+def dim1_config(
+    M: int,
+    K: int,
+    *,
+    block_m: int | None = None,
+    block_k: int | None = None,
+    config: dict | None = None,
+) -> dict:
+    """The full launch config of ``to_mxfp8_dim1`` for an (.., M, K) input: ``config`` entries
+    override ``block_m`` / ``block_k``, which override the defaults.
+
+    Keys: ``variant`` ("regs": rows in registers, packed int32 stores, see
+    ``_mxfp8_dim1_regs_kernel``; "tload": the tile loaded transposed), ``BLOCK_M`` (multiple of
+    32), ``BLOCK_K``, ``num_warps``; "regs" only: ``RPT`` (rows per thread, 4 / 8 / 16 / 32),
+    ``KV`` (adjacent columns per thread, the load width), ``K_FAST`` (grid walks K tiles first).
+    "regs" needs M % 32 == 0; other inputs fall back to "tload"."""
+    cfg = dict(config or {})
+    bad = sorted(set(cfg) - set(_DIM1_KEYS))
+    if bad:
+        raise ValueError(f"config has unknown keys {bad}; known: {_DIM1_KEYS}")
+    variant = cfg.get("variant", "regs")
+    if variant not in DIM1_VARIANTS:
+        raise ValueError(f"config['variant'] must be one of {DIM1_VARIANTS}, got {variant!r}")
+    if M % _MX_BLOCK:
+        variant = "tload"
+    bm = cfg.get("BLOCK_M", block_m)
+    bk = cfg.get("BLOCK_K", block_k)
+    if variant == "tload":
+        if INTERPRET:
+            bm = bm or _pow2_at_most(M, 256)
+            bk = bk or _pow2_at_most(K, max(16, 16384 // bm))
+        else:
+            # H200 (16384 x 8192 bf16): 32 x 128 took 2.3x the copy ceiling's time, 64 x 64
+            # 2.4x, 128 x 32 3.4x, 64 x 128 3.7x, 128 x 64 5.1x
+            bm = bm or _pow2_at_most(M, 32)
+            bk = bk or _pow2_at_most(K, 128)
+        bm = max(bm, _MX_BLOCK)
+        warps = cfg.get("num_warps", 8 if bm * bk >= 8192 else 4)
+        return {"variant": "tload", "BLOCK_M": bm, "BLOCK_K": bk, "num_warps": warps}
+    if INTERPRET:  # few, big programs (each instance costs ~0.4 ms); layouts do not matter
+        rpt, kv = cfg.get("RPT", 32), cfg.get("KV", 1)
+        bm = bm or _pow2_at_most(M, 256)
+        bk = bk or _pow2_at_most(K, max(16, 16384 // bm))
+    else:
+        # 16 rows x 2 columns per thread: 4-byte bf16 loads, one 16-byte store per column and a
+        # full 32-byte sector per lane pair, ~48 registers
+        rpt, kv = cfg.get("RPT", 16), cfg.get("KV", 2)
+        bk = bk or _pow2_at_most(K, rpt * kv)  # (32 // RPT) * (BLOCK_K // KV) = 32 lanes
+        bm = bm or _pow2_at_most(M, 128)
+    bm = max(_pow2_at_most(bm, 1 << 30), _MX_BLOCK)
+    bk = _pow2_at_most(bk, 1 << 30)
+    if rpt not in (4, 8, 16, 32):
+        raise ValueError(f"config['RPT'] must be 4, 8, 16 or 32, got {rpt}")
+    kv = max(1, min(_pow2_at_most(kv, 1 << 30), bk))
+    # one thread per (column group, row group) cell: the rows stay in registers
+    cells = (bk // kv) * (bm // rpt)
+    warps = cfg.get("num_warps", max(1, cells // 32))
+    return {
+        "variant": "regs",
+        "BLOCK_M": bm,
+        "BLOCK_K": bk,
+        "num_warps": warps,
+        "RPT": rpt,
+        "KV": kv,
+        "K_FAST": bool(cfg.get("K_FAST", True)),
+    }
+
+
 def to_mxfp8_dim1(
     x_BMK: torch.Tensor,
     floor: bool,
@@ -218,8 +389,12 @@ def to_mxfp8_dim1(
     native_cast: bool | None = None,
     block_m: int | None = None,
     block_k: int | None = None,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column-wise cast of (M, K) or (B, M, K): data (.., K, M) e4m3fn, scale (.., K, M // 32)."""
+    """Column-wise cast of (M, K) or (B, M, K): data (.., K, M) e4m3fn, scale (.., K, M // 32).
+
+    ``block_m`` / ``block_k`` / ``config`` pick the kernel and its launch (see ``dim1_config``);
+    every choice gives the same bits."""
     squeeze = x_BMK.dim() == 2
     x = x_BMK.unsqueeze(0) if squeeze else x_BMK
     if x.stride(-1) != 1:
@@ -228,33 +403,41 @@ def to_mxfp8_dim1(
     data = torch.empty((B, K, M), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((B, K, M // _MX_BLOCK), dtype=torch.float8_e8m0fnu, device=x.device)
     if B * M * K > 0:
-        if INTERPRET:
-            bm = block_m or _pow2_at_most(M, 256)
-            bk = block_k or _pow2_at_most(K, max(16, 16384 // bm))
-            warps = 4
-        else:
-            # H200 (16384 x 8192 bf16): 32 x 128 took 2.3x the copy ceiling's time, 64 x 64
-            # 2.4x, 128 x 32 3.4x, 64 x 128 3.7x, 128 x 64 5.1x
-            bm = block_m or _pow2_at_most(M, 32)
-            bk = block_k or _pow2_at_most(K, 128)
-            warps = 8 if bm * bk >= 8192 else 4
-        bm = max(bm, 32)
+        cfg = dim1_config(M, K, block_m=block_m, block_k=block_k, config=config)
+        bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
         native = (not INTERPRET) if native_cast is None else native_cast
-        grid = (triton.cdiv(M, bm), triton.cdiv(K, bk), B)
-        _mxfp8_dim1_kernel[grid](
-            x,
-            data.view(torch.uint8),
-            scale.view(torch.uint8),
-            M,
-            K,
-            x.stride(0),
-            x.stride(1),
-            FLOOR=floor,
-            NATIVE_CAST=native,
-            BLOCK_M=bm,
-            BLOCK_K=bk,
-            num_warps=warps,
-        )
+        args = (x, data.view(torch.uint8), scale.view(torch.uint8), M, K, x.stride(0), x.stride(1))
+        if cfg["variant"] == "tload":
+            grid = (triton.cdiv(M, bm), triton.cdiv(K, bk), B)
+            _mxfp8_dim1_kernel[grid](
+                *args,
+                FLOOR=floor,
+                NATIVE_CAST=native,
+                BLOCK_M=bm,
+                BLOCK_K=bk,
+                num_warps=cfg["num_warps"],
+            )
+        else:
+            k_fast = cfg["K_FAST"]
+            grid_mk = [triton.cdiv(M, bm), triton.cdiv(K, bk)]
+            if grid_mk[0 if k_fast else 1] > 65535:  # CUDA caps grid dim 1
+                k_fast = not k_fast
+            grid = (*(grid_mk[::-1] if k_fast else grid_mk), B)
+            rpt = cfg["RPT"]
+            _mxfp8_dim1_regs_kernel[grid](
+                x,
+                data.view(torch.int32),
+                *args[2:],
+                FLOOR=floor,
+                NATIVE_CAST=native,
+                BLOCK_M=bm,
+                BLOCK_K=bk,
+                RPT=rpt,
+                KV=cfg["KV"],
+                VW=min(rpt // 4, 4),
+                K_FAST=k_fast,
+                num_warps=cfg["num_warps"],
+            )
     if squeeze:
         return data[0], scale[0]
     return data, scale
