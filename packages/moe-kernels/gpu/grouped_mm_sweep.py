@@ -224,7 +224,7 @@ def ptx_check() -> int:
             consts = dict(stride_xd=1, stride_wd=1, HAS_RIDX=has_ridx, ACTIVATION=act)
             consts.update(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m)
             consts.update(BLOCK_E=32, EVEN_K=True, A_TMA=a_tma, B_TMA=b_tma)
-            consts.update(UPCAST=False, IEEE=False)
+            consts.update(UPCAST=False, IEEE=False, WHILE_LOOPS=False)
             if not a_tma:
                 consts["a_desc"] = None
             if not b_tma:

@@ -25,9 +25,13 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_kernels._dispatch import INTERPRET
+
+try:  # host-side TMA descriptors (triton >= 3.4); without them ``tma=True`` configs use pointers
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
 
 ACT_NONE, ACT_SILU = 0, 1
 
@@ -51,6 +55,48 @@ def _find_tile(
     row0 = tl.sum(tl.where(here, start, 0), axis=0) + (t - first_tile) * BM
     row_end = tl.sum(tl.where(here, end, 0), axis=0)
     return seg, row0, row_end
+
+
+@triton.jit
+def _k_step(
+    acc,
+    k,
+    a_ptrs,
+    b_ptrs,
+    a_desc,
+    b_desc,
+    a_row,
+    b_row,
+    ks,
+    D,
+    stride_xd,
+    stride_wd,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    A_TMA: tl.constexpr,
+    B_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """acc + A[:, kBK:(k+1)BK] @ B[kBK:(k+1)BK, :] (columns past D read as zero)."""
+    if A_TMA:
+        a = a_desc.load([a_row, k * BK])  # rows past P and columns past D read as 0
+    elif EVEN_K:
+        a = tl.load(a_ptrs + k * BK * stride_xd)
+    else:
+        a = tl.load(a_ptrs + k * BK * stride_xd, mask=(ks < D - k * BK)[None, :], other=0.0)
+    if B_TMA:
+        b = b_desc.load([b_row, k * BK]).T
+    elif EVEN_K:
+        b = tl.load(b_ptrs + k * BK * stride_wd)
+    else:
+        b = tl.load(b_ptrs + k * BK * stride_wd, mask=(ks < D - k * BK)[:, None], other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -84,6 +130,7 @@ def _gather_grouped_mm_kernel(
     B_TMA: tl.constexpr,  # B tiles through TMA (the last n-tile may read the next expert: unused)
     UPCAST: tl.constexpr,  # fp32 operands for tl.dot (the interpreter's bf16 dot is wrong)
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
+    WHILE_LOOPS: tl.constexpr,  # interpreter: triton 3.5's cannot range() over a runtime bound
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(P, BM) + E
@@ -123,29 +170,23 @@ def _gather_grouped_mm_kernel(
             + safe_cols.to(tl.int64)[None, :] * stride_wn
             + ks[:, None] * stride_wd
         )
+        b_row = seg * N + pid_n * BN  # w viewed as (E*N, D)
+        num_k = tl.cdiv(D, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, tl.cdiv(D, BK)):
-            if A_TMA:
-                a = a_desc.load([row0, k * BK])  # rows past P and columns past D read as 0
-            elif EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(ks < D - k * BK)[None, :], other=0.0)
-            if B_TMA:
-                b = b_desc.load([seg * N + pid_n * BN, k * BK]).T
-            elif EVEN_K:
-                b = tl.load(b_ptrs)
-            else:
-                b = tl.load(b_ptrs, mask=(ks < D - k * BK)[:, None], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            a_ptrs += BK * stride_xd
-            b_ptrs += BK * stride_wd
+        if WHILE_LOOPS:
+            k = num_k * 0
+            while k < num_k:
+                acc = _k_step(
+                    acc, k, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, ks, D,
+                    stride_xd, stride_wd, BK, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE,
+                )  # fmt: skip
+                k += 1
+        else:
+            for k in range(0, num_k):
+                acc = _k_step(
+                    acc, k, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, ks, D,
+                    stride_xd, stride_wd, BK, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE,
+                )  # fmt: skip
         if ACTIVATION == 1:
             acc = acc / (1.0 + tl.exp(-acc))  # silu in fp32
         acc = tl.where(live[:, None], acc, 0.0)
@@ -200,6 +241,8 @@ def pick_config(num_rows: int, n: int, d: int, num_experts: int) -> GemmConfig:
 def _tma_ok(t: torch.Tensor) -> bool:
     """A TMA descriptor over t as a 2-D row-major matrix: contiguous, 16-byte rows and base."""
     row_bytes = t.shape[-1] * t.element_size()
+    if TensorDescriptor is None:
+        return False
     return t.is_contiguous() and row_bytes % 16 == 0 and t.data_ptr() % 16 == 0
 
 
@@ -263,6 +306,7 @@ def gather_grouped_mm(
         A_TMA=a_tma,
         B_TMA=b_tma,
         UPCAST=INTERPRET,
+        WHILE_LOOPS=INTERPRET,
         IEEE=x_TD.dtype == torch.float32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
