@@ -1,0 +1,75 @@
+"""The MoE router in one op: ``scores = router_scores(x, w)``, the first arrow of a MoE forward.
+
+``router_scores`` replaces ``softmax(F.linear(x.float(), w.float()), -1)`` (or the sigmoid) with
+one kernel that reads x once in its own dtype, accumulates the logits in fp32 registers and
+applies the score function before writing (T, E) fp32 scores, instead of writing an fp32 copy of
+x, running an fp32 GEMM and a separate softmax. It is a ``torch.library`` custom op
+(``moe_kernels::router_scores``) with a fake implementation: no host syncs on CUDA, safe under
+``torch.compile(fullgraph=True)`` and CUDA-graph capture, deterministic (no split-K, no atomics).
+No autograd (like the other ops here): use the torch formula where the router is trained.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_kernels import _validate as V
+from moe_kernels._dispatch import eager_direct, op_name, use_triton
+from moe_kernels._reference import router as _ref
+
+__all__ = ["SCORE_FNS", "router_scores"]
+
+SCORE_FNS = ("softmax", "sigmoid")
+
+
+def _triton():
+    from moe_kernels._triton import router as tri  # imported lazily: triton only when used
+
+    return tri
+
+
+def _router_impl(x: torch.Tensor, weight: torch.Tensor, score_fn: str) -> torch.Tensor:
+    if not use_triton(x.device):
+        return _ref.router_scores(x, weight, score_fn)
+    return _triton().router_scores(x, weight, score_fn == "sigmoid")
+
+
+_router_op = torch.library.custom_op(op_name("router_scores"), mutates_args=())(_router_impl)
+
+
+@_router_op.register_fake
+def _(x, weight, score_fn):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def router_scores(
+    x_TD: torch.Tensor, weight_ED: torch.Tensor, *, score_fn: str = "softmax"
+) -> torch.Tensor:
+    """Router scores (T, E) float32: ``score_fn(x @ weight.T)`` with the logits in fp32.
+
+    x_TD: (T, D) float32/bf16/fp16, any strides (T may be 0); weight_ED: (E, D) float32 (bf16 and
+    fp16 are upcast), E >= 1, any strides. ``logits[t, e] = sum_d float(x[t, d]) * float(w[e, d])``
+    accumulated in fp32 with IEEE multiply-adds (no TF32), then ``score_fn``: ``"softmax"`` over E
+    (max-subtracted, exp, sum, divide, all fp32) or ``"sigmoid"`` elementwise.
+
+    Matches the reference ``torch.softmax(F.linear(x.float(), w.float()), -1)`` (or
+    ``torch.sigmoid``) to fp32 rounding, not bit for bit: the kernel sums D in a different order
+    than the fp32 GEMM, and exp / divide on the GPU are within a few ulps. Bitwise reproducible
+    run to run on a given device and launch config.
+    """
+    x_TD = V.tensor("x_TD", x_TD)
+    V.dtype("x_TD", x_TD, V.FLOAT_DTYPES)
+    V.rank("x_TD", x_TD, 2)
+    weight_ED = V.tensor("weight_ED", weight_ED)
+    V.dtype("weight_ED", weight_ED, V.FLOAT_DTYPES)
+    V.rank("weight_ED", weight_ED, 2)
+    V.same_device("x_TD", x_TD, weight_ED=weight_ED)
+    V.dim_size("weight_ED", weight_ED, 1, x_TD.shape[1], "D, the columns of x_TD")
+    if weight_ED.shape[0] < 1:
+        raise ValueError(f"weight_ED must have at least one expert (row), got {weight_ED.shape}")
+    if not isinstance(score_fn, str):
+        raise TypeError(f"score_fn must be a str, got {type(score_fn).__name__}")
+    if score_fn not in SCORE_FNS:
+        raise ValueError(f"score_fn must be one of {SCORE_FNS}, got {score_fn!r}")
+    op = _router_impl if eager_direct(x_TD, weight_ED) else _router_op
+    return op(x_TD, weight_ED, score_fn)

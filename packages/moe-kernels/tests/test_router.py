@@ -1,0 +1,217 @@
+"""Fused router scores against the torch formula and an independent float64 oracle.
+
+Runs on the torch reference path (TRITON_INTERPRET=0) and on the Triton kernel in the
+interpreter (TRITON_INTERPRET=1).
+
+Tolerances. Upcasting x (bf16/fp16) and w to fp32 is exact, so the only errors are the fp32 sum
+over D (kernel and reference sum in different orders) and the score function's exp / divide.
+* Against the float64 oracle the bound is rigorous: for any summation order,
+  |logit - exact| <= gamma_D * sum_d |x w| with gamma_D = D u / (1 - D u), u = 2**-24; a softmax
+  score moves by at most s_e * (|dl_e| + max_j |dl_j|), a sigmoid by at most s * |dl|; plus a few
+  ulps of exp / divide (8 u relative).
+* Against the fp32 reference: rtol 1e-5, atol 1e-6. Rounding errors of a sum behave like a
+  random walk: with w ~ N(0, 1/D) (the model's init) and x ~ N(0, 1), both logits sit within
+  ~u * sqrt(D) * |logit scale| ~ 4e-6 of the exact one for D <= 4096, so relative score
+  differences stay well under 1e-5 (2e-6 is typical at D = 256); atol covers scores near zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moe_kernels._dispatch import use_triton
+from moe_kernels._reference import router as ref
+from moe_kernels.router import router_scores
+
+CPU = torch.device("cpu")
+TRITON = use_triton(CPU)
+U = 2.0**-24
+
+
+def rand(shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale + 0.05).to(dtype)  # random, non-zero
+
+
+def make(num_tokens, num_experts, dim, x_dtype=torch.bfloat16, w_dtype=torch.float32, seed=0):
+    x = rand((num_tokens, dim), x_dtype, seed)
+    w = rand((num_experts, dim), w_dtype, seed + 1, scale=1.0 / math.sqrt(max(dim, 1)))
+    return x, w
+
+
+def oracle64(x, w, score_fn):
+    """(scores, logit error bound) in float64: plain matmul, then the score function in loops."""
+    x64, w64 = x.double(), w.double()
+    logits = x64 @ w64.T
+    bound = (x64.abs() @ w64.abs().T) * (x.shape[1] * U / (1 - x.shape[1] * U))
+    num_tokens, num_experts = logits.shape
+    out = torch.empty_like(logits)
+    for t in range(num_tokens):
+        row = [float(v) for v in logits[t]]
+        if score_fn == "softmax":
+            m = max(row)
+            p = [math.exp(v - m) for v in row]
+            total = math.fsum(p)
+            for e in range(num_experts):
+                out[t, e] = p[e] / total
+        else:
+            for e in range(num_experts):
+                out[t, e] = 1.0 / (1.0 + math.exp(-row[e]))
+    return out, bound
+
+
+def assert_close_to_oracle(scores, x, w, score_fn):
+    assert scores.dtype == torch.float32
+    assert scores.shape == (x.shape[0], w.shape[0])
+    exact, dl = oracle64(x, w, score_fn)
+    if score_fn == "softmax":
+        slack = dl + dl.amax(dim=1, keepdim=True) if dl.numel() else dl
+    else:
+        slack = dl
+    tol = exact * (slack + 8 * U) + 1e-30
+    err = (scores.double() - exact).abs()
+    assert bool((err <= tol).all()), float((err - tol).max())
+
+
+def assert_close_to_reference(scores, x, w, score_fn):
+    expected = ref.router_scores(x, w, score_fn)
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# values
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("dim", [32, 100, 256])
+@pytest.mark.parametrize("num_experts", [1, 3, 16, 40])
+@pytest.mark.parametrize("num_tokens", [0, 1, 5, 64])
+def test_matches_reference_and_oracle(num_tokens, num_experts, dim, score_fn):
+    x, w = make(num_tokens, num_experts, dim, seed=num_tokens * 7 + num_experts + dim)
+    scores = router_scores(x, w, score_fn=score_fn)
+    assert_close_to_reference(scores, x, w, score_fn)
+    assert_close_to_oracle(scores, x, w, score_fn)
+    if score_fn == "softmax" and num_tokens:
+        torch.testing.assert_close(scores.sum(1), torch.ones(num_tokens), rtol=0, atol=4e-7)
+    if num_experts == 1 and score_fn == "softmax":
+        assert bool((scores == 1).all())  # exp(0) / exp(0)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_dtypes(x_dtype, w_dtype):
+    x, w = make(9, 5, 48, x_dtype, w_dtype, seed=3)
+    for score_fn in ("softmax", "sigmoid"):
+        scores = router_scores(x, w, score_fn=score_fn)
+        assert_close_to_reference(scores, x, w, score_fn)
+        assert_close_to_oracle(scores, x, w, score_fn)
+
+
+def test_strided_inputs_and_determinism():
+    base = rand((80, 2 * 72), torch.bfloat16, 11)
+    x_rows = base[::2, :72]  # row stride 288, last dim contiguous
+    x_cols = base[:40, ::2]  # last dim stride 2
+    x_t = rand((72, 40), torch.bfloat16, 12).T  # column-major
+    w = rand((72, 2 * 6), torch.float32, 13, scale=0.1).T  # (6, 72), strides (1, 12)
+    for x in (x_rows, x_cols, x_t):
+        assert not x.is_contiguous()
+        for score_fn in ("softmax", "sigmoid"):
+            scores = router_scores(x, w, score_fn=score_fn)
+            assert_close_to_reference(scores, x, w, score_fn)
+            assert_close_to_oracle(scores, x, w, score_fn)
+            again = router_scores(x.contiguous(), w.contiguous(), score_fn=score_fn)
+            assert torch.equal(scores, again)  # same bytes, same bits, whatever the layout
+
+
+def test_large_logits_softmax_is_stable():
+    x, w = make(6, 8, 64, torch.float32, seed=5)
+    w = w * 400.0  # logits in the hundreds: exp without max-subtraction would overflow
+    scores = router_scores(x, w)
+    assert bool(torch.isfinite(scores).all())
+    assert_close_to_oracle(scores, x, w, "softmax")
+    sig = router_scores(x, w, score_fn="sigmoid")
+    assert bool(torch.isfinite(sig).all()) and bool(((sig >= 0) & (sig <= 1)).all())
+
+
+def test_zero_dim():
+    x, w = torch.empty(3, 0), torch.empty(4, 0)
+    torch.testing.assert_close(router_scores(x, w), torch.full((3, 4), 0.25), rtol=0, atol=0)
+    sig = router_scores(x, w, score_fn="sigmoid")
+    torch.testing.assert_close(sig, torch.full((3, 4), 0.5), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not TRITON, reason="launch configs exist only on the Triton path")
+@pytest.mark.parametrize("dot", [True, False])
+@pytest.mark.parametrize("block_t,block_d", [(16, 16), (32, 64)])
+def test_kernel_configs(dot, block_t, block_d):
+    from moe_kernels._triton import router as tri
+
+    x, w = make(37, 20, 80, seed=17)  # several programs, a ragged last D chunk, E padded to 32
+    cfg = tri.RouterConfig(block_t, block_d, 4, 1, dot)
+    for score_fn in ("softmax", "sigmoid"):
+        scores = tri.router_scores(x, w, score_fn == "sigmoid", config=cfg)
+        assert_close_to_reference(scores, x, w, score_fn)
+        assert_close_to_oracle(scores, x, w, score_fn)
+
+
+def test_pick_config_shapes():
+    from moe_kernels._triton import router as tri
+
+    for num_tokens in (1, 512, 2048, 16384):
+        for num_experts in (1, 16, 128, 1000):
+            cfg = tri.pick_config(num_tokens, 2048, num_experts)
+            for v in (cfg.block_t, cfg.block_d):
+                assert v >= 16 and v & (v - 1) == 0
+            assert tri.block_e(num_experts) >= max(16, num_experts)
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+
+
+@pytest.mark.parametrize(
+    "x,w,kwargs,exc,name",
+    [
+        (torch.zeros(2, 3, 4), torch.zeros(4, 4), {}, ValueError, "x_TD"),
+        (torch.zeros(4, 4), torch.zeros(4), {}, ValueError, "weight_ED"),
+        (torch.zeros(4, 4, dtype=torch.int32), torch.zeros(2, 4), {}, TypeError, "x_TD"),
+        (torch.zeros(4, 4), torch.zeros(2, 4, dtype=torch.float64), {}, TypeError, "weight_ED"),
+        (torch.zeros(4, 4), torch.zeros(2, 5), {}, ValueError, "weight_ED"),
+        (torch.zeros(4, 4), torch.zeros(0, 4), {}, ValueError, "weight_ED"),
+        ([[1.0]], torch.zeros(2, 4), {}, TypeError, "x_TD"),
+        (torch.zeros(4, 4), torch.zeros(2, 4), {"score_fn": "relu"}, ValueError, "score_fn"),
+        (torch.zeros(4, 4), torch.zeros(2, 4), {"score_fn": None}, TypeError, "score_fn"),
+        (torch.zeros(4, 4), torch.zeros(2, 4, device="meta"), {}, ValueError, "weight_ED"),
+    ],
+)
+def test_bad_arguments(x, w, kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        router_scores(x, w, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# custom op: opcheck and torch.compile
+
+
+def test_opcheck():
+    x, w = make(6, 5, 40, seed=21)
+    for score_fn in ("softmax", "sigmoid"):
+        torch.library.opcheck(
+            torch.ops.moe_kernels.router_scores.default,
+            (x, w, score_fn),
+            test_utils=("test_schema", "test_faketensor"),
+        )
+
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    x, w = make(7, 6, 48, seed=23)
+
+    def step(x, w):
+        return router_scores(x, w) + router_scores(x, w, score_fn="sigmoid")
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")(x, w)
+    torch.testing.assert_close(compiled, step(x, w), rtol=0, atol=0)
