@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels._triton.launch import FastKernel
 
 try:  # host-side TMA descriptors (triton >= 3.4); without them ``tma=True`` configs use pointers
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -238,6 +239,9 @@ def pick_config(num_rows: int, n: int, d: int, num_experts: int) -> GemmConfig:
     return GemmConfig(block_m, block_n, block_k, 8, num_warps, 3)
 
 
+_launcher = FastKernel(_gather_grouped_mm_kernel)  # compiled-handle launches (low host cost)
+
+
 def _tma_ok(t: torch.Tensor) -> bool:
     """A TMA descriptor over t as a 2-D row-major matrix: contiguous, 16-byte rows and base."""
     row_bytes = t.shape[-1] * t.element_size()
@@ -277,7 +281,7 @@ def gather_grouped_mm(
         w_flat = w_END.view(num_experts * n, dim)
         b_desc = TensorDescriptor.from_tensor(w_flat, [cfg.block_n, cfg.block_k])
     grid = (num_programs(num_rows, n, num_experts, cfg),)
-    _gather_grouped_mm_kernel[grid](
+    args = (
         x_TD,
         w_END,
         offsets_E1,
@@ -295,6 +299,8 @@ def gather_grouped_mm(
         w_END.stride(0),
         w_END.stride(1),
         w_END.stride(2),
+    )
+    constexprs = dict(
         HAS_RIDX=row_indices_P is not None,
         ACTIVATION=activation,
         BM=cfg.block_m,
@@ -306,9 +312,12 @@ def gather_grouped_mm(
         A_TMA=a_tma,
         B_TMA=b_tma,
         UPCAST=INTERPRET,
-        WHILE_LOOPS=INTERPRET,
         IEEE=x_TD.dtype == torch.float32,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        WHILE_LOOPS=INTERPRET,
     )
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if a_tma or b_tma:  # descriptors are not keys FastKernel can cache on: Triton's own launch
+        _gather_grouped_mm_kernel[grid](*args, **constexprs, **options)
+    else:
+        _launcher.launch(grid, args, constexprs, **options)
     return y_PN
