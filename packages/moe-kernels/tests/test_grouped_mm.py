@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe_kernels._dispatch import use_triton
 from moe_kernels.grouped_mm import gather_grouped_mm
@@ -83,6 +85,35 @@ def test_gathered_matches_oracle(dtype, case, activation):
     y = gather_grouped_mm(x, w, offsets, rows, activation=activation)
     assert y.shape == (num_rows, n) and y.dtype == dtype
     assert_close(y, oracle(x, w, offsets, rows, activation), dim)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    tail=st.integers(0, 5),
+    num_tokens=st.integers(1, 12),
+    dim=st.sampled_from([16, 24]),
+    n=st.sampled_from([16, 20]),
+    gathered=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_groups(counts, tail, num_tokens, dim, n, gathered, seed):
+    """Random group sizes (empty ones too), tails, gathered or sorted rows, odd N."""
+    offsets = make_offsets(counts)
+    num_rows = int(offsets[-1]) + tail
+    if not gathered:
+        num_tokens = num_rows
+        if num_tokens == 0:
+            return
+    x = rand((num_tokens, dim), torch.float32, seed, 0.3)
+    w = rand((len(counts), n, dim), torch.float32, seed + 1, 0.3)
+    rows = None
+    if gathered:
+        g = torch.Generator().manual_seed(seed)
+        rows = torch.randint(0, num_tokens, (num_rows,), generator=g, dtype=torch.int32)
+        rows[int(offsets[-1]) :] = -1
+    y = gather_grouped_mm(x, w, offsets, rows, activation="silu")
+    assert_close(y, oracle(x, w, offsets, rows, "silu"), dim)
 
 
 @pytest.mark.parametrize("activation", [None, "silu"])
