@@ -328,8 +328,11 @@ def dim1_config(
     Keys: ``variant`` ("regs": rows in registers, packed int32 stores, see
     ``_mxfp8_dim1_regs_kernel``; "tload": the tile loaded transposed), ``BLOCK_M`` (multiple of
     32), ``BLOCK_K``, ``num_warps``; "regs" only: ``RPT`` (rows per thread, 4 / 8 / 16 / 32),
-    ``KV`` (adjacent columns per thread, the load width), ``K_FAST`` (grid walks K tiles first).
-    "regs" needs M % 32 == 0; other inputs fall back to "tload"."""
+    ``KV`` (adjacent columns per thread, the load width), ``K_FAST`` (grid walks K tiles first);
+    its num_warps defaults to one thread per RPT x KV cell (at most 32 warps), and
+    (32 // RPT) * (BLOCK_K // KV) <= 32 keeps each 32-row block inside one warp (any choice is
+    exact; these only decide the speed). "regs" needs M % 32 == 0; other inputs fall back to
+    "tload"."""
     cfg = dict(config or {})
     bad = sorted(set(cfg) - set(_DIM1_KEYS))
     if bad:
@@ -370,7 +373,7 @@ def dim1_config(
     kv = max(1, min(_pow2_at_most(kv, 1 << 30), bk))
     # one thread per (column group, row group) cell: the rows stay in registers
     cells = (bk // kv) * (bm // rpt)
-    warps = cfg.get("num_warps", max(1, cells // 32))
+    warps = cfg.get("num_warps", max(1, min(32, cells // 32)))
     return {
         "variant": "regs",
         "BLOCK_M": bm,
