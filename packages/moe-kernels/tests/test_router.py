@@ -165,7 +165,10 @@ def test_pick_config_shapes():
             cfg = tri.pick_config(num_tokens, 2048, num_experts)
             for v in (cfg.block_t, cfg.block_d):
                 assert v >= 16 and v & (v - 1) == 0
-            assert tri.block_e(num_experts) >= max(16, num_experts)
+            be = tri.block_e(num_experts)
+            assert be >= max(16, num_experts) and be & (be - 1) == 0
+            if not TRITON:  # the GPU rule: registers for 4 warps, or 8 warps for huge E
+                assert (cfg.block_t + cfg.block_d) * be <= 10240 or cfg.num_warps == 8
 
 
 # --------------------------------------------------------------------------------------------

@@ -101,11 +101,11 @@ def _router_kernel(
 
     e_in = experts < E
     if SIGMOID:
-        scores = 1.0 / (1.0 + tl.exp(-acc))
+        scores = tl.math.div_rn(tl.full(acc.shape, 1.0, tl.float32), 1.0 + tl.exp(-acc))
     else:
         logits = tl.where(e_in[None, :], acc, float("-inf"))
         p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        scores = p / tl.sum(p, axis=1)[:, None]
+        scores = tl.math.div_rn(p, tl.sum(p, axis=1)[:, None])  # IEEE divide, like torch
     dst = out_ptr + rows[:, None] * E + experts[None, :]
     tl.store(dst, scores, mask=(rows < T)[:, None] & e_in[None, :])
 
@@ -131,10 +131,13 @@ def block_e(num_experts: int) -> int:
 def pick_config(num_tokens: int, dim: int, num_experts: int) -> RouterConfig:
     """Blocks and warps from T, D, E.
 
-    GPU: the (BLOCK_T, BLOCK_E) fp32 accumulator and the fp32 chunks of x and w live in
-    registers, so BLOCK_T and BLOCK_D shrink as E grows; BLOCK_T also shrinks until there are
-    about two programs per SM of an H200 (132 SMs), since small T would otherwise leave most SMs
-    idle while x streams through a few. Under the interpreter: few, large programs.
+    GPU: the (BLOCK_T, BLOCK_E) fp32 accumulator and the fp32 chunks of x (BLOCK_T, BLOCK_D) and
+    w (BLOCK_E, BLOCK_D) live in registers: (BLOCK_T + BLOCK_D) * BLOCK_E <= 10240 keeps 4 warps
+    below ptxas's 255 registers without spills (sm_90a, triton 3.8: E=128 at 32 x 64 spills,
+    32 x 32 and 16 x 64 do not), so BLOCK_T and BLOCK_D shrink as E grows. BLOCK_T also
+    shrinks until there are about two programs per SM of an H200 (132 SMs): small T would
+    otherwise leave most SMs idle while x streams through a few. Very large E (> 256) gets 8
+    warps and may still spill. Under the interpreter: few, large programs.
     """
     be = block_e(num_experts)
     bd_cap = max(16, triton.next_power_of_2(max(dim, 1)))
@@ -142,12 +145,14 @@ def pick_config(num_tokens: int, dim: int, num_experts: int) -> RouterConfig:
         return RouterConfig(
             min(64, max(16, triton.next_power_of_2(max(num_tokens, 1)))), min(256, bd_cap), 4, 1
         )
-    bt_cap = 64 if be <= 128 else 32 if be <= 256 else 16
-    block_t = bt_cap
+    block_t = 64 if be <= 64 else 32 if be <= 128 else 16
     while block_t > 16 and triton.cdiv(num_tokens, block_t) < 264:
         block_t //= 2
-    block_d = min(128 if be <= 32 else 64 if be <= 128 else 32, bd_cap)
-    num_warps = 4 if block_t * be <= 4096 else 8
+    block_d = 128
+    while block_d > 16 and (block_t + block_d) * be > 10240:
+        block_d //= 2
+    block_d = min(block_d, bd_cap)
+    num_warps = 4 if (block_t + block_d) * be <= 10240 else 8
     return RouterConfig(block_t, block_d, num_warps, 3)
 
 

@@ -1,0 +1,345 @@
+"""GPU check and config sweep of the fused router ``router_scores`` (one H200 run, < 90 s).
+
+PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
+    python3 packages/moe-kernels/gpu/router_sweep.py            # H200
+    python3 packages/moe-kernels/gpu/router_sweep.py --dry-run  # CPU, interpreter, tiny shapes
+    python3 packages/moe-kernels/gpu/router_sweep.py --ptx      # CPU: compile for sm_90a
+
+Shapes: T in {512, 2048, 16384} tokens, D = 2048, E in {16, 128}; x bf16 ~ N(0, 1), router
+weight fp32 ~ N(0, 1/D) (the model's init), softmax scores (sigmoid checked once per shape).
+
+Rows per shape (all timed inside CUDA graphs: 20 calls captured, the graph replayed, median
+replay / 20, so host launch cost is not counted):
+  clone       ``x.clone()``: the same bytes read (and written once more): the memory yardstick
+  eager       the torch formula ``softmax(F.linear(x.float(), w.float()), -1)``, TF32 off
+  compiled    the same formula under ``torch.compile`` (inductor, default mode)
+  public      ``moe_kernels.router_scores`` with the launcher's default config
+  BT.. BD..   our kernel with each swept config (``RouterConfig``)
+Correctness of every config (first call outside graphs, outputs poisoned with NaN):
+  * against a float64 oracle (``x.double() @ w.double().T``, softmax in float64) within the
+    rigorous bound: |logit error| <= gamma_D * sum_d |x w| (gamma_D = D u / (1 - D u), any
+    summation order), so a score may move by s * (dl_e + max_j dl_j), plus exp / divide slack
+    (32 u + 4 u |l - max l| relative: the GPU's exp is ex2.approx of a rounded argument);
+  * against the fp32 reference: the max |diff| and max relative diff are printed, and whether
+    they are within rtol 1e-5 / atol 1e-6 (informational: fp32 summation-order noise);
+  * the top-8 experts per token must match the reference's except at near-ties (every expert we
+    picked has a reference score within twice the row's max |diff| of the reference's 8th);
+  * a second call must be bitwise identical.
+The public op's first call per shape (softmax and sigmoid) runs under
+``torch.cuda.set_sync_debug_mode("error")``. A config that fails or does not compile is
+reported and skipped.
+
+``--ptx`` (no GPU needed): compiles every swept config (and the launcher's defaults) for sm_90a
+with the installed Triton and prints shared memory, registers and spills from ptxas.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import traceback
+
+DRY = "--dry-run" in sys.argv
+PTX = "--ptx" in sys.argv
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+
+from moe_kernels._reference import router as ref  # noqa: E402
+from moe_kernels._triton import router as tri  # noqa: E402
+from moe_kernels.router import router_scores  # noqa: E402
+
+dev = torch.device("cpu" if DRY or PTX else "cuda")
+C = tri.RouterConfig  # (block_t, block_d, num_warps, num_stages, dot)
+if DRY:
+    SHAPES = [(5, 16, 64), (33, 40, 100)]  # (T, E, D)
+    CONFIGS = {16: [C(16, 32, 4, 1), C(32, 64, 4, 1, False)], 128: [C(16, 128, 4, 1)]}
+    CALLS, REPLAYS, TOP_K = 1, 1, 4
+else:
+    SHAPES = [(t, e, 2048) for e in (16, 128) for t in (512, 2048, 16384)]
+    CONFIGS = {
+        16: [
+            C(16, 128, 4, 3),
+            C(16, 256, 4, 3),
+            C(32, 128, 4, 3),
+            C(32, 64, 4, 4),
+            C(64, 64, 4, 3),
+            C(64, 128, 8, 3),
+            C(16, 64, 2, 4),
+            C(16, 32, 4, 3, False),
+        ],
+        128: [
+            C(16, 64, 4, 3),
+            C(32, 64, 4, 3),
+            C(32, 32, 4, 4),
+            C(64, 32, 4, 3),
+            C(64, 64, 8, 3),
+            C(128, 32, 8, 3),
+            C(64, 16, 4, 4),
+            C(16, 128, 4, 3),
+        ],
+    }
+    CALLS, REPLAYS, TOP_K = 20, 7, 8
+FAILS: list[str] = []
+
+
+def graph_us(fn) -> float:
+    """Median over REPLAYS of (a graph of CALLS calls of fn) / CALLS, in microseconds."""
+    if DRY:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()  # warm up: compile, allocator
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    del graph
+    return statistics.median(times)
+
+
+def poison(numel: int) -> None:
+    """Leave NaN-filled blocks in the caching allocator so fresh outputs start as NaN."""
+    blocks = [torch.full((numel + 1024,), float("nan"), device=dev) for _ in range(3)]
+    del blocks
+
+
+U = 2.0**-24
+
+
+def oracle(x: torch.Tensor, w: torch.Tensor, score_fn: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 exact scores, elementwise bound on |fp32 scores - exact|)."""
+    logits = x.double() @ w.double().T
+    dim = x.shape[1]
+    dl = (x.double().abs() @ w.double().abs().T) * (dim * U / (1 - dim * U))
+    if score_fn == "softmax":
+        exact = torch.softmax(logits, dim=-1)
+        spread = logits.amax(dim=1, keepdim=True) - logits
+        dl_row = dl.amax(dim=1, keepdim=True) if dl.numel() else dl
+        bound = exact * (dl + dl_row + 32 * U + 4 * U * spread)
+    else:
+        exact = torch.sigmoid(logits)
+        bound = exact * (dl + 32 * U + 4 * U * logits.abs())
+    return exact, bound + 1e-30
+
+
+def check(y: torch.Tensor, expected: torch.Tensor, exact, bound) -> tuple[str, bool]:
+    """(a short note, ok): y against the float64 oracle's bound, the reference and its top-k."""
+    ok = bool(torch.isfinite(y).all()) and bool(((y.double() - exact).abs() <= bound).all())
+    diff = (y - expected).abs()
+    if diff.numel() == 0:
+        return "empty", ok
+    err, rel = float(diff.max()), float((diff / expected.abs().clamp_min(1e-30)).max())
+    close = bool((diff <= 1e-5 * expected.abs() + 1e-6).all())
+    k = min(TOP_K, expected.shape[1])
+    picked = y.topk(k, dim=1).indices
+    ref_vals, ref_idx = expected.topk(k, dim=1)
+    differ = (picked.sort(dim=1).values != ref_idx.sort(dim=1).values).any(dim=1)
+    tie_tol = 2 * bound.amax(dim=1, keepdim=True).float()  # two allowed errors apart
+    tie = (expected.gather(1, picked) >= ref_vals[:, -1:] - tie_tol).all(dim=1)
+    bad = int((differ & ~tie).sum())
+    note = f"vs ref {err:.2g} (rel {rel:.2g}{'' if close else ' >1e-5'}) top{k} {bad} off"
+    note += f" ({int(differ.sum())} ties)" if int(differ.sum()) else ""
+    return note, ok and bad == 0
+
+
+ROWS: list[tuple] = []
+
+
+def row(shape: str, name: str, us: float, x_bytes: int, clone_us: float, torch_us: float, note=""):
+    tbs = x_bytes / us / 1e6 if us > 0 else float("nan")
+    vs_clone = f"{clone_us / us:.2f}x" if clone_us else ""
+    vs_torch = f"{torch_us / us:.2f}x" if torch_us else ""
+    ROWS.append((shape, name, us))
+    print(
+        f"{shape:18} {name:24} {us:8.2f} us  x {tbs:5.2f} TB/s  clone/ours {vs_clone:>6}  "
+        f"compiled/ours {vs_torch:>6}  {note}",
+        flush=True,
+    )
+
+
+def cfg_name(c: tri.RouterConfig) -> str:
+    return f"BT{c.block_t} BD{c.block_d} w{c.num_warps} s{c.num_stages}" + ("" if c.dot else " sum")
+
+
+def torch_formula(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(torch.nn.functional.linear(x.float(), w.float()), dim=-1)
+
+
+def run_shape(num_tokens: int, num_experts: int, dim: int, gen: torch.Generator) -> None:
+    label = f"T{num_tokens} E{num_experts}"
+    x = torch.randn(num_tokens, dim, device=dev, generator=gen).bfloat16()
+    w = torch.randn(num_experts, dim, device=dev, generator=gen) / dim**0.5
+    expected = ref.router_scores(x, w, "softmax")
+    exact, bound = oracle(x, w, "softmax")
+    x_bytes = x.numel() * x.element_size()
+
+    clone_us = graph_us(lambda: x.clone())
+    eager_us = graph_us(lambda: torch_formula(x, w))
+    row(label, "clone of x", clone_us, x_bytes, 0, 0)
+    compiled_us = 0.0
+    try:
+        compiled = torch.compile(torch_formula, backend="eager" if DRY else "inductor")
+        note, _ = check(compiled(x, w), expected, exact, bound)
+        compiled_us = graph_us(lambda: compiled(x, w))
+        row(label, "torch eager", eager_us, x_bytes, clone_us, 0)
+        row(label, "torch.compile", compiled_us, x_bytes, clone_us, compiled_us, note)
+    except Exception as exc:
+        row(label, "torch eager", eager_us, x_bytes, clone_us, 0)
+        print(f"{label:18} torch.compile ERROR {type(exc).__name__}: {str(exc)[:160]}")
+
+    # The public op, launcher default, its first call under the sync check.
+    try:
+        poison(num_tokens * num_experts)
+        if not DRY:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = router_scores(x, w)
+            y_sig = router_scores(x, w, score_fn="sigmoid")
+        finally:
+            if not DRY:
+                torch.cuda.set_sync_debug_mode("default")
+        note, ok = check(y, expected, exact, bound)
+        note_s, ok_s = check(y_sig, ref.router_scores(x, w, "sigmoid"), *oracle(x, w, "sigmoid"))
+        ok = ok and ok_s and torch.equal(y, router_scores(x, w))
+        auto = tri.pick_config(num_tokens, dim, num_experts)
+        us = graph_us(lambda: router_scores(x, w))
+        note = f"[{cfg_name(auto)}] {note}; sigmoid {note_s.split(' top')[0]}"
+        row(label, "public (default)", us, x_bytes, clone_us, compiled_us, note)
+        if not ok:
+            print(f"{label:18} public op FAIL")
+            FAILS.append(f"{label} public")
+    except Exception as exc:
+        print(f"{label:18} public op ERROR {type(exc).__name__}: {str(exc)[:160]}")
+        FAILS.append(f"{label} public")
+        if DRY:
+            traceback.print_exc()
+
+    best, best_us = None, float("inf")
+    for cfg in CONFIGS[16 if num_experts <= 32 else 128]:
+        name = cfg_name(cfg)
+        try:
+            poison(num_tokens * num_experts)
+            y = tri.router_scores(x, w, False, cfg)
+            note, ok = check(y, expected, exact, bound)
+            if not torch.equal(y, tri.router_scores(x, w, False, cfg)):
+                ok, note = False, note + " NOT DETERMINISTIC"
+            if not ok:
+                print(f"{label:18} {name:24} FAIL {note}")
+                FAILS.append(f"{label} {name}")
+                continue
+            us = graph_us(lambda cfg=cfg: tri.router_scores(x, w, False, cfg))
+            row(label, name, us, x_bytes, clone_us, compiled_us, note)
+            if us < best_us:
+                best, best_us = cfg, us
+        except Exception as exc:  # a config that does not compile / run: report and go on
+            print(f"{label:18} {name:24} ERROR {type(exc).__name__}: {str(exc)[:160]}")
+            FAILS.append(f"{label} {name}")
+            if DRY:
+                traceback.print_exc()
+    if best is not None:
+        ratio = f", {compiled_us / best_us:.2f}x vs compiled" if compiled_us else ""
+        BEST.append(
+            f"{label}: {cfg_name(best)} {best_us:.2f} us ({clone_us / best_us:.2f}x clone{ratio})"
+        )
+    print(flush=True)
+
+
+BEST: list[str] = []
+
+
+def main() -> int:
+    t_start = time.perf_counter()
+    if not DRY:
+        torch.backends.cuda.matmul.allow_tf32 = False  # the reference is a true fp32 GEMM
+    gen = torch.Generator(device=dev).manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name() if not DRY else 'cpu (interpreter)'}")
+    print(f"torch {torch.__version__}, bf16 x, fp32 w, softmax; graph of {CALLS} calls")
+    for num_tokens, num_experts, dim in SHAPES:
+        run_shape(num_tokens, num_experts, dim, gen)
+    print("best config per shape:")
+    for line in BEST:
+        print("  " + line)
+    print(f"failed: {FAILS or 'none'}")
+    print(f"total {time.perf_counter() - t_start:.1f} s")
+    return 1 if FAILS else 0
+
+
+def ptx_check() -> int:
+    """Compile each config for sm_90a on this machine and report what ptxas says."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kern = tri._router_kernel
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    ints = ["T", "D", "E", "stride_xt", "stride_we"]
+    for num_experts in (16, 128):
+        configs = list(CONFIGS[num_experts])
+        for num_tokens in (512, 2048, 16384):
+            auto = tri.pick_config(num_tokens, 2048, num_experts)
+            if auto not in configs:
+                configs.append(auto)
+        for cfg in configs:
+            sig = dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", **dict.fromkeys(ints, "i32"))
+            consts = dict(stride_xd=1, stride_wd=1, SIGMOID=False, BLOCK_T=cfg.block_t)
+            consts.update(BLOCK_E=tri.block_e(num_experts), BLOCK_D=cfg.block_d, EVEN_D=True)
+            consts.update(USE_DOT=cfg.dot, WHILE_LOOPS=False)
+            sig.update(dict.fromkeys(consts, "constexpr"))
+            attrs = {
+                (kern.arg_names.index(n),): [["tt.divisibility", 16]]
+                for n in ["x_ptr", "w_ptr", "out_ptr", *ints]
+            }
+            name = f"E{num_experts} {cfg_name(cfg)}"
+            try:
+                src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
+                opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+                ptx = compiled.asm["ptx"]
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                    f.write(ptx)
+                out = subprocess.run(
+                    [ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                    capture_output=True,
+                    text=True,
+                ).stderr
+                os.unlink(f.name)
+                regs = re.findall(r"Used (\d+) registers", out)
+                spills = re.findall(r"(\d+) bytes spill stores", out)
+                print(
+                    f"{name:32} smem {compiled.metadata.shared:6d}  "
+                    f"regs {regs[0] if regs else '?':>3}  spill {spills[0] if spills else '?'}  "
+                    f"cp.async {len(re.findall(r'cp.async.c[ag]', ptx)):3d}",
+                    flush=True,
+                )
+            except Exception as exc:
+                print(f"{name:32} ERROR {type(exc).__name__}: {str(exc)[:200]}")
+                FAILS.append(name)
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(ptx_check() if PTX else main())
