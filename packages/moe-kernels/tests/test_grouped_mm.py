@@ -257,3 +257,50 @@ def test_compile_fullgraph_matches_eager():
     compiled = torch.compile(mlp, fullgraph=True, backend="inductor")(x, w1, w2, offs, rows)
     assert torch.equal(eager, compiled)
     assert bool((eager[11:] == 0).all())
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA only (skipped on CPU): the compiled kernel against the reference, no host syncs, CUDA
+# graphs, torch.compile.
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tma", [False, True])
+def test_cuda_matches_reference_no_sync_graph_compile(tma):
+    from moe_kernels._reference import grouped_mm as ref
+    from moe_kernels._triton import grouped_mm as tri
+
+    dev = torch.device("cuda")
+    num_tokens, dim, n, counts = 96, 256, 192, [100, 0, 37, 130]
+    offsets = make_offsets(counts).to(dev)
+    num_rows = int(offsets[-1]) + 21
+    g = torch.Generator().manual_seed(30)
+    rows = torch.randint(0, num_tokens, (num_rows,), generator=g, dtype=torch.int32)
+    rows[int(offsets[-1]) :] = -1
+    rows = rows.to(dev)
+    x = rand((num_tokens, dim), torch.bfloat16, 31, 0.5).to(dev)
+    w = rand((len(counts), n, dim), torch.bfloat16, 32, 0.1).to(dev)
+    cfg = tri.GemmConfig(64, 64, 64, 4, 4, 3, tma)
+    expected = ref.gather_grouped_mm(x, w, offsets, rows, "silu").float()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = tri.gather_grouped_mm(x, w, offsets, rows, tri.ACT_SILU, config=cfg)
+        y_pub = gather_grouped_mm(x, w, offsets, rows, activation="silu")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for out in (y, y_pub):
+        err = (out.float() - expected).abs()
+        assert bool((err <= 2.0**-7 * expected.abs() + 1e-2).all()), float(err.max())
+        assert bool((out[int(offsets[-1]) :] == 0).all())
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = gather_grouped_mm(x, w, offsets, rows, activation="silu")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y_graph, y_pub)
+
+    compiled = torch.compile(
+        lambda a, b, o, r: gather_grouped_mm(a, b, o, r, activation="silu"), fullgraph=True
+    )
+    assert torch.equal(compiled(x, w, offsets, rows), y_pub)
