@@ -362,7 +362,8 @@ def test_bad_renormalize():
 
 
 # ---------------------------------------------------------------------------------------------
-# the kernels' other launch shapes (several blocks per program, the separate scan launch)
+# the kernels' other launch shapes (several blocks per program, the separate scan launch, both
+# placements)
 
 
 @pytest.mark.parametrize(
@@ -371,6 +372,9 @@ def test_bad_renormalize():
         {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False},
         {"BLOCK_T": 32, "SUB": 4, "FUSE_SCAN": True},
         {"BLOCK_T": 4, "SUB": 1, "FUSE_SCAN": False},
+        # ranks from bitmasks in kernel A and scattered stores in C (the other placement)
+        {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False, "SORTED": False},
+        {"BLOCK_T": 32, "SUB": 4, "FUSE_SCAN": True, "SORTED": False},
     ],
     ids=str,
 )

@@ -88,6 +88,8 @@ def _topk_rank_kernel(
     EVEN_E: tl.constexpr,  # E == E_PAD: no column masks
     FULL_RANGE: tl.constexpr,  # start == 0 and end == E: no range masks
     SENT: tl.constexpr,  # below every real key: INT64_MIN (fp32) or INT32_MIN (16-bit)
+    RANKS: tl.constexpr,  # rank pairs here (bitmasks); else store bare choices for _place_sorted
+    HB: tl.constexpr,  # histogram bins when not RANKS: 2 * L_PAD (bin L_PAD counts the unrouted)
 ):
     pid = tl.program_id(0)
     n_valid = T
@@ -101,6 +103,8 @@ def _topk_rank_kernel(
     k_ok = jj[None, :] < K
     low = E_PAD - 1 - cols  # tie-break: a lower expert gets a larger key
     running = tl.zeros([E_PAD], dtype=tl.int32)
+    bins = tl.arange(0, HB)
+    local_hist = tl.zeros([HB], dtype=tl.int32)
     for s in range(SUB):
         rows = (pid * SUB + s) * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < T
@@ -145,28 +149,32 @@ def _topk_rank_kernel(
             routed_row = row_ok & (rows < n_valid)
         else:
             routed_row = row_ok
-        picked = (key == SENT) & routed_row[:, None]
-        if not EVEN_E:
-            picked = picked & col_ok[None, :]
-        if not FULL_RANGE:
-            picked = picked & in_range[None, :]
-        # Bit r of colmask[e]: token r of the block picked e (BLOCK_T <= 32). A pair's rank in its
-        # expert = the program's earlier count + the picks of the block's earlier tokens.
-        rr = tl.arange(0, BLOCK_T)
-        colmask = tl.sum(picked.to(tl.int32) << rr[:, None], axis=0)  # distinct bits: sum == or
-
         routed = routed_row[:, None] & k_ok
         if not FULL_RANGE:
             routed = routed & (choice >= start) & (choice < end)
-        idx = tl.reshape(tl.where(routed, choice, 0), [BLOCK_T * K_PAD])
-        g_mask = tl.reshape(tl.gather(colmask, idx, axis=0), [BLOCK_T, K_PAD])
-        g_run = tl.reshape(tl.gather(running, idx, axis=0), [BLOCK_T, K_PAD])
-        below = ~(-1 << rr)  # bits of the earlier tokens
-        rank = g_run + _popcount(g_mask & below[:, None])
-        running += _popcount(colmask)
         out_offs = rows[:, None] * K + jj[None, :]
         st_mask = row_ok[:, None] & k_ok
-        packed = tl.where(routed, (rank << L_BITS) | (choice - start), -1)
+        if RANKS:
+            picked = (key == SENT) & routed_row[:, None]
+            if not EVEN_E:
+                picked = picked & col_ok[None, :]
+            if not FULL_RANGE:
+                picked = picked & in_range[None, :]
+            # Bit r of colmask[e]: token r of the block picked e (BLOCK_T <= 32). A pair's rank in
+            # its expert = the program's earlier count + the picks of the block's earlier tokens.
+            rr = tl.arange(0, BLOCK_T)
+            colmask = tl.sum(picked.to(tl.int32) << rr[:, None], axis=0)  # distinct bits: sum == or
+            idx = tl.reshape(tl.where(routed, choice, 0), [BLOCK_T * K_PAD])
+            g_mask = tl.reshape(tl.gather(colmask, idx, axis=0), [BLOCK_T, K_PAD])
+            g_run = tl.reshape(tl.gather(running, idx, axis=0), [BLOCK_T, K_PAD])
+            below = ~(-1 << rr)  # bits of the earlier tokens
+            rank = g_run + _popcount(g_mask & below[:, None])
+            running += _popcount(colmask)
+            packed = tl.where(routed, (rank << L_BITS) | (choice - start), -1)
+        else:
+            le = tl.where(routed, choice - start, HB // 2)
+            local_hist += tl.histogram(tl.reshape(le, [BLOCK_T * K_PAD]), HB)
+            packed = tl.where(routed, choice - start, -1)
         tl.store(pack_ptr + out_offs, packed, mask=st_mask)
         if WEIGHTS:
             if KIND == 0:
@@ -191,7 +199,10 @@ def _topk_rank_kernel(
                     wsum = wsum + tl.sum(tl.where(jj[None, :] == j, w, 0.0), axis=1)
                 w = tl.math.div_rn(w, wsum[:, None])
             tl.store(scr_w_ptr + out_offs, w, mask=st_mask)
-    tl.store(hist_ptr + (cols - start) * n_programs + pid, running, mask=in_range)
+    if RANKS:
+        tl.store(hist_ptr + (cols - start) * n_programs + pid, running, mask=in_range)
+    else:
+        tl.store(hist_ptr + bins * n_programs + pid, local_hist, mask=bins < end - start)
 
 
 @triton.jit
@@ -273,6 +284,9 @@ def _place_kernel(
     OFFSETS: tl.constexpr,
     TCPE: tl.constexpr,
     WHILE_LOOPS: tl.constexpr,
+    SORTED: tl.constexpr,  # A stored bare choices: rank them here by sorting the program's pairs
+    IDX_BITS: tl.constexpr,  # log2(TOK_PER_PROG * K_PAD) (SORTED)
+    KEY64: tl.constexpr,  # SORTED keys need more than 30 bits
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -286,14 +300,21 @@ def _place_kernel(
         )
         cnt = tl.sum(h, axis=1)
         before = tl.sum(tl.where(ps[None, :] < pid, h, 0), axis=1)
+        mine = tl.sum(tl.where(ps[None, :] == pid, h, 0), axis=1)
         if pid == 0:
             tl.store(counts_ptr + ls, cnt, mask=l_ok)
     else:
         cnt = tl.load(counts_ptr + ls, mask=l_ok, other=0)
         before = tl.load(hist_ptr + ls * n_programs + pid, mask=l_ok, other=0)
+        has_next = pid + 1 < n_programs
+        after = tl.load(hist_ptr + ls * n_programs + pid + 1, mask=l_ok & has_next, other=0)
+        mine = tl.where(has_next, after, cnt) - before
     excl = tl.cumsum(cnt, axis=0) - cnt
     n = tl.sum(cnt, axis=0)
-    tl.store(base_ptr + pid * L + ls, excl + before, mask=l_ok)  # read back (gathered) below
+    base = excl + before
+    if SORTED:  # position = index in the program's sorted pairs + base - first index of e there
+        base -= tl.cumsum(mine, axis=0) - mine
+    tl.store(base_ptr + pid * L + ls, base, mask=l_ok)  # read back (gathered) below
     if pid == 0:  # noqa: SIM102 (a constexpr and a runtime test stay apart)
         if OFFSETS:
             tl.store(offsets_ptr + ls, excl, mask=l_ok)
@@ -312,6 +333,25 @@ def _place_kernel(
             tl.store(tcpe_ptr + E, T)
             tl.store(tcpe_ptr + E + 1, n)
 
+    if SORTED:
+        _place_sorted_pairs(
+            pack_ptr, scr_w_ptr, inverse_ptr, base_ptr, expert_ptr, token_ptr, weight_ptr, T, K, L,
+            n, pid, K_PAD, TOK_PER_PROG, IDX_BITS, KEY64, WEIGHTS, INVERSE,
+        )  # fmt: skip
+    else:
+        _place_ranked_pairs(
+            pack_ptr, scr_w_ptr, inverse_ptr, base_ptr, expert_ptr, token_ptr, weight_ptr, T, K, L,
+            n, pid, K_PAD, L_BITS, TOK_PER_PROG, CHUNK_T, WEIGHTS, INVERSE,
+        )  # fmt: skip
+
+
+@triton.jit
+def _place_ranked_pairs(
+    pack_ptr, scr_w_ptr, inverse_ptr, base_ptr, expert_ptr, token_ptr, weight_ptr, T, K, L, n, pid,
+    K_PAD: tl.constexpr, L_BITS: tl.constexpr, TOK_PER_PROG: tl.constexpr, CHUNK_T: tl.constexpr,
+    WEIGHTS: tl.constexpr, INVERSE: tl.constexpr,
+):  # fmt: skip
+    """Pairs ranked by A: store each at base[e] + rank, in token order (scattered stores)."""
     jj = tl.arange(0, K_PAD)
     k_ok = jj[None, :] < K
     for c in range(0, TOK_PER_PROG, CHUNK_T):
@@ -338,6 +378,51 @@ def _place_kernel(
             tl.store(weight_ptr + offs, tl.zeros([CHUNK_T, K_PAD], tl.float32), mask=tail)
 
 
+@triton.jit
+def _place_sorted_pairs(
+    pack_ptr, scr_w_ptr, inverse_ptr, base_ptr, expert_ptr, token_ptr, weight_ptr, T, K, L, n, pid,
+    K_PAD: tl.constexpr, TOK_PER_PROG: tl.constexpr, IDX_BITS: tl.constexpr, KEY64: tl.constexpr,
+    WEIGHTS: tl.constexpr, INVERSE: tl.constexpr,
+):  # fmt: skip
+    """Bare choices from A: sort the program's pairs by (expert, token, j) in registers, then
+    store them in that order, so each expert's run goes out as contiguous (coalesced) stores."""
+    NP: tl.constexpr = TOK_PER_PROG * K_PAD
+    idx = tl.arange(0, NP)  # = local token * K_PAD + j: token-major order
+    rows = pid * TOK_PER_PROG + idx // K_PAD
+    jv = idx % K_PAD
+    m = (rows < T) & (jv < K)
+    offs = rows * K + jv
+    le = tl.load(pack_ptr + offs, mask=m, other=-1)
+    routed = le >= 0
+    if INVERSE:
+        tl.store(inverse_ptr + offs, tl.full([NP], -1, tl.int32), mask=m & ~routed)
+    tail = m & (offs >= n)
+    tl.store(expert_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
+    tl.store(token_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
+    if WEIGHTS:
+        tl.store(weight_ptr + offs, tl.zeros([NP], tl.float32), mask=tail)
+    if KEY64:
+        big = tl.full([NP], 0x7FFFFFFFFFFFFFFF, tl.int64)
+        key = tl.where(routed, (le.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), big)
+    else:
+        big = tl.full([NP], 0x7FFFFFFF, tl.int32)
+        key = tl.where(routed, (le << IDX_BITS) | idx, big)
+    key = tl.sort(key)
+    ok = key != big
+    e_s = (key >> IDX_BITS).to(tl.int32)
+    i_s = (key & (NP - 1)).to(tl.int32)
+    src = (pid * TOK_PER_PROG + i_s // K_PAD) * K + i_s % K_PAD  # (token, j) of sorted pair
+    b = tl.load(base_ptr + pid * L + e_s, mask=ok, other=0)
+    pos = idx + b
+    tl.store(expert_ptr + pos, e_s, mask=ok)
+    tl.store(token_ptr + pos, pid * TOK_PER_PROG + i_s // K_PAD, mask=ok)
+    if INVERSE:
+        tl.store(inverse_ptr + src, pos, mask=ok)
+    if WEIGHTS:
+        wv = tl.load(scr_w_ptr + src, mask=ok, other=0.0)
+        tl.store(weight_ptr + pos, wv, mask=ok)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -345,6 +430,8 @@ def _next_pow2(n: int) -> int:
 _MAX_PROGRAMS = 4096  # programs of kernels A and C (bounds the length of a hist row)
 _MIN_PROGRAMS = 128  # spread small problems over about this many programs
 _FUSE_SCAN_MAX = 16384  # fold the scan into C when L_PAD * NP_PAD is at most this
+_SORTED_DEFAULT = True  # rank pairs in C by sorting (coalesced stores), not by bitmasks in A
+_SORT_MAX = 2048  # pairs per program when sorting
 
 
 def _config(T: int, E: int, K: int, fp32: bool) -> dict[str, int]:
@@ -420,17 +507,21 @@ def _launch_plan(
     block_t, sub = cfg["BLOCK_T"], cfg["SUB"]
     if block_t > 32 or block_t & (block_t - 1) or sub & (sub - 1):
         raise ValueError(f"BLOCK_T must be a power of two <= 32 and SUB a power of two: {cfg}")
+    k_pad = _next_pow2(K)
+    sort = cfg.get("SORTED", _SORTED_DEFAULT)
+    if sort:  # C sorts a program's pairs in registers: at most _SORT_MAX of them
+        sub = max(1, min(sub, _SORT_MAX // (block_t * k_pad)))
     tok_per_prog = block_t * sub
     n_prog = triton.cdiv(T, tok_per_prog)
     e_pad = max(_next_pow2(E), 4)
-    k_pad = _next_pow2(K)
     l_pad = max(_next_pow2(L), 2)
     np_pad = max(_next_pow2(n_prog), 2)
     chunk_t = max(1, min(tok_per_prog, 2048 // k_pad))
     fuse_scan = cfg.get("FUSE_SCAN", l_pad * np_pad <= _FUSE_SCAN_MAX)
     Lm = max(L, 1)
     l_bits = max(1, (Lm - 1).bit_length())
-    if (tok_per_prog - 1).bit_length() + l_bits > 31:
+    idx_bits = (tok_per_prog * k_pad - 1).bit_length()
+    if not sort and (tok_per_prog - 1).bit_length() + l_bits > 31:
         raise ValueError(f"too many experts ({L}) for this block size")
     P = T * K
     n_hist = Lm * n_prog
@@ -454,6 +545,8 @@ def _launch_plan(
         EVEN_E=e_pad == E,
         FULL_RANGE=start == 0 and end == E,
         SENT=-(2**63) if kind == 0 else -(2**31),
+        RANKS=not sort,
+        HB=2 * l_pad if sort else 2,
     )
     scan = None
     if L > 0 and not fuse_scan:
@@ -474,8 +567,16 @@ def _launch_plan(
         OFFSETS=with_offsets,
         TCPE=with_tcpe,
         WHILE_LOOPS=INTERPRET,
+        SORTED=sort,
+        IDX_BITS=idx_bits,
+        KEY64=l_bits + idx_bits > 30,
     )
-    c_warps = 1 if INTERPRET else max(1, min(4, chunk_t * k_pad // 256))
+    if INTERPRET:
+        c_warps = 1
+    elif sort:
+        c_warps = cfg.get("C_WARPS", max(1, min(8, tok_per_prog * k_pad // 256)))
+    else:
+        c_warps = cfg.get("C_WARPS", max(1, min(4, chunk_t * k_pad // 256)))
     return _Launch(n_prog, tuple(sizes), a, cfg["num_warps"], scan, c, c_warps)
 
 
