@@ -126,6 +126,7 @@ def test_strided_inputs_and_determinism():
             assert torch.equal(scores, again)  # same bytes, same bits, whatever the layout
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # sigmoid of -400 (numpy)
 def test_large_logits_softmax_is_stable():
     x, w = make(6, 8, 64, torch.float32, seed=5)
     w = w * 400.0  # logits in the hundreds: exp without max-subtraction would overflow
@@ -205,8 +206,27 @@ def test_opcheck():
         torch.library.opcheck(
             torch.ops.moe_kernels.router_scores.default,
             (x, w, score_fn),
-            test_utils=("test_schema", "test_faketensor"),
+            test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
         )
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_backward_matches_torch(score_fn, x_dtype):
+    x0, w0 = make(9, 6, 40, x_dtype, seed=27)
+    g = rand((9, 6), torch.float32, 28)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    (router_scores(x, w, score_fn=score_fn) * g).sum().backward()
+    xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    (ref.router_scores(xr, wr, score_fn) * g).sum().backward()
+    assert x.grad.dtype == x_dtype and w.grad.dtype == torch.float32
+    tol = dict(rtol=1e-5, atol=1e-6) if x_dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(x.grad, xr.grad, **tol)
+    torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-6)
+    # only the weight needs a gradient (a frozen input)
+    w2 = w0.clone().requires_grad_()
+    router_scores(x0, w2, score_fn=score_fn).sum().backward()
+    assert w2.grad is not None and bool(torch.isfinite(w2.grad).all())
 
 
 def test_compile_fullgraph_matches_eager():

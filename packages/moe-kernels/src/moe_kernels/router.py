@@ -6,7 +6,7 @@ applies the score function before writing (T, E) fp32 scores, instead of writing
 x, running an fp32 GEMM and a separate softmax. It is a ``torch.library`` custom op
 (``moe_kernels::router_scores``) with a fake implementation: no host syncs on CUDA, safe under
 ``torch.compile(fullgraph=True)`` and CUDA-graph capture, deterministic (no split-K, no atomics).
-No autograd (like the other ops here): use the torch formula where the router is trained.
+Differentiable in x and weight (a torch backward from the saved scores: two small fp32 GEMMs).
 """
 
 from __future__ import annotations
@@ -40,6 +40,29 @@ _router_op = torch.library.custom_op(op_name("router_scores"), mutates_args=())(
 @_router_op.register_fake
 def _(x, weight, score_fn):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, score_fn = inputs
+    ctx.save_for_backward(x, weight, output)
+    ctx.score_fn = score_fn
+
+
+def _backward(ctx, grad_TE):
+    """Torch backward of score_fn(x @ w.T) in fp32, from the saved scores s:
+    dlogits = s * (g - sum_e g s) (softmax) or g * s * (1 - s) (sigmoid)."""
+    x_TD, weight_ED, s_TE = ctx.saved_tensors
+    g_TE = grad_TE.float()
+    if ctx.score_fn == "softmax":
+        dl_TE = s_TE * (g_TE - (g_TE * s_TE).sum(dim=-1, keepdim=True))
+    else:
+        dl_TE = g_TE * s_TE * (1.0 - s_TE)
+    grad_x = (dl_TE @ weight_ED.float()).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
+    grad_w = (dl_TE.T @ x_TD.float()).to(weight_ED.dtype) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_router_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def router_scores(
