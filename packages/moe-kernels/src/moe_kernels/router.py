@@ -77,8 +77,9 @@ def router_scores(
 
     Matches the reference ``torch.softmax(F.linear(x.float(), w.float()), -1)`` (or
     ``torch.sigmoid``) to fp32 rounding, not bit for bit: the kernel sums D in a different order
-    than the fp32 GEMM, and exp / divide on the GPU are within a few ulps. Bitwise reproducible
-    run to run on a given device and launch config.
+    than the fp32 GEMM, and the GPU's exp (ex2.approx) is within a few ulps (divides are IEEE).
+    Bitwise reproducible run to run on a given device and launch config. Differentiable in x_TD
+    and weight_ED.
     """
     x_TD = V.tensor("x_TD", x_TD)
     V.dtype("x_TD", x_TD, V.FLOAT_DTYPES)
