@@ -369,10 +369,12 @@ def test_bad_renormalize():
 @pytest.mark.parametrize(
     "config",
     [
-        {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False},
-        {"BLOCK_T": 32, "SUB": 4, "FUSE_SCAN": True},
-        {"BLOCK_T": 4, "SUB": 1, "FUSE_SCAN": False},
-        # ranks from bitmasks in kernel A and scattered stores in C (the other placement)
+        # C sorts each program's pairs (the placement of large problems)
+        {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False, "SORTED": True},
+        {"BLOCK_T": 32, "SUB": 4, "FUSE_SCAN": True, "SORTED": True},
+        {"BLOCK_T": 4, "SUB": 1, "FUSE_SCAN": False, "SORTED": True},
+        {"BLOCK_T": 16, "SUB": 2, "FUSE_SCAN": True, "SORTED": True, "KEY64": True},
+        # ranks from bitmasks in kernel A and scattered stores in C (small problems)
         {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False, "SORTED": False},
         {"BLOCK_T": 32, "SUB": 4, "FUSE_SCAN": True, "SORTED": False},
     ],
