@@ -286,13 +286,22 @@ def test_dim1_kernel_tiles() -> None:
         {"RPT": 16, "KV": 2, "BLOCK_M": 64, "BLOCK_K": 16},  # the GPU default's shape of tile
         {"RPT": 32, "KV": 1, "BLOCK_M": 128, "BLOCK_K": 32, "K_FAST": False},
         {"RPT": 8, "KV": 4, "BLOCK_M": 32, "BLOCK_K": 32},
-        {"RPT": 4, "KV": 2, "BLOCK_M": 64, "BLOCK_K": 8},
+        {"RPT": 4, "KV": 2, "BLOCK_M": 64, "BLOCK_K": 8, "OFFS64": True},
+        {"RPT": 16, "KV": 4, "BLOCK_M": 64, "BLOCK_K": 64, "SAT_CAST": True, "ASM_PACK": True},
     ]
     for cfg in configs:
         d, s = tq.to_mxfp8_dim1(x, True, config=cfg)
         for e in range(2):
             np.testing.assert_array_equal(bits(d[e]), want[e][0], err_msg=str(cfg))
             np.testing.assert_array_equal(bits(s[e]), want[e][1], err_msg=str(cfg))
+    # tiles that divide the shape: the unmasked loads and stores
+    xe = x[:, :64, :32]
+    for cfg in ({"RPT": 16, "KV": 2, "BLOCK_M": 64, "BLOCK_K": 16}, {"RPT": 8, "BLOCK_M": 32}):
+        d, s = tq.to_mxfp8_dim1(xe, False, config=cfg)
+        for e in range(2):
+            want_d, want_s = oracle_mxfp8(xe[e].t().contiguous(), "rceil")
+            np.testing.assert_array_equal(bits(d[e]), want_d, err_msg=str(cfg))
+            np.testing.assert_array_equal(bits(s[e]), want_s, err_msg=str(cfg))
 
 
 def test_dim1_config() -> None:

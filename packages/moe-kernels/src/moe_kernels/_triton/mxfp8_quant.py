@@ -49,16 +49,25 @@ def _mx_exponent(amax, FLOOR: tl.constexpr):
 
 
 @triton.jit
-def _mx_encode(x, e, is_nan, NATIVE_CAST: tl.constexpr):
-    """e4m3 bits (int32) of fp32 ``x / 2**e``; ``e`` and ``is_nan`` broadcast against ``x``."""
+def _mx_encode_raw(x, e, NATIVE_CAST: tl.constexpr, CLAMP: tl.constexpr = True):
+    """e4m3 bits (int32) of fp32 ``x / 2**e`` (``e`` broadcasts against ``x``), NaN blocks not
+    handled. ``CLAMP=False`` leaves the saturation to the hardware cast (``cvt.rn.satfinite``,
+    which clamps out-of-range and infinite values to +-448); only with ``NATIVE_CAST``."""
     inv = tl.where(e == 127, 0x00400000, (127 - e) << 23).to(tl.float32, bitcast=True)
     q = x * inv
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    if CLAMP or not NATIVE_CAST:
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     if NATIVE_CAST:
         qbits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
         qbits = _e4m3_bits_rne(q)
-    return tl.where(is_nan, 0x7F, qbits)
+    return qbits
+
+
+@triton.jit
+def _mx_encode(x, e, is_nan, NATIVE_CAST: tl.constexpr):
+    """e4m3 bits (int32) of fp32 ``x / 2**e``; ``e`` and ``is_nan`` broadcast against ``x``."""
+    return tl.where(is_nan, 0x7F, _mx_encode_raw(x, e, NATIVE_CAST))
 
 
 @triton.jit
@@ -143,6 +152,25 @@ def _bit_or(a, b):
 
 
 @triton.jit
+def _pack_e4m3x4(b0, b1, b2, b3):
+    """int32 word of the saturated RNE e4m3 bytes of 4 fp32 values (given as int32 bits), b0 in
+    the low byte. GPU (sm_89+) only: inline PTX."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+        cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+        mov.b32 $0, {lo, hi};
+        }""",
+        "=r,r,r,r,r",
+        [b0, b1, b2, b3],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def _mxfp8_dim1_regs_kernel(
     x_ptr,
     data_ptr,
@@ -159,6 +187,10 @@ def _mxfp8_dim1_regs_kernel(
     KV: tl.constexpr,
     VW: tl.constexpr,
     K_FAST: tl.constexpr,
+    MASKED: tl.constexpr,
+    OFFS64: tl.constexpr,
+    SAT_CAST: tl.constexpr,
+    ASM_PACK: tl.constexpr,
 ):
     """x (B, M, K) -> data (B, K, M // 4) int32 (4 e4m3 bytes each), scale (B, K, M // 32).
 
@@ -173,7 +205,13 @@ def _mxfp8_dim1_regs_kernel(
     index) from its lowest bits up, through index arithmetic Triton sees no contiguity in. Triton
     then puts the low bits on lanes and warps and the high ones in registers; the launcher uses
     exactly (BLOCK_K // KV) * (BLOCK_M // RPT) threads, so the register bits are the rows (load)
-    and the words (store), and every reshape/permute in between is free."""
+    and the words (store), and every reshape/permute in between is free.
+
+    Instruction diet (the kernel is close to issue-bound): 64-bit tile bases, 32-bit offsets inside
+    the tile (unless OFFS64), no masks when the tiles divide the shape (MASKED=False), the NaN-block
+    select on packed words, and with SAT_CAST no clamp before the saturating hardware cast; with
+    ASM_PACK (GPU only) two ``cvt.rn.satfinite.e4m3x2.f32`` and one ``mov.b32`` turn 4 fp32 values
+    straight into a word instead of unpacking the bytes and shifting them back together."""
     S: tl.constexpr = BLOCK_M // RPT  # row groups
     NB: tl.constexpr = BLOCK_M // 32  # blocks of 32 rows
     LM: tl.constexpr = 32 // RPT  # row groups per block
@@ -187,36 +225,63 @@ def _mxfp8_dim1_regs_kernel(
     else:
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
+    m0 = pid_m * BLOCK_M
+    k0 = pid_k * BLOCK_K
+    MW = M // 4
     j = tl.arange(0, KV)[None, :]
-    # load: cell i = (r * S + g) * KL + kl
+    # load: cell i = (r * S + g) * KL + kl; row (in the tile) g * RPT + r, column kl * KV + j
     i = tl.max_contiguous(tl.arange(0, RPT * S * KL), 1)
-    row = ((pid_m * S + (i // KL) % S) * RPT + i // (KL * S))[:, None]
-    col = (pid_k * BLOCK_K + (i % KL) * KV)[:, None] + j
-    x_ptrs = x_ptr + b * stride_xb + row.to(tl.int64) * stride_xm + col
-    x = tl.load(x_ptrs, mask=(row < M) & (col < K), other=0.0).to(tl.float32)
-    x = tl.reshape(x, (RPT, S, KL, KV))
+    row = (((i // KL) % S) * RPT + i // (KL * S))[:, None]
+    col = ((i % KL) * KV)[:, None] + j
+    x_tile = x_ptr + b * stride_xb + m0.to(tl.int64) * stride_xm + k0
+    if OFFS64:
+        x_ptrs = x_tile + row.to(tl.int64) * stride_xm + col
+    else:
+        x_ptrs = x_tile + (row * stride_xm + col)
+    if MASKED:
+        x = tl.load(x_ptrs, mask=(m0 + row < M) & (k0 + col < K), other=0.0)
+    else:
+        x = tl.load(x_ptrs)
+    x = tl.reshape(x.to(tl.float32), (RPT, S, KL, KV))
     amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)  # (S, KL, KV)
     amax = tl.max(tl.reshape(amax, (NB, LM, KL, KV)), axis=1)  # (NB, KL, KV)
     e, is_nan = _mx_exponent(amax, FLOOR)
     e_g = tl.reshape(tl.broadcast_to(e[:, None, :, :], (NB, LM, KL, KV)), (S, KL, KV))
     nan_g = tl.reshape(tl.broadcast_to(is_nan[:, None, :, :], (NB, LM, KL, KV)), (S, KL, KV))
-    q = _mx_encode(x, e_g[None], nan_g[None], NATIVE_CAST)  # (RPT, S, KL, KV)
     # row r = (hh * VW + v) * 4 + byte: byte `byte` of word v of vector hh (little-endian)
-    q = tl.reshape(q, (HH, VW, 4, S, KL, KV))
-    shift = (tl.arange(0, 4) * 8)[None, None, :, None, None, None]
-    words = tl.reduce(q << shift, 2, _bit_or)  # (HH, VW, S, KL, KV)
+    if ASM_PACK:
+        inv = tl.where(e_g == 127, 0x00400000, (127 - e_g) << 23).to(tl.float32, bitcast=True)
+        qf = (x * inv[None]).to(tl.int32, bitcast=True)  # (RPT, S, KL, KV) fp32 bits
+        qf = tl.permute(tl.reshape(qf, (HH, VW, 4, S, KL, KV)), (0, 1, 3, 4, 5, 2))
+        even, odd = tl.split(tl.reshape(qf, (HH, VW, S, KL, KV, 2, 2)))  # bytes 0/2, 1/3
+        b0, b2 = tl.split(even)
+        b1, b3 = tl.split(odd)
+        words = _pack_e4m3x4(b0, b1, b2, b3)  # (HH, VW, S, KL, KV)
+    else:
+        q = _mx_encode_raw(x, e_g[None], NATIVE_CAST, not SAT_CAST)  # (RPT, S, KL, KV)
+        q = tl.reshape(q, (HH, VW, 4, S, KL, KV))
+        shift = (tl.arange(0, 4) * 8)[None, None, :, None, None, None]
+        words = tl.reduce(q << shift, 2, _bit_or)  # (HH, VW, S, KL, KV)
+    words = tl.where(nan_g[None, None], 0x7F7F7F7F, words)  # a NaN block: all bytes 0x7F
     words = tl.reshape(tl.permute(words, (4, 0, 2, 3, 1)), (KV * HH * S * KL, VW))
-    # store: cell c = ((j * HH + hh) * S + g) * KL + kl
+    # store: cell c = ((j * HH + hh) * S + g) * KL + kl; word (g * WPT + hh * VW + v) of column
+    # kl * KV + j, in the tile
     c = tl.max_contiguous(tl.arange(0, KV * HH * S * KL), 1)
-    kcol = (pid_k * BLOCK_K + (c % KL) * KV + c // (KL * S * HH))[:, None]
-    MW = M // 4
-    wcol = ((pid_m * S + (c // KL) % S) * WPT + ((c // (KL * S)) % HH) * VW)[:, None]
+    kcol = ((c % KL) * KV + c // (KL * S * HH))[:, None]
+    wcol = (((c // KL) % S) * WPT + ((c // (KL * S)) % HH) * VW)[:, None]
     wcol = wcol + tl.arange(0, VW)[None, :]
-    d_ptrs = data_ptr + b * K * MW + kcol.to(tl.int64) * MW + wcol
-    tl.store(d_ptrs, words, (kcol < K) & (wcol < MW))
+    d_tile = data_ptr + b * K * MW + k0.to(tl.int64) * MW + pid_m * (S * WPT)
+    if OFFS64:
+        d_ptrs = d_tile + kcol.to(tl.int64) * MW + wcol
+    else:
+        d_ptrs = d_tile + (kcol * MW + wcol)
+    if MASKED:
+        tl.store(d_ptrs, words, (k0 + kcol < K) & (pid_m * (S * WPT) + wcol < MW))
+    else:
+        tl.store(d_ptrs, words)
     MB = M // 32
     scale = tl.where(is_nan, 255, e + 127).to(tl.uint8)  # (NB, KL, KV)
-    kk = pid_k * BLOCK_K + tl.arange(0, KL)[None, :, None] * KV + tl.arange(0, KV)[None, None, :]
+    kk = k0 + tl.arange(0, KL)[None, :, None] * KV + tl.arange(0, KV)[None, None, :]
     nb = pid_m * NB + tl.arange(0, NB)[:, None, None]
     s_ptrs = scale_ptr + b * K * MB + kk.to(tl.int64) * MB + nb
     tl.store(s_ptrs, scale, (nb < MB) & (kk < K))
@@ -311,7 +376,18 @@ def to_mxfp8(
 
 
 DIM1_VARIANTS = ("regs", "tload")
-_DIM1_KEYS = ("variant", "BLOCK_M", "BLOCK_K", "num_warps", "RPT", "KV", "K_FAST")
+_DIM1_KEYS = (
+    "variant",
+    "BLOCK_M",
+    "BLOCK_K",
+    "num_warps",
+    "RPT",
+    "KV",
+    "K_FAST",
+    "SAT_CAST",
+    "ASM_PACK",
+    "OFFS64",
+)
 
 
 def dim1_config(
@@ -328,7 +404,12 @@ def dim1_config(
     Keys: ``variant`` ("regs": rows in registers, packed int32 stores, see
     ``_mxfp8_dim1_regs_kernel``; "tload": the tile loaded transposed), ``BLOCK_M`` (multiple of
     32), ``BLOCK_K``, ``num_warps``; "regs" only: ``RPT`` (rows per thread, 4 / 8 / 16 / 32),
-    ``KV`` (adjacent columns per thread, the load width), ``K_FAST`` (grid walks K tiles first);
+    ``KV`` (adjacent columns per thread, the load width), ``K_FAST`` (grid walks K tiles first),
+    ``SAT_CAST`` (no clamp before the GPU's saturating e4m3 cast: fewer instructions, same bits
+    by the PTX spec; off by default until checked on the GPU), ``ASM_PACK`` (4 values -> one word
+    with inline PTX, implies SAT_CAST; GPU only, ignored under the interpreter; off by default
+    until checked on the GPU), ``OFFS64`` (64-bit offsets inside a tile; None: only when 32 bits
+    could overflow);
     its num_warps defaults to one thread per RPT x KV cell (at most 32 warps), and
     (32 // RPT) * (BLOCK_K // KV) <= 32 keeps each 32-row block inside one warp (any choice is
     exact; these only decide the speed). "regs" needs M % 32 == 0; other inputs fall back to
@@ -382,6 +463,9 @@ def dim1_config(
         "RPT": rpt,
         "KV": kv,
         "K_FAST": bool(cfg.get("K_FAST", True)),
+        "SAT_CAST": bool(cfg.get("SAT_CAST", False)),
+        "ASM_PACK": bool(cfg.get("ASM_PACK", False)),
+        "OFFS64": cfg.get("OFFS64"),
     }
 
 
@@ -427,6 +511,10 @@ def to_mxfp8_dim1(
                 k_fast = not k_fast
             grid = (*(grid_mk[::-1] if k_fast else grid_mk), B)
             rpt = cfg["RPT"]
+            # 32-bit offsets inside a tile unless its span could overflow them
+            offs64 = cfg["OFFS64"]
+            if offs64 is None:
+                offs64 = bm * x.stride(1) + bk >= 2**31 or bk * (M // 4) + M // 4 >= 2**31
             _mxfp8_dim1_regs_kernel[grid](
                 x,
                 data.view(torch.int32),
@@ -439,6 +527,10 @@ def to_mxfp8_dim1(
                 KV=cfg["KV"],
                 VW=min(rpt // 4, 4),
                 K_FAST=k_fast,
+                MASKED=M % bm != 0 or K % bk != 0,
+                OFFS64=bool(offs64),
+                SAT_CAST=cfg["SAT_CAST"] and native,
+                ASM_PACK=cfg["ASM_PACK"] and native and not INTERPRET,
                 num_warps=cfg["num_warps"],
             )
     if squeeze:
