@@ -8,6 +8,7 @@ syncs, deterministic.
 
 __version__ = "0.1.0"
 
+from moe_kernels.grouped_mm import gather_grouped_mm
 from moe_kernels.mxfp8 import (
     compute_per_group_blocked_scale_offsets,
     from_mxfp8,
@@ -18,6 +19,7 @@ from moe_kernels.mxfp8 import (
     to_mxfp8,
     to_mxfp8_dim1,
 )
+from moe_kernels.router import router_scores
 from moe_kernels.routing import RoutingPlan, index_shuffling, route
 from moe_kernels.tokens import (
     combine,
@@ -32,10 +34,12 @@ __all__ = [
     "compute_per_group_blocked_scale_offsets",
     "dispatch",
     "from_mxfp8",
+    "gather_grouped_mm",
     "gather_scale_dense_tokens",
     "index_shuffling",
     "mxfp8_grouped_mm",
     "route",
+    "router_scores",
     "scatter_add_dense_tokens",
     "to_blocked",
     "to_blocked_per_group_2d",
