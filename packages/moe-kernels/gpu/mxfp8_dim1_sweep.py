@@ -52,13 +52,13 @@ CONFIGS: list[tuple[str, dict | None]] = [
     ("default", None),
     ("regs r16 kv2 128x32 mfast", regs(16, 2, 128, 32, False)),
     ("regs r16 kv2 256x32", regs(16, 2, 256, 32)),
-    ("regs r16 kv4 128x64", regs(16, 4, 128, 64)),
+    ("regs r16 kv2 128x32", regs(16, 2, 128, 32)),
     ("regs r16 kv8 128x128", regs(16, 8, 128, 128)),
     ("regs r32 kv1 128x32", regs(32, 1, 128, 32)),
     ("regs r32 kv2 128x64", regs(32, 2, 128, 64)),
     ("regs r8 kv4 128x32", regs(8, 4, 128, 32)),
     ("regs r8 kv8 128x64", regs(8, 8, 128, 64)),
-    ("regs r16 kv2 128x32 sat", {**regs(16, 2, 128, 32), "SAT_CAST": True}),
+    ("regs r16 kv4 128x64 sat", {**regs(16, 4, 128, 64), "SAT_CAST": True}),
     ("regs r16 kv2 128x32 asm", regs(16, 2, 128, 32, asm=True)),
     ("regs r16 kv4 128x64 asm", regs(16, 4, 128, 64, asm=True)),
     ("regs r16 kv4 128x64 mfast asm", regs(16, 4, 128, 64, False, asm=True)),
@@ -68,7 +68,7 @@ CONFIGS: list[tuple[str, dict | None]] = [
     ("regs r8 kv8 128x64 asm", regs(8, 8, 128, 64, asm=True)),
 ]
 # floor mode differs from rceil only in the shared exponent helper: check it on a few kernels
-FLOOR_CONFIGS = ("tload 32x128 w8 (old default)", "default", "regs r16 kv2 128x32 sat")
+FLOOR_CONFIGS = ("tload 32x128 w8 (old default)", "default", "regs r16 kv4 128x64 sat")
 FLOOR_CONFIGS += ("regs r16 kv2 128x32 asm", "regs r16 kv4 128x64 asm")
 if DRY:
     SHAPES = [(64, 96, torch.bfloat16), (96, 64, torch.float32)]

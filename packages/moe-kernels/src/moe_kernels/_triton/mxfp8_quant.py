@@ -442,9 +442,11 @@ def dim1_config(
         bm = bm or _pow2_at_most(M, 256)
         bk = bk or _pow2_at_most(K, max(16, 16384 // bm))
     else:
-        # 16 rows x 2 columns per thread: 4-byte bf16 loads, one 16-byte store per column and a
-        # full 32-byte sector per lane pair, ~48 registers
-        rpt, kv = cfg.get("RPT", 16), cfg.get("KV", 2)
+        # 16 rows x 4 columns per thread (128 x 64 tiles, 4 warps): 8-byte bf16 loads (a warp
+        # reads 2 rows x 128 bytes per load), one 16-byte store per column (a full 32-byte
+        # sector per lane pair), ~12-14 SASS instructions per element, ~70 registers. Picked
+        # from sm_90 SASS, not yet from timings: gpu/mxfp8_dim1_sweep.py measures the others.
+        rpt, kv = cfg.get("RPT", 16), cfg.get("KV", 4)
         bk = bk or _pow2_at_most(K, rpt * kv)  # (32 // RPT) * (BLOCK_K // KV) = 32 lanes
         bm = bm or _pow2_at_most(M, 128)
     bm = max(_pow2_at_most(bm, 1 << 30), _MX_BLOCK)
