@@ -4,7 +4,8 @@ Every implementation reads the same parameters, so ``layer.impl = "torch"`` swit
 layer. The data path of the sync-free implementations:
 ``scores = router(x)`` -> ``plan = route(scores, k)`` -> ``xs = dispatch(x, plan)`` ->
 ``h = grouped_mm(xs, in_proj^T)`` -> activation -> ``ys = grouped_mm(h, out_proj^T)`` ->
-``y = combine(ys, plan)``.
+``y = combine(ys, plan)``; ``"triton_fused"`` runs the router in one kernel and gathers the rows
+inside the first grouped GEMM, which also applies the SiLU.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from torch import nn
 
 from moe_model._routing_torch import topk_choices, torch_plan
 
-MOE_IMPLS: tuple[str, ...] = ("baseline", "torch", "triton_bf16", "triton_fp32", "fbgemm", "mxfp8")
+MOE_IMPLS: tuple[str, ...] = (
+    "baseline",
+    "torch",
+    "triton_bf16",
+    "triton_fp32",
+    "triton_fused",
+    "fbgemm",
+    "mxfp8",
+)
 SCORE_FNS = ("softmax", "sigmoid")
 
 
@@ -135,6 +144,27 @@ def _make_triton(out_dtype: torch.dtype) -> Callable:
     return _forward
 
 
+def _forward_fused(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+    """Fewest passes over memory: the router in one Triton kernel (``MoELayer.forward`` picks
+    it for this impl), ``route``, the gather + first GEMM + SiLU in one Triton grouped GEMM,
+    the second GEMM (``torch._grouped_mm`` where it runs, else the Triton grouped GEMM), bf16
+    combine. SwiGLU layers apply the gate between the GEMMs (outside the kernel)."""
+    from moe_kernels import combine, gather_grouped_mm, route
+
+    plan = route(scores_TE, layer.top_k, renormalize=layer.renormalize)
+    w_dtype = layer.in_proj.dtype
+    x_TD = x_TD.to(w_dtype)
+    act = None if layer.gated else "silu"
+    h_PH = gather_grouped_mm(x_TD, layer.in_proj, plan.offsets, plan.token_indices, activation=act)
+    if layer.gated:
+        h_PH = _activation(h_PH, gated=True)
+    if _grouped_mm_supported(h_PH, layer.out_proj.mT):
+        ys_PD = torch._grouped_mm(h_PH, layer.out_proj.mT, offs=plan.offsets[1:])
+    else:
+        ys_PD = gather_grouped_mm(h_PH, layer.out_proj, plan.offsets)
+    return combine(ys_PD, plan, weighted=True, out_dtype=w_dtype).to(x_TD.dtype)
+
+
 def _mm_mxfp8(a_MK: torch.Tensor, b_EKN: torch.Tensor, plan) -> torch.Tensor:
     from moe_kernels.mxfp8 import mxfp8_grouped_mm
 
@@ -195,6 +225,7 @@ _IMPLS: dict[str, Callable] = {
     "torch": _forward_torch,
     "triton_bf16": _make_triton(torch.bfloat16),
     "triton_fp32": _make_triton(torch.float32),
+    "triton_fused": _forward_fused,
     "fbgemm": _forward_fbgemm,
     "mxfp8": _forward_mxfp8,
 }
@@ -276,7 +307,13 @@ class MoELayer(nn.Module):
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must have last dim d_model={self.d_model}, got {tuple(x.shape)}")
         x_TD = x.reshape(-1, self.d_model)
-        y_TD = _IMPLS[self._impl](self, x_TD, self.scores(x_TD))
+        if self._impl == "triton_fused":
+            from moe_kernels import router_scores
+
+            scores_TE = router_scores(x_TD, self.router.weight, score_fn=self.score_fn)
+        else:
+            scores_TE = self.scores(x_TD)
+        y_TD = _IMPLS[self._impl](self, x_TD, scores_TE)
         return y_TD.view(x.shape)
 
     def extra_repr(self) -> str:
