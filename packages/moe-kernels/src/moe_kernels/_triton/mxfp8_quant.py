@@ -203,11 +203,12 @@ def _mxfp8_dim1_regs_kernel(
     Layout control: the load and the store are 2-D, (cells, KV) and (cells, VW), whose dim 1 is
     the only contiguous one and whose dim 0 enumerates (column group kl, row group g, register
     index) from its lowest bits up, through index arithmetic Triton sees no contiguity in. Triton
-    then puts the low bits on lanes and warps and the high ones in registers; the launcher uses
-    exactly (BLOCK_K // KV) * (BLOCK_M // RPT) threads, so the register bits are the rows (load)
-    and the words (store), and every reshape/permute in between is free.
+    then puts the low bits on lanes and warps and the high ones in registers; the launcher's
+    default num_warps gives exactly (BLOCK_K // KV) * (BLOCK_M // RPT) threads, so the register
+    bits are the rows (load) and the words (store), and every reshape/permute in between is free.
 
-    Instruction diet (the kernel is close to issue-bound): 64-bit tile bases, 32-bit offsets inside
+    Instruction diet (sm_90 SASS: the "tload" kernel spends ~37 instructions per element, enough
+    to be issue-bound at the copy ceiling; this one 12-16): 64-bit tile bases, 32-bit offsets inside
     the tile (unless OFFS64), no masks when the tiles divide the shape (MASKED=False), the NaN-block
     select on packed words, and with SAT_CAST no clamp before the saturating hardware cast; with
     ASM_PACK (GPU only) two ``cvt.rn.satfinite.e4m3x2.f32`` and one ``mov.b32`` turn 4 fp32 values
