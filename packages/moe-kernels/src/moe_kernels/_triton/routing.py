@@ -6,21 +6,30 @@ A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` (
    block it loads the (BLOCK_T, E) scores, turns each into a unique integer key (order-preserving
    code of the score in the high bits, ``E_PAD - 1 - e`` in the low bits, so ties go to the lower
    expert, NaN is -inf and -0.0 is +0.0; int32 keys for 16-bit scores, int64 for fp32) and takes
-   ``top_k`` rounds of row maxima. A per-expert bitmask of the block's tokens that picked it, with
-   a popcount of the earlier tokens' bits plus the program's running count, ranks every pair
-   inside its expert; ``rank << L_BITS | local expert`` (or -1 when not routed) and the weight go
-   to scratch, the program's per-expert count to ``hist[l, program]``.
+   the top_k keys: ``top_k`` rounds of row maxima, or ``tl.topk`` (bitonic; ``BITONIC``). The
+   weights go to scratch. Then, by the placement C will use:
+   * ranked (``SORTED=False``, small problems): a per-expert bitmask of the block's tokens that
+     picked it, with a popcount of the earlier tokens' bits plus the program's running count,
+     ranks every pair inside its expert; ``rank << L_BITS | local expert`` (or -1) to scratch;
+   * sorted (``SORTED=True``, above ``_SORT_FROM`` pairs): the bare local expert (or -1) to
+     scratch and a histogram of them.
+   The program's per-expert count goes to ``hist[l, program]``.
 B. ``_scan_kernel``: exclusive scans of the ``hist`` rows over programs, a few experts per program
    (skipped for small problems: every C program then reduces the whole, small, ``hist`` itself).
-C. ``_place_kernel``: one program per A-program. It turns the per-expert totals into expert offsets,
-   writes the sorted pairs (``expert_indices``, ``token_indices``, ``weights``) at
-   ``offset[e] + hist[e, program] + rank``, writes ``inverse`` and fills its own slice of the tail.
+C. ``_place_kernel``: one program per A-program. It turns the per-expert totals into expert offsets
+   and writes the sorted pairs (``expert_indices``, ``token_indices``, ``weights``), ``inverse``
+   and its own slice of the tail. Ranked: each pair at ``offset[e] + hist[e, program] + rank``,
+   in token order (scattered 4-byte stores). Sorted: the program's pairs sorted in registers by
+   (expert, token, j) with ``tl.sort``, then stored in that order, each expert's run contiguous.
    Program 0 also writes ``counts``/``offsets`` and ``token_count_per_expert``.
 
-Measured on the H200 (``gpu/routing_gpu.py``): at T=2^20, E=128, k=8 (bf16) A is compute-bound
-(~2/3 of the time: k rounds of compare/select/row-max over every score) and C's scattered 4-byte
-stores take the rest; at T=4096 the kernels take ~10-25 us and eager calls are bound by the host's
-launch cost.
+Measured on the H200 (``gpu/routing_gpu.py``): at T=2^20, E=128, k=8 (bf16) the k rounds cost
+~34 us each and the bitmask ranks ~210 us; sorted placement (512 pairs per program) brought
+index_shuffling from 711 to 550 us and route from 992 to 697 us. At T=4096 the kernels take
+6-12 us and eager calls are bound by the host's launch cost.
+
+``ONEHOT_HIST``: kernel A's per-program histogram by one-hot sums instead of ``tl.histogram``,
+only under triton < 3.6's interpreter (wrong counts for program 0 there).
 
 ``WHILE_LOOPS`` (True only under the interpreter, from ``INTERPRET``): triton 3.5's interpreter
 holds runtime scalars as 1-element arrays and its ``range()`` calls ``int()`` on them, an error
@@ -90,6 +99,8 @@ def _topk_rank_kernel(
     SENT: tl.constexpr,  # below every real key: INT64_MIN (fp32) or INT32_MIN (16-bit)
     RANKS: tl.constexpr,  # rank pairs here (bitmasks); else store bare choices for _place_sorted
     HB: tl.constexpr,  # histogram bins when not RANKS: 2 * L_PAD (bin L_PAD counts the unrouted)
+    BITONIC: tl.constexpr,  # top-k by tl.topk (bitonic) instead of k rounds of row maxima
+    ONEHOT_HIST: tl.constexpr,  # histogram by one-hot sums (triton < 3.6 interpreter, see above)
 ):
     pid = tl.program_id(0)
     n_valid = T
@@ -134,12 +145,16 @@ def _topk_rank_kernel(
         if not EVEN_E:
             key = tl.where(col_ok[None, :], key, SENT)
 
-        # top_k rounds: the row maximum is unique; remember it, then knock it out.
-        mk = tl.full([BLOCK_T, K_PAD], SENT, dtype=key.dtype)
-        for j in range(K):
-            m = tl.max(key, axis=1)
-            key = tl.where(key == m[:, None], SENT, key)
-            mk = tl.where(jj[None, :] == j, m[:, None], mk)
+        if BITONIC:  # the K_PAD largest keys, descending (bitonic top-k; keys are unique)
+            mk = tl.topk(key, K_PAD, dim=1)
+            if K < K_PAD:
+                mk = tl.where(k_ok, mk, SENT)
+        else:  # top_k rounds: the row maximum is unique; remember it, then knock it out.
+            mk = tl.full([BLOCK_T, K_PAD], SENT, dtype=key.dtype)
+            for j in range(K):
+                m = tl.max(key, axis=1)
+                key = tl.where(key == m[:, None], SENT, key)
+                mk = tl.where(jj[None, :] == j, m[:, None], mk)
         if KIND == 0:
             choice = E_PAD - 1 - mk.to(tl.int32)  # low 32 bits
         else:
@@ -155,7 +170,11 @@ def _topk_rank_kernel(
         out_offs = rows[:, None] * K + jj[None, :]
         st_mask = row_ok[:, None] & k_ok
         if RANKS:
-            picked = (key == SENT) & routed_row[:, None]
+            if BITONIC:  # the picks are the keys >= the K-th largest
+                kth = tl.min(tl.where(k_ok, mk, -SENT - 1), axis=1)
+                picked = (key >= kth[:, None]) & routed_row[:, None]
+            else:
+                picked = (key == SENT) & routed_row[:, None]
             if not EVEN_E:
                 picked = picked & col_ok[None, :]
             if not FULL_RANGE:
@@ -173,7 +192,11 @@ def _topk_rank_kernel(
             packed = tl.where(routed, (rank << L_BITS) | (choice - start), -1)
         else:
             le = tl.where(routed, choice - start, HB // 2)
-            local_hist += tl.histogram(tl.reshape(le, [BLOCK_T * K_PAD]), HB)
+            le = tl.reshape(le, [BLOCK_T * K_PAD])
+            if ONEHOT_HIST:
+                local_hist += tl.sum((le[:, None] == bins[None, :]).to(tl.int32), axis=0)
+            else:
+                local_hist += tl.histogram(le, HB)
             packed = tl.where(routed, choice - start, -1)
         tl.store(pack_ptr + out_offs, packed, mask=st_mask)
         if WEIGHTS:
@@ -462,6 +485,9 @@ def _config(T: int, E: int, K: int, fp32: bool) -> dict[str, int]:
 
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# triton 3.5's interpreter returns wrong tl.histogram counts for program 0 of a multi-program
+# grid when the histogram accumulates in a loop; 3.8's is right, and the GPU never takes this.
+_ONEHOT_HIST = INTERPRET and tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6)
 _topk_rank = FastKernel(_topk_rank_kernel)
 _scan = FastKernel(_scan_kernel)
 _place = FastKernel(_place_kernel)
@@ -553,6 +579,8 @@ def _launch_plan(
         SENT=-(2**63) if kind == 0 else -(2**31),
         RANKS=not sort,
         HB=2 * l_pad if sort else 2,
+        BITONIC=cfg.get("BITONIC", False),
+        ONEHOT_HIST=_ONEHOT_HIST,
     )
     scan = None
     if L > 0 and not fuse_scan:
