@@ -4,8 +4,8 @@ Every implementation reads the same parameters, so ``layer.impl = "torch"`` swit
 layer. The data path of the sync-free implementations:
 ``scores = router(x)`` -> ``plan = route(scores, k)`` -> ``xs = dispatch(x, plan)`` ->
 ``h = grouped_mm(xs, in_proj^T)`` -> activation -> ``ys = grouped_mm(h, out_proj^T)`` ->
-``y = combine(ys, plan)``; ``"triton_fused"`` runs the router in one kernel and gathers the rows
-inside the first grouped GEMM, which also applies the SiLU.
+``y = combine(ys, plan)``; ``"triton_fused"`` gathers the rows inside the first grouped GEMM,
+which also applies the SiLU.
 """
 
 from __future__ import annotations
@@ -145,10 +145,10 @@ def _make_triton(out_dtype: torch.dtype) -> Callable:
 
 
 def _forward_fused(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
-    """Fewest passes over memory: the router in one Triton kernel (``MoELayer.forward`` picks
-    it for this impl), ``route``, the gather + first GEMM + SiLU in one Triton grouped GEMM,
-    the second GEMM (``torch._grouped_mm`` where it runs, else the Triton grouped GEMM), bf16
-    combine. SwiGLU layers apply the gate between the GEMMs (outside the kernel)."""
+    """Fewer passes over memory: ``route``, the gather + first GEMM + SiLU in one Triton grouped
+    GEMM, the second GEMM (``torch._grouped_mm`` where it runs, else the Triton grouped GEMM),
+    bf16 combine. SwiGLU layers apply the gate between the GEMMs (outside the kernel). The router
+    stays the torch formula: ``moe_kernels.router_scores`` was slower than it compiled (H200)."""
     from moe_kernels import combine, gather_grouped_mm, route
 
     plan = route(scores_TE, layer.top_k, renormalize=layer.renormalize)
@@ -307,13 +307,7 @@ class MoELayer(nn.Module):
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must have last dim d_model={self.d_model}, got {tuple(x.shape)}")
         x_TD = x.reshape(-1, self.d_model)
-        if self._impl == "triton_fused":
-            from moe_kernels import router_scores
-
-            scores_TE = router_scores(x_TD, self.router.weight, score_fn=self.score_fn)
-        else:
-            scores_TE = self.scores(x_TD)
-        y_TD = _IMPLS[self._impl](self, x_TD, scores_TE)
+        y_TD = _IMPLS[self._impl](self, x_TD, self.scores(x_TD))
         return y_TD.view(x.shape)
 
     def extra_repr(self) -> str:

@@ -407,9 +407,9 @@ def dim1_config(
     32), ``BLOCK_K``, ``num_warps``; "regs" only: ``RPT`` (rows per thread, 4 / 8 / 16 / 32),
     ``KV`` (adjacent columns per thread, the load width), ``K_FAST`` (grid walks K tiles first),
     ``SAT_CAST`` (no clamp before the GPU's saturating e4m3 cast: fewer instructions, same bits
-    by the PTX spec; off by default until checked on the GPU), ``ASM_PACK`` (4 values -> one word
-    with inline PTX, implies SAT_CAST; GPU only, ignored under the interpreter; off by default
-    until checked on the GPU), ``OFFS64`` (64-bit offsets inside a tile; None: only when 32 bits
+    by the PTX spec), ``ASM_PACK`` (4 values -> one word with inline PTX, implies SAT_CAST; GPU
+    only, ignored under the interpreter; on by default, checked bit-exact on the H200),
+    ``OFFS64`` (64-bit offsets inside a tile; None: only when 32 bits
     could overflow);
     its num_warps defaults to one thread per RPT x KV cell (at most 32 warps), and
     (32 // RPT) * (BLOCK_K // KV) <= 32 keeps each 32-row block inside one warp (any choice is
@@ -443,13 +443,14 @@ def dim1_config(
         bm = bm or _pow2_at_most(M, 256)
         bk = bk or _pow2_at_most(K, max(16, 16384 // bm))
     else:
-        # 16 rows x 4 columns per thread (128 x 64 tiles, 4 warps): 8-byte bf16 loads (a warp
-        # reads 2 rows x 128 bytes per load), one 16-byte store per column (a full 32-byte
-        # sector per lane pair), ~12-14 SASS instructions per element, ~70 registers. Picked
-        # from sm_90 SASS, not yet from timings: gpu/mxfp8_dim1_sweep.py measures the others.
+        # 16 rows x 4 columns per thread (256 x 64 tiles, 8 warps), packed with inline PTX:
+        # 8-byte bf16 loads (a warp reads 2 rows x 128 bytes per load), one 16-byte store per
+        # column. H200 (gpu/mxfp8_dim1_sweep.py, bit-exact): 91% of the copy ceiling at
+        # (16384, 8192) bf16, 90% at (131072, 2048), 94% at (8192, 4096) fp32; 128 x 64 without
+        # the packing 86% / 86% / 38%; the old transposed-tile kernel 45% / 45% / 64%.
         rpt, kv = cfg.get("RPT", 16), cfg.get("KV", 4)
         bk = bk or _pow2_at_most(K, rpt * kv)  # (32 // RPT) * (BLOCK_K // KV) = 32 lanes
-        bm = bm or _pow2_at_most(M, 128)
+        bm = bm or _pow2_at_most(M, 256)
     bm = max(_pow2_at_most(bm, 1 << 30), _MX_BLOCK)
     bk = _pow2_at_most(bk, 1 << 30)
     if rpt not in (4, 8, 16, 32):
@@ -467,7 +468,7 @@ def dim1_config(
         "KV": kv,
         "K_FAST": bool(cfg.get("K_FAST", True)),
         "SAT_CAST": bool(cfg.get("SAT_CAST", False)),
-        "ASM_PACK": bool(cfg.get("ASM_PACK", False)),
+        "ASM_PACK": bool(cfg.get("ASM_PACK", not INTERPRET)),
         "OFFS64": cfg.get("OFFS64"),
     }
 
