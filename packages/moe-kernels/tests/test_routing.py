@@ -380,6 +380,9 @@ def test_bad_renormalize():
         # top-k by tl.topk (bitonic) instead of k rounds of row maxima, with both placements
         {"BLOCK_T": 8, "SUB": 2, "SORTED": True, "BITONIC": True},
         {"BLOCK_T": 8, "SUB": 2, "SORTED": False, "BITONIC": True},
+        # top-k by per-thread insertion (sorted placement only)
+        {"SORTED": True, "INSERT": True},
+        {"BLOCK_T": 16, "SUB": 2, "SORTED": True, "INSERT": True, "FUSE_SCAN": False},
     ],
     ids=str,
 )

@@ -43,7 +43,8 @@ class FastKernel:
     """Wraps a ``@triton.jit`` function; ``launch(grid, args, constexprs, **options)``.
 
     ``args`` are the runtime arguments in signature order, ``constexprs`` a dict of the
-    compile-time ones, in signature order after them (the way every kernel here is written)."""
+    compile-time ones, which follow them in the signature (the way every kernel here is
+    written)."""
 
     enabled = not INTERPRET and _HOOKS is not None
 
@@ -80,7 +81,7 @@ class FastKernel:
         stream = driver.active.get_current_stream(dev)
         k.run(
             grid[0], g1, g2, stream, k.function, k.packed_metadata, None, None, None,
-            *args, *constexprs.values(),
+            *args, *[constexprs[n] for n in self.fn.arg_names[len(args):]],
         )  # fmt: skip
 
 

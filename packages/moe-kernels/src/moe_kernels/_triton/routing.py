@@ -71,6 +71,131 @@ def _popcount(x):
 
 
 @triton.jit
+def _score_keys(
+    x_ptr, rows64, row_ok, cols, stride_t, stride_e, E,
+    E_PAD: tl.constexpr, KIND: tl.constexpr, EVEN_E: tl.constexpr, SENT: tl.constexpr,
+):  # fmt: skip
+    """(rows, cols) scores -> unique integer keys: the order-preserving code of the score in the
+    high bits, ``E_PAD - 1 - e`` in the low bits (ties to the lower expert), NaN as -inf, -0.0 as
+    +0.0; int32 for 16-bit scores, int64 for fp32; SENT in padded columns."""
+    col_ok = cols < E
+    low = E_PAD - 1 - cols
+    offs = rows64[:, None] * stride_t + cols[None, :].to(tl.int64) * stride_e
+    if EVEN_E:
+        ld_mask = row_ok[:, None]
+    else:
+        ld_mask = row_ok[:, None] & col_ok[None, :]
+    if KIND == 0:
+        x = tl.load(x_ptr + offs, mask=ld_mask, other=0.0)
+        x = tl.where(x != x, float("-inf"), x)
+        x = tl.where(x == 0.0, 0.0, x)
+        bits = x.to(tl.int32, bitcast=True)
+        code = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = (code.to(tl.int64) << 32) | low[None, :].to(tl.int64)
+    else:
+        bits = tl.load(x_ptr + offs, mask=ld_mask, other=0).to(tl.int32)  # sign-extended
+        mag = bits & 0x7FFF
+        if KIND == 1:
+            bits = tl.where(mag > 0x7F80, -128, bits)  # NaN -> -inf (0xFF80)
+        else:
+            bits = tl.where(mag > 0x7C00, -1024, bits)  # NaN -> -inf (0xFC00)
+        code = bits ^ ((bits >> 15) & 0x7FFF)
+        code = tl.where(mag == 0, 0, code)  # -0.0 -> +0.0
+        key = (code << 16) | low[None, :]
+    if not EVEN_E:
+        key = tl.where(col_ok[None, :], key, SENT)
+    return key
+
+
+@triton.jit
+def _insert(t0, t1, t2, t3, t4, t5, t6, t7, c, K_PAD: tl.constexpr):
+    """Insert key c into the descending list t0 >= t1 >= ... (the first K_PAD are used)."""
+    hi = tl.maximum(t0, c)
+    c = tl.minimum(t0, c)
+    t0 = hi
+    if K_PAD > 1:
+        hi = tl.maximum(t1, c)
+        c = tl.minimum(t1, c)
+        t1 = hi
+    if K_PAD > 2:
+        hi = tl.maximum(t2, c)
+        c = tl.minimum(t2, c)
+        t2 = hi
+        hi = tl.maximum(t3, c)
+        c = tl.minimum(t3, c)
+        t3 = hi
+    if K_PAD > 4:
+        hi = tl.maximum(t4, c)
+        c = tl.minimum(t4, c)
+        t4 = hi
+        hi = tl.maximum(t5, c)
+        c = tl.minimum(t5, c)
+        t5 = hi
+        hi = tl.maximum(t6, c)
+        c = tl.minimum(t6, c)
+        t6 = hi
+        hi = tl.maximum(t7, c)
+        t7 = hi
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _insert_topk(x_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
+                 BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, W: tl.constexpr,
+                 KIND: tl.constexpr, EVEN_E: tl.constexpr, SENT: tl.constexpr):  # fmt: skip
+    """The K_PAD (<= 8) largest keys of each row, descending, with no cross-lane work: W
+    adjacent scores per thread and load (one 16-byte vector), each inserted into K_PAD
+    registers by a compare-exchange chain. -> (BLOCK_T, K_PAD)."""
+    t0 = tl.full([BLOCK_T], SENT, tl.int64 if KIND == 0 else tl.int32)
+    t1 = t0
+    t2 = t0
+    t3 = t0
+    t4 = t0
+    t5 = t0
+    t6 = t0
+    t7 = t0
+    for c0 in range(0, E_PAD, W):
+        key = _score_keys(x_ptr, rows64, row_ok, c0 + tl.arange(0, W), stride_t, stride_e, E,
+                          E_PAD, KIND, EVEN_E, SENT)  # fmt: skip
+        if W == 8:
+            a, b = tl.split(tl.reshape(key, [BLOCK_T, 4, 2]))
+            a0, a1 = tl.split(tl.reshape(a, [BLOCK_T, 2, 2]))
+            b0, b1 = tl.split(tl.reshape(b, [BLOCK_T, 2, 2]))
+            c0a, c0b = tl.split(a0)
+            c1a, c1b = tl.split(a1)
+            c2a, c2b = tl.split(b0)
+            c3a, c3b = tl.split(b1)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c0a, K_PAD)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c0b, K_PAD)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c1a, K_PAD)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c1b, K_PAD)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c2a, K_PAD)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c2b, K_PAD)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c3a, K_PAD)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c3b, K_PAD)
+        else:  # W == 4
+            a, b = tl.split(tl.reshape(key, [BLOCK_T, 2, 2]))
+            c0a, c0b = tl.split(a)
+            c1a, c1b = tl.split(b)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c0a, K_PAD)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c0b, K_PAD)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c1a, K_PAD)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c1b, K_PAD)
+    mk = tl.where(jj[None, :] == 0, t0[:, None], SENT)
+    if K_PAD > 1:
+        mk = tl.where(jj[None, :] == 1, t1[:, None], mk)
+    if K_PAD > 2:
+        mk = tl.where(jj[None, :] == 2, t2[:, None], mk)
+        mk = tl.where(jj[None, :] == 3, t3[:, None], mk)
+    if K_PAD > 4:
+        mk = tl.where(jj[None, :] == 4, t4[:, None], mk)
+        mk = tl.where(jj[None, :] == 5, t5[:, None], mk)
+        mk = tl.where(jj[None, :] == 6, t6[:, None], mk)
+        mk = tl.where(jj[None, :] == 7, t7[:, None], mk)
+    return mk
+
+
+@triton.jit
 def _topk_rank_kernel(
     x_ptr,  # (T, E) scores; int16 view for 16-bit floats, fp32 otherwise
     stride_t,
@@ -101,6 +226,8 @@ def _topk_rank_kernel(
     HB: tl.constexpr,  # histogram bins when not RANKS: 2 * L_PAD (bin L_PAD counts the unrouted)
     BITONIC: tl.constexpr,  # top-k by tl.topk (bitonic) instead of k rounds of row maxima
     ONEHOT_HIST: tl.constexpr,  # histogram by one-hot sums (triton < 3.6 interpreter, see above)
+    INSERT: tl.constexpr,  # top-k by per-thread insertion (K_PAD <= 8, not RANKS)
+    W: tl.constexpr,  # INSERT: scores per thread and load (16 bytes)
 ):
     pid = tl.program_id(0)
     n_valid = T
@@ -112,7 +239,6 @@ def _topk_rank_kernel(
     in_range = (cols >= start) & (cols < end)
     jj = tl.arange(0, K_PAD)
     k_ok = jj[None, :] < K
-    low = E_PAD - 1 - cols  # tie-break: a lower expert gets a larger key
     running = tl.zeros([E_PAD], dtype=tl.int32)
     bins = tl.arange(0, HB)
     local_hist = tl.zeros([HB], dtype=tl.int32)
@@ -120,41 +246,24 @@ def _topk_rank_kernel(
         rows = (pid * SUB + s) * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < T
         rows64 = rows.to(tl.int64)
-        offs = rows64[:, None] * stride_t + cols[None, :].to(tl.int64) * stride_e
-        if EVEN_E:
-            ld_mask = row_ok[:, None]
-        else:
-            ld_mask = row_ok[:, None] & col_ok[None, :]
-        if KIND == 0:
-            x = tl.load(x_ptr + offs, mask=ld_mask, other=0.0)
-            x = tl.where(x != x, float("-inf"), x)
-            x = tl.where(x == 0.0, 0.0, x)
-            bits = x.to(tl.int32, bitcast=True)
-            code = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-            key = (code.to(tl.int64) << 32) | low[None, :].to(tl.int64)
-        else:
-            bits = tl.load(x_ptr + offs, mask=ld_mask, other=0).to(tl.int32)  # sign-extended
-            mag = bits & 0x7FFF
-            if KIND == 1:
-                bits = tl.where(mag > 0x7F80, -128, bits)  # NaN -> -inf (0xFF80)
-            else:
-                bits = tl.where(mag > 0x7C00, -1024, bits)  # NaN -> -inf (0xFC00)
-            code = bits ^ ((bits >> 15) & 0x7FFF)
-            code = tl.where(mag == 0, 0, code)  # -0.0 -> +0.0
-            key = (code << 16) | low[None, :]
-        if not EVEN_E:
-            key = tl.where(col_ok[None, :], key, SENT)
-
-        if BITONIC:  # the K_PAD largest keys, descending (bitonic top-k; keys are unique)
-            mk = tl.topk(key, K_PAD, dim=1)
+        if INSERT:
+            mk = _insert_topk(x_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
+                              BLOCK_T, K_PAD, E_PAD, W, KIND, EVEN_E, SENT)  # fmt: skip
             if K < K_PAD:
                 mk = tl.where(k_ok, mk, SENT)
-        else:  # top_k rounds: the row maximum is unique; remember it, then knock it out.
-            mk = tl.full([BLOCK_T, K_PAD], SENT, dtype=key.dtype)
-            for j in range(K):
-                m = tl.max(key, axis=1)
-                key = tl.where(key == m[:, None], SENT, key)
-                mk = tl.where(jj[None, :] == j, m[:, None], mk)
+        else:
+            key = _score_keys(x_ptr, rows64, row_ok, cols, stride_t, stride_e, E,
+                              E_PAD, KIND, EVEN_E, SENT)  # fmt: skip
+            if BITONIC:  # the K_PAD largest keys, descending (bitonic top-k; keys are unique)
+                mk = tl.topk(key, K_PAD, dim=1)
+                if K < K_PAD:
+                    mk = tl.where(k_ok, mk, SENT)
+            else:  # top_k rounds: the row maximum is unique; remember it, then knock it out.
+                mk = tl.full([BLOCK_T, K_PAD], SENT, dtype=key.dtype)
+                for j in range(K):
+                    m = tl.max(key, axis=1)
+                    key = tl.where(key == m[:, None], SENT, key)
+                    mk = tl.where(jj[None, :] == j, m[:, None], mk)
         if KIND == 0:
             choice = E_PAD - 1 - mk.to(tl.int32)  # low 32 bits
         else:
@@ -532,12 +641,18 @@ def _launch_plan(
     cfg = _config(T, E, K, kind == 0)
     if config:
         cfg.update(config)
-    block_t, sub = cfg["BLOCK_T"], cfg["SUB"]
-    if block_t > 32 or block_t & (block_t - 1) or sub & (sub - 1):
-        raise ValueError(f"BLOCK_T must be a power of two <= 32 and SUB a power of two: {cfg}")
     k_pad = _next_pow2(K)
     sort = cfg.get("SORTED", T * K > _SORT_FROM)
-    if sort and "SUB" not in (dict(config) if config else {}):
+    insert = bool(cfg.get("INSERT", False)) and sort and k_pad <= 8
+    user = dict(config) if config else {}
+    if insert and "BLOCK_T" not in user:  # one row per thread, ~512 pairs per program
+        cfg.update(BLOCK_T=64, SUB=1, num_warps=1 if INTERPRET else 2)
+    block_t, sub = cfg["BLOCK_T"], cfg["SUB"]
+    if block_t > (256 if insert else 32) or block_t & (block_t - 1) or sub & (sub - 1):
+        raise ValueError(
+            f"BLOCK_T must be a power of two <= 32 (256 with INSERT), SUB a power of two: {cfg}"
+        )
+    if sort and not insert and "SUB" not in user:
         # C sorts a program's pairs in registers: about _SORT_MAX of them where T allows
         # ~1024 programs (H200, T=2^20, E=128, k=8: 512 pairs per program with 4 warps in C
         # 550 / 697 us for index_shuffling / route; 2048 pairs 836 / 1000 us).
@@ -581,6 +696,8 @@ def _launch_plan(
         HB=2 * l_pad if sort else 2,
         BITONIC=cfg.get("BITONIC", False),
         ONEHOT_HIST=_ONEHOT_HIST,
+        INSERT=insert,
+        W=min(e_pad, 4 if kind == 0 else 8),
     )
     scan = None
     if L > 0 and not fuse_scan:
