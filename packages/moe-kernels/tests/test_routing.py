@@ -370,15 +370,15 @@ def test_bad_renormalize():
     "config",
     [
         # C sorts each program's pairs (the placement of large problems)
-        {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False, "SORTED": True},
-        {"BLOCK_T": 32, "SUB": 4, "FUSE_SCAN": True, "SORTED": True},
-        {"BLOCK_T": 4, "SUB": 1, "FUSE_SCAN": False, "SORTED": True},
+        {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False, "SORTED": True, "INSERT": False},
+        {"BLOCK_T": 32, "SUB": 4, "FUSE_SCAN": True, "SORTED": True, "INSERT": False},
+        {"BLOCK_T": 4, "SUB": 1, "FUSE_SCAN": False, "SORTED": True, "INSERT": False},
         {"BLOCK_T": 16, "SUB": 2, "FUSE_SCAN": True, "SORTED": True, "KEY64": True},
         # ranks from bitmasks in kernel A and scattered stores in C (small problems)
         {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False, "SORTED": False},
         {"BLOCK_T": 32, "SUB": 4, "FUSE_SCAN": True, "SORTED": False},
         # top-k by tl.topk (bitonic) instead of k rounds of row maxima, with both placements
-        {"BLOCK_T": 8, "SUB": 2, "SORTED": True, "BITONIC": True},
+        {"BLOCK_T": 8, "SUB": 2, "SORTED": True, "BITONIC": True, "INSERT": False},
         {"BLOCK_T": 8, "SUB": 2, "SORTED": False, "BITONIC": True},
         # top-k by per-thread insertion (sorted placement only)
         {"SORTED": True, "INSERT": True},
