@@ -32,7 +32,6 @@ specialize them) and prints shared memory, registers, spills, the number of cp.a
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -44,6 +43,7 @@ if DRY:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _graph_timing import graph_us as _graph_us  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels._reference import grouped_mm as ref  # noqa: E402
@@ -84,33 +84,7 @@ FAILS: list[str] = []
 
 def graph_us(fn) -> float:
     """Median over REPLAYS of (a graph of CALLS calls of fn) / CALLS, in microseconds."""
-    if DRY:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()  # warm up: compile, allocator
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    del graph
-    return statistics.median(times)
+    return _graph_us(fn, CALLS, REPLAYS, DRY)
 
 
 def poison(nbytes: int) -> None:

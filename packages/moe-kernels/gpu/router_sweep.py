@@ -36,7 +36,6 @@ with the installed Triton and prints shared memory, registers and spills from pt
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -47,6 +46,7 @@ if DRY:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
+from _graph_timing import graph_us as _graph_us  # noqa: E402
 
 from moe_kernels._reference import router as ref  # noqa: E402
 from moe_kernels._triton import router as tri  # noqa: E402
@@ -89,33 +89,7 @@ FAILS: list[str] = []
 
 def graph_us(fn) -> float:
     """Median over REPLAYS of (a graph of CALLS calls of fn) / CALLS, in microseconds."""
-    if DRY:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()  # warm up: compile, allocator
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    del graph
-    return statistics.median(times)
+    return _graph_us(fn, CALLS, REPLAYS, DRY)
 
 
 def poison(numel: int) -> None:
