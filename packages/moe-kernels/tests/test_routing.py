@@ -377,9 +377,6 @@ def test_bad_renormalize():
         # ranks from bitmasks in kernel A and scattered stores in C (small problems)
         {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False, "SORTED": False},
         {"BLOCK_T": 32, "SUB": 4, "FUSE_SCAN": True, "SORTED": False},
-        # top-k by tl.topk (bitonic) instead of k rounds of row maxima, with both placements
-        {"BLOCK_T": 8, "SUB": 2, "SORTED": True, "BITONIC": True, "INSERT": False},
-        {"BLOCK_T": 8, "SUB": 2, "SORTED": False, "BITONIC": True},
         # top-k by per-thread insertion (sorted placement only)
         {"SORTED": True, "INSERT": True},
         {"BLOCK_T": 16, "SUB": 2, "SORTED": True, "INSERT": True, "FUSE_SCAN": False},

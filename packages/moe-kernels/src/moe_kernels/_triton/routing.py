@@ -8,8 +8,9 @@ A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` (
    expert, NaN is -inf and -0.0 is +0.0; int32 keys for 16-bit scores, int64 for fp32) and takes
    the top_k keys: for the sorted placement with top_k <= 8 by insertion (``INSERT``: each
    thread owns a row and inserts its scores, 16 bytes per load, into top_k registers with
-   compare-exchange chains: no cross-lane work), else ``top_k`` rounds of row maxima, or
-   ``tl.topk`` (bitonic; ``BITONIC``). The weights go to scratch. Then, by the placement C will use:
+   compare-exchange chains: no cross-lane work), else ``top_k`` rounds of row maxima (``tl.topk``,
+   bitonic, measured slower than both). The weights go to scratch. Then, by the placement C
+   will use:
    * ranked (``SORTED=False``, small problems): a per-expert bitmask of the block's tokens that
      picked it, with a popcount of the earlier tokens' bits plus the program's running count,
      ranks every pair inside its expert; ``rank << L_BITS | local expert`` (or -1) to scratch;
@@ -227,7 +228,6 @@ def _topk_rank_kernel(
     SENT: tl.constexpr,  # below every real key: INT64_MIN (fp32) or INT32_MIN (16-bit)
     RANKS: tl.constexpr,  # rank pairs here (bitmasks); else store bare choices for _place_sorted
     HB: tl.constexpr,  # histogram bins when not RANKS: 2 * L_PAD (bin L_PAD counts the unrouted)
-    BITONIC: tl.constexpr,  # top-k by tl.topk (bitonic) instead of k rounds of row maxima
     ONEHOT_HIST: tl.constexpr,  # histogram by one-hot sums (triton < 3.6 interpreter, see above)
     INSERT: tl.constexpr,  # top-k by per-thread insertion (K_PAD <= 8, not RANKS)
     W: tl.constexpr,  # INSERT: scores per thread and load (16 bytes)
@@ -257,16 +257,12 @@ def _topk_rank_kernel(
         else:
             key = _score_keys(x_ptr, rows64, row_ok, cols, stride_t, stride_e, E,
                               E_PAD, KIND, EVEN_E, SENT)  # fmt: skip
-            if BITONIC:  # the K_PAD largest keys, descending (bitonic top-k; keys are unique)
-                mk = tl.topk(key, K_PAD, dim=1)
-                if K < K_PAD:
-                    mk = tl.where(k_ok, mk, SENT)
-            else:  # top_k rounds: the row maximum is unique; remember it, then knock it out.
-                mk = tl.full([BLOCK_T, K_PAD], SENT, dtype=key.dtype)
-                for j in range(K):
-                    m = tl.max(key, axis=1)
-                    key = tl.where(key == m[:, None], SENT, key)
-                    mk = tl.where(jj[None, :] == j, m[:, None], mk)
+            # top_k rounds: the row maximum is unique; remember it, then knock it out.
+            mk = tl.full([BLOCK_T, K_PAD], SENT, dtype=key.dtype)
+            for j in range(K):
+                m = tl.max(key, axis=1)
+                key = tl.where(key == m[:, None], SENT, key)
+                mk = tl.where(jj[None, :] == j, m[:, None], mk)
         if KIND == 0:
             choice = E_PAD - 1 - mk.to(tl.int32)  # low 32 bits
         else:
@@ -282,11 +278,7 @@ def _topk_rank_kernel(
         out_offs = rows[:, None] * K + jj[None, :]
         st_mask = row_ok[:, None] & k_ok
         if RANKS:
-            if BITONIC:  # the picks are the keys >= the K-th largest
-                kth = tl.min(tl.where(k_ok, mk, -SENT - 1), axis=1)
-                picked = (key >= kth[:, None]) & routed_row[:, None]
-            else:
-                picked = (key == SENT) & routed_row[:, None]
+            picked = (key == SENT) & routed_row[:, None]
             if not EVEN_E:
                 picked = picked & col_ok[None, :]
             if not FULL_RANGE:
@@ -699,7 +691,6 @@ def _launch_plan(
         SENT=-(2**63) if kind == 0 else -(2**31),
         RANKS=not sort,
         HB=2 * l_pad if sort else 2,
-        BITONIC=cfg.get("BITONIC", False),
         ONEHOT_HIST=_ONEHOT_HIST,
         INSERT=insert,
         W=min(e_pad, 4 if kind == 0 else 8),
