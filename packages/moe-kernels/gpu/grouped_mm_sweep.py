@@ -43,7 +43,8 @@ if DRY:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _graph_timing import graph_us as _graph_us  # noqa: E402
+from _gpu_common import compile_sm90  # noqa: E402
+from _gpu_common import graph_us as _graph_us  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels._reference import grouped_mm as ref  # noqa: E402
@@ -178,15 +179,8 @@ def sweep(
 def ptx_check() -> int:
     """Compile each config for sm_90a on this machine and report what ptxas says."""
     import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     kern = tri._gather_grouped_mm_kernel
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     divisible = ["x_ptr", "w_ptr", "offs_ptr", "ridx_ptr", "y_ptr", "T", "P", "N", "D", "E"]
     divisible += ["stride_xt", "stride_we", "stride_wn"]
     shapes = [("gemm1", True, tri.ACT_SILU, CONFIGS), ("gemm2", False, tri.ACT_NONE, CONFIGS2)]
@@ -208,30 +202,14 @@ def ptx_check() -> int:
                 consts["b_desc"] = None
             for name in consts:
                 sig[name] = "constexpr"
-            attrs = {
-                (kern.arg_names.index(n),): [["tt.divisibility", 16]]
-                for n in divisible
-                if sig[n] != "constexpr"
-            }
             try:
-                src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
-                opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-                ptx = compiled.asm["ptx"]
-                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                    f.write(ptx)
-                out = subprocess.run(
-                    [ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                    capture_output=True,
-                    text=True,
-                ).stderr
-                os.unlink(f.name)
-                regs = re.findall(r"Used (\d+) registers", out)
-                spills = re.findall(r"(\d+) bytes spill stores", out)
+                compiled, ptx, regs, spills = compile_sm90(
+                    kern, sig, consts, divisible, cfg.num_warps, cfg.num_stages
+                )
                 waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned\s+(\d+)", ptx)))
                 print(
                     f"{label} {cfg_name(cfg):34} smem {compiled.metadata.shared:6d}  "
-                    f"regs {regs[0] if regs else '?':>3}  spill {spills[0] if spills else '?'}  "
+                    f"regs {regs:>3}  spill {spills}  "
                     f"cp.async {len(re.findall(r'cp.async.c[ag]', ptx)):3d}  "
                     f"tma {len(re.findall(r'cp.async.bulk.tensor', ptx)):2d}  "
                     f"wgmma waits {','.join(waits)}",

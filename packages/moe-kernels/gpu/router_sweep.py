@@ -46,7 +46,8 @@ if DRY:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
-from _graph_timing import graph_us as _graph_us  # noqa: E402
+from _gpu_common import compile_sm90  # noqa: E402
+from _gpu_common import graph_us as _graph_us  # noqa: E402
 
 from moe_kernels._reference import router as ref  # noqa: E402
 from moe_kernels._triton import router as tri  # noqa: E402
@@ -262,15 +263,8 @@ def main() -> int:
 def ptx_check() -> int:
     """Compile each config for sm_90a on this machine and report what ptxas says."""
     import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     kern = tri._router_kernel
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     ints = ["T", "D", "E", "stride_xt", "stride_we"]
     for num_experts in (16, 128):
         configs = list(CONFIGS[num_experts])
@@ -284,29 +278,15 @@ def ptx_check() -> int:
             consts.update(BLOCK_E=tri.block_e(num_experts), BLOCK_D=cfg.block_d, EVEN_D=True)
             consts.update(USE_DOT=cfg.dot, WHILE_LOOPS=False)
             sig.update(dict.fromkeys(consts, "constexpr"))
-            attrs = {
-                (kern.arg_names.index(n),): [["tt.divisibility", 16]]
-                for n in ["x_ptr", "w_ptr", "out_ptr", *ints]
-            }
             name = f"E{num_experts} {cfg_name(cfg)}"
             try:
-                src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
-                opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-                ptx = compiled.asm["ptx"]
-                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                    f.write(ptx)
-                out = subprocess.run(
-                    [ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                    capture_output=True,
-                    text=True,
-                ).stderr
-                os.unlink(f.name)
-                regs = re.findall(r"Used (\d+) registers", out)
-                spills = re.findall(r"(\d+) bytes spill stores", out)
+                compiled, ptx, regs, spills = compile_sm90(
+                    kern, sig, consts, ["x_ptr", "w_ptr", "out_ptr", *ints], cfg.num_warps,
+                    cfg.num_stages,
+                )  # fmt: skip
                 print(
                     f"{name:32} smem {compiled.metadata.shared:6d}  "
-                    f"regs {regs[0] if regs else '?':>3}  spill {spills[0] if spills else '?'}  "
+                    f"regs {regs:>3}  spill {spills}  "
                     f"cp.async {len(re.findall(r'cp.async.c[ag]', ptx)):3d}",
                     flush=True,
                 )

@@ -159,8 +159,8 @@ def _forward_fused(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor)
     if layer.gated:
         h_PH = _activation(h_PH, gated=True)
     if _grouped_mm_supported(h_PH, layer.out_proj.mT):
-        ys_PD = torch._grouped_mm(h_PH, layer.out_proj.mT, offs=plan.offsets[1:])
-    else:
+        ys_PD = grouped_mm(h_PH, layer.out_proj.mT, plan.offsets, plan.expert_indices)
+    else:  # the Triton grouped GEMM, not grouped_mm's E-times-the-FLOPs fallback
         ys_PD = gather_grouped_mm(h_PH, layer.out_proj, plan.offsets)
     return combine(ys_PD, plan, weighted=True, out_dtype=w_dtype).to(x_TD.dtype)
 
