@@ -766,7 +766,7 @@ def routing_triton(
             p.sizes[_N_OUT:]
         ))  # fmt: skip
     expert, token, weights, inverse, counts, offsets, tcpe, _, hist, base, packed, scr_w = seg
-    weights = weights.view(torch.float32)
+    weights = weights.view(torch.float32) if with_weights else None
     scr_w = scr_w.view(torch.float32) if with_weights else packed
     x = scores_TE if kind == 0 else scores_TE.view(torch.int16)
     L = end - start
@@ -798,7 +798,7 @@ def routing_triton(
         offsets if with_offsets else None,
         expert,
         token,
-        weights if with_weights else None,
+        weights,
         inverse.view(T, top_k) if with_weights else None,
         tcpe if with_tcpe else None,
     )
