@@ -400,3 +400,38 @@ def test_kernel_launch_shapes(config, dtype):
         )
         check_plan(RoutingPlan(*got[:6]), want)
         assert_int(got[6], want["tcpe"], "token_count_per_expert")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"SORTED": True, "FKEY": True},  # fp32 keys, insertion
+        {"SORTED": True, "MERGE": True},  # int keys, sort-8 + merge
+        {"SORTED": True, "FKEY": True, "MERGE": True},
+        {"BLOCK_T": 16, "SUB": 2, "SORTED": True, "FKEY": True, "MERGE": True, "FUSE_SCAN": False},
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize(
+    "T,E,k,kind,layout",
+    [
+        (75, 11, 8, "ties", "col"),  # padded columns, -0.0 beside +0.0
+        (66, 128, 8, "special", "row"),  # NaN, +-inf, an all -inf and an all NaN row
+        (33, 20, 5, "randn", "strided"),  # top_k < K_PAD
+        (9, 5, 5, "special", "row"),
+    ],
+)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_topk_variants(config, T, E, k, kind, layout, dtype):
+    """The insertion top-k's fp32 keys and sort-and-merge network against the reference."""
+    from moe_kernels._dispatch import use_triton
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("the Triton launcher runs on CPU only under TRITON_INTERPRET=1")
+    from moe_kernels._triton.routing import routing_triton
+
+    x = make_scores(T, E, dtype, kind, seed=T + E, layout=layout)
+    want = naive_plan(x, k, 0, E, None, renormalize=False)
+    got = routing_triton(x, k, None, 0, E, False, True, True, True, config)
+    check_plan(RoutingPlan(*got[:6]), want)
+    assert_int(got[6], want["tcpe"], "token_count_per_expert")

@@ -6,11 +6,13 @@ A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` (
    block it loads the (BLOCK_T, E) scores, turns each into a unique integer key (order-preserving
    code of the score in the high bits, ``E_PAD - 1 - e`` in the low bits, so ties go to the lower
    expert, NaN is -inf and -0.0 is +0.0; int32 keys for 16-bit scores, int64 for fp32) and takes
-   the top_k keys: for the sorted placement with top_k <= 8 by insertion (``INSERT``: each
-   thread owns a row and inserts its scores, 16 bytes per load, into top_k registers with
-   compare-exchange chains: no cross-lane work), else ``top_k`` rounds of row maxima (``tl.topk``,
-   bitonic, measured slower than both). The weights go to scratch. Then, by the placement C
-   will use:
+   the top_k keys: for the sorted placement with top_k <= 8 per thread (``INSERT``: each thread
+   owns a row and loads its scores 16 bytes at a time; each load's keys go into top_k registers
+   by compare-exchange chains or, for top_k in 5..8 and 16-bit scores, are sorted by a network
+   and merged into them, ``MERGE``; with 16-bit scores and E <= 128 the keys are fp32 values
+   holding exact integers, so a compare-exchange is one max plus two adds, ``FKEY``), else
+   ``top_k`` rounds of row maxima (``tl.topk``, bitonic, measured slower than both). The
+   weights go to scratch. Then, by the placement C will use:
    * ranked (``SORTED=False``, small problems): a per-expert bitmask of the block's tokens that
      picked it, with a popcount of the earlier tokens' bits plus the program's running count,
      ranks every pair inside its expert; ``rank << L_BITS | local expert`` (or -1) to scratch;
@@ -29,11 +31,14 @@ C. ``_place_kernel``: one program per A-program. It turns the per-expert totals 
 Measured on the H200 (``gpu/routing_gpu.py``): at T=2^20, E=128, k=8 (bf16) the k rounds cost
 ~34 us each and the bitmask ranks ~210 us; sorted placement (512 pairs per program) brought
 index_shuffling from 711 to 550 us and route from 992 to 697 us, insertion top-k then to 445 and
-489 us. At T=4096 the kernels take
-6-12 us and eager calls are bound by the host's launch cost.
+490 us, fp32 keys and the merge network to 353 and 402 us (kernel A 174 us, its load pattern's
+floor 110 us; C 164 / 204 us, mostly ``tl.sort``). At T=4096 the kernels take 6-12 us and
+eager calls are bound by the host's launch cost.
 
-``ONEHOT_HIST``: kernel A's per-program histogram by one-hot sums instead of ``tl.histogram``,
-only under triton < 3.6's interpreter (wrong counts for program 0 there).
+``OLD_INTERP`` (only under triton < 3.6's interpreter): kernel A's per-program histogram by
+one-hot sums instead of ``tl.histogram`` (wrong counts for program 0 there), and NaN scores
+replaced by a ``where`` instead of ``max.f32``'s NaN dropping (that interpreter's ``maxnumf`` is
+``np.maximum``, which keeps NaN).
 
 ``WHILE_LOOPS`` (True only under the interpreter, from ``INTERPRET``): triton 3.5's interpreter
 holds runtime scalars as 1-element arrays and its ``range()`` calls ``int()`` on them, an error
@@ -112,45 +117,168 @@ def _score_keys(
 
 
 @triton.jit
-def _insert(t0, t1, t2, t3, t4, t5, t6, t7, c, K_PAD: tl.constexpr):
+def _score_fkeys(
+    x_ptr, rows64, row_ok, cols, stride_t, stride_e, E,
+    E_PAD: tl.constexpr, KIND: tl.constexpr, EVEN_E: tl.constexpr, OLD_INTERP: tl.constexpr,
+):  # fmt: skip
+    """16-bit scores (E_PAD <= 128) -> the same order as ``_score_keys`` as fp32 keys holding
+    exact integers in [2^23, 2^24): (sortable 16-bit code) << 7 | (E_PAD - 1 - e). Differences
+    of such keys are exact, so a compare-exchange needs one max and two adds (``_ce``). 0.0 in
+    padded columns."""
+    col_ok = cols < E
+    offs = rows64[:, None] * stride_t + cols[None, :].to(tl.int64) * stride_e
+    if EVEN_E:
+        ld_mask = row_ok[:, None]
+    else:
+        ld_mask = row_ok[:, None] & col_ok[None, :]
+    bits = tl.load(x_ptr + offs, mask=ld_mask, other=0).to(tl.int32)  # sign-extended
+    low = (E_PAD - 1 - cols)[None, :] | 0x4B000000  # exponent of 2^23
+    if KIND == 1:
+        f = (bits << 16).to(tl.float32, bitcast=True)
+        if OLD_INTERP:
+            f = tl.where(f != f, float("-inf"), f)
+        else:
+            f = tl.maximum(f, float("-inf"))  # NaN -> -inf: max.f32 returns the other operand
+        f = f + 0.0  # -0.0 -> +0.0
+        b = f.to(tl.int32, bitcast=True)
+        u = (b ^ ((b >> 31) | -2147483648)).to(tl.uint32, bitcast=True)  # order as unsigned
+        key = ((u >> 9) & 0x7FFF80).to(tl.int32) | low
+    else:
+        mag = bits & 0x7FFF
+        bits = tl.where(mag > 0x7C00, -1024, bits)  # NaN -> -inf (0xFC00)
+        code = bits ^ ((bits >> 15) & 0x7FFF)
+        code = tl.where(mag == 0, 0, code)  # -0.0 -> +0.0
+        key = ((code + 0x8000) << 7) | low
+    key = key.to(tl.float32, bitcast=True)
+    if not EVEN_E:
+        key = tl.where(col_ok[None, :], key, 0.0)
+    return key
+
+
+@triton.jit
+def _fkeys_to_keys(mk):
+    """fp32 keys of ``_score_fkeys`` -> the int32 keys of ``_score_keys`` (INT32_MIN for 0.0)."""
+    kb = mk.to(tl.int32, bitcast=True) & 0x7FFFFF
+    return tl.where(mk == 0.0, -2147483648, (((kb >> 7) - 0x8000) << 16) | (kb & 0x7F))
+
+
+@triton.jit
+def _ce(a, b, FKEY: tl.constexpr):
+    """Compare-exchange -> (max, min). FKEY: exact-integer fp32 keys, min by two adds (the FMA
+    pipes) instead of a second min/max (the ALU pipe, half as wide)."""
+    hi = tl.maximum(a, b)
+    if FKEY:
+        return hi, a + (b - hi)
+    else:
+        return hi, tl.minimum(a, b)
+
+
+@triton.jit
+def _insert(t0, t1, t2, t3, t4, t5, t6, t7, c, K_PAD: tl.constexpr, FKEY: tl.constexpr):
     """Insert key c into the descending list t0 >= t1 >= ... (the first K_PAD are used)."""
-    hi = tl.maximum(t0, c)
-    c = tl.minimum(t0, c)
-    t0 = hi
+    t0, c = _ce(t0, c, FKEY)
     if K_PAD > 1:
-        hi = tl.maximum(t1, c)
-        c = tl.minimum(t1, c)
-        t1 = hi
+        t1, c = _ce(t1, c, FKEY)
     if K_PAD > 2:
-        hi = tl.maximum(t2, c)
-        c = tl.minimum(t2, c)
-        t2 = hi
-        hi = tl.maximum(t3, c)
-        c = tl.minimum(t3, c)
-        t3 = hi
+        t2, c = _ce(t2, c, FKEY)
+        t3, c = _ce(t3, c, FKEY)
     if K_PAD > 4:
-        hi = tl.maximum(t4, c)
-        c = tl.minimum(t4, c)
-        t4 = hi
-        hi = tl.maximum(t5, c)
-        c = tl.minimum(t5, c)
-        t5 = hi
-        hi = tl.maximum(t6, c)
-        c = tl.minimum(t6, c)
-        t6 = hi
-        hi = tl.maximum(t7, c)
-        t7 = hi
+        t4, c = _ce(t4, c, FKEY)
+        t5, c = _ce(t5, c, FKEY)
+        t6, c = _ce(t6, c, FKEY)
+        t7 = tl.maximum(t7, c)
     return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _insert4(t0, t1, t2, t3, t4, t5, t6, t7, k0, k1, k2, k3, K_PAD: tl.constexpr,
+             FKEY: tl.constexpr):  # fmt: skip
+    """Insert four keys (``_insert``)."""
+    t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, k0, K_PAD, FKEY)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, k1, K_PAD, FKEY)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, k2, K_PAD, FKEY)
+    return _insert(t0, t1, t2, t3, t4, t5, t6, t7, k3, K_PAD, FKEY)
+
+
+@triton.jit
+def _sort8(c0, c1, c2, c3, c4, c5, c6, c7, FKEY: tl.constexpr):
+    """Batcher's odd-even merge sort of 8 keys, descending (19 compare-exchanges)."""
+    c0, c1 = _ce(c0, c1, FKEY)
+    c2, c3 = _ce(c2, c3, FKEY)
+    c4, c5 = _ce(c4, c5, FKEY)
+    c6, c7 = _ce(c6, c7, FKEY)
+    c0, c2 = _ce(c0, c2, FKEY)
+    c1, c3 = _ce(c1, c3, FKEY)
+    c4, c6 = _ce(c4, c6, FKEY)
+    c5, c7 = _ce(c5, c7, FKEY)
+    c1, c2 = _ce(c1, c2, FKEY)
+    c5, c6 = _ce(c5, c6, FKEY)
+    c0, c4 = _ce(c0, c4, FKEY)
+    c1, c5 = _ce(c1, c5, FKEY)
+    c2, c6 = _ce(c2, c6, FKEY)
+    c3, c7 = _ce(c3, c7, FKEY)
+    c2, c4 = _ce(c2, c4, FKEY)
+    c3, c5 = _ce(c3, c5, FKEY)
+    c1, c2 = _ce(c1, c2, FKEY)
+    c3, c4 = _ce(c3, c4, FKEY)
+    c5, c6 = _ce(c5, c6, FKEY)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _merge8(t0, t1, t2, t3, t4, t5, t6, t7, c0, c1, c2, c3, c4, c5, c6, c7, FKEY: tl.constexpr):
+    """The 8 largest of two descending lists of 8, descending: elementwise maxima of t and
+    reversed c form a bitonic sequence holding them, then a bitonic merge (12 exchanges)."""
+    t0 = tl.maximum(t0, c7)
+    t1 = tl.maximum(t1, c6)
+    t2 = tl.maximum(t2, c5)
+    t3 = tl.maximum(t3, c4)
+    t4 = tl.maximum(t4, c3)
+    t5 = tl.maximum(t5, c2)
+    t6 = tl.maximum(t6, c1)
+    t7 = tl.maximum(t7, c0)
+    t0, t4 = _ce(t0, t4, FKEY)
+    t1, t5 = _ce(t1, t5, FKEY)
+    t2, t6 = _ce(t2, t6, FKEY)
+    t3, t7 = _ce(t3, t7, FKEY)
+    t0, t2 = _ce(t0, t2, FKEY)
+    t1, t3 = _ce(t1, t3, FKEY)
+    t4, t6 = _ce(t4, t6, FKEY)
+    t5, t7 = _ce(t5, t7, FKEY)
+    t0, t1 = _ce(t0, t1, FKEY)
+    t2, t3 = _ce(t2, t3, FKEY)
+    t4, t5 = _ce(t4, t5, FKEY)
+    t6, t7 = _ce(t6, t7, FKEY)
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _split8(key, BLOCK_T: tl.constexpr):
+    """(BLOCK_T, 8) -> its 8 columns."""
+    a, b = tl.split(tl.reshape(key, [BLOCK_T, 4, 2]))
+    a0, a1 = tl.split(tl.reshape(a, [BLOCK_T, 2, 2]))
+    b0, b1 = tl.split(tl.reshape(b, [BLOCK_T, 2, 2]))
+    c0, c4 = tl.split(a0)
+    c2, c6 = tl.split(a1)
+    c1, c5 = tl.split(b0)
+    c3, c7 = tl.split(b1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
 
 
 @triton.jit
 def _insert_topk(x_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
                  BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, W: tl.constexpr,
-                 KIND: tl.constexpr, EVEN_E: tl.constexpr, SENT: tl.constexpr):  # fmt: skip
+                 KIND: tl.constexpr, EVEN_E: tl.constexpr, SENT: tl.constexpr,
+                 FKEY: tl.constexpr, MERGE: tl.constexpr, OLD_INTERP: tl.constexpr):  # fmt: skip
     """The K_PAD (<= 8) largest keys of each row, descending, with no cross-lane work: W
-    adjacent scores per thread and load (one 16-byte vector), each inserted into K_PAD
-    registers by a compare-exchange chain. -> (BLOCK_T, K_PAD)."""
-    t0 = tl.full([BLOCK_T], SENT, tl.int64 if KIND == 0 else tl.int32)
+    adjacent scores per thread and load (one 16-byte vector). Each load's keys go in by
+    compare-exchange chains (insertion), or (MERGE, K_PAD == W == 8) are sorted by a network
+    and merged into the running 8 (~4.5 instead of ~7.5 exchanges per score). FKEY: fp32 keys
+    (``_score_fkeys``). -> (BLOCK_T, K_PAD) int32/int64 keys of ``_score_keys``."""
+    if FKEY:
+        t0 = tl.zeros([BLOCK_T], tl.float32)
+    else:
+        t0 = tl.full([BLOCK_T], SENT, tl.int64 if KIND == 0 else tl.int32)
     t1 = t0
     t2 = t0
     t3 = t0
@@ -159,33 +287,36 @@ def _insert_topk(x_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
     t6 = t0
     t7 = t0
     for c0 in range(0, E_PAD, W):
-        key = _score_keys(x_ptr, rows64, row_ok, c0 + tl.arange(0, W), stride_t, stride_e, E,
-                          E_PAD, KIND, EVEN_E, SENT)  # fmt: skip
+        cols = c0 + tl.arange(0, W)
+        if FKEY:
+            key = _score_fkeys(x_ptr, rows64, row_ok, cols, stride_t, stride_e, E,
+                               E_PAD, KIND, EVEN_E, OLD_INTERP)  # fmt: skip
+        else:
+            key = _score_keys(x_ptr, rows64, row_ok, cols, stride_t, stride_e, E,
+                              E_PAD, KIND, EVEN_E, SENT)  # fmt: skip
         if W == 8:
-            a, b = tl.split(tl.reshape(key, [BLOCK_T, 4, 2]))
-            a0, a1 = tl.split(tl.reshape(a, [BLOCK_T, 2, 2]))
-            b0, b1 = tl.split(tl.reshape(b, [BLOCK_T, 2, 2]))
-            c0a, c0b = tl.split(a0)
-            c1a, c1b = tl.split(a1)
-            c2a, c2b = tl.split(b0)
-            c3a, c3b = tl.split(b1)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c0a, K_PAD)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c0b, K_PAD)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c1a, K_PAD)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c1b, K_PAD)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c2a, K_PAD)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c2b, K_PAD)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c3a, K_PAD)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c3b, K_PAD)
+            k0, k1, k2, k3, k4, k5, k6, k7 = _split8(key, BLOCK_T)
+            if MERGE:
+                k0, k1, k2, k3, k4, k5, k6, k7 = _sort8(k0, k1, k2, k3, k4, k5, k6, k7, FKEY)
+                t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(
+                    t0, t1, t2, t3, t4, t5, t6, t7, k0, k1, k2, k3, k4, k5, k6, k7, FKEY
+                )
+            else:
+                t0, t1, t2, t3, t4, t5, t6, t7 = _insert4(
+                    t0, t1, t2, t3, t4, t5, t6, t7, k0, k1, k2, k3, K_PAD, FKEY
+                )
+                t0, t1, t2, t3, t4, t5, t6, t7 = _insert4(
+                    t0, t1, t2, t3, t4, t5, t6, t7, k4, k5, k6, k7, K_PAD, FKEY
+                )
         else:  # W == 4
             a, b = tl.split(tl.reshape(key, [BLOCK_T, 2, 2]))
-            c0a, c0b = tl.split(a)
-            c1a, c1b = tl.split(b)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c0a, K_PAD)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c0b, K_PAD)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c1a, K_PAD)
-            t0, t1, t2, t3, t4, t5, t6, t7 = _insert(t0, t1, t2, t3, t4, t5, t6, t7, c1b, K_PAD)
-    mk = tl.where(jj[None, :] == 0, t0[:, None], SENT)
+            k0, k2 = tl.split(a)
+            k1, k3 = tl.split(b)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _insert4(
+                t0, t1, t2, t3, t4, t5, t6, t7, k0, k1, k2, k3, K_PAD, FKEY
+            )
+    S = 0.0 if FKEY else SENT
+    mk = tl.where(jj[None, :] == 0, t0[:, None], S)
     if K_PAD > 1:
         mk = tl.where(jj[None, :] == 1, t1[:, None], mk)
     if K_PAD > 2:
@@ -196,6 +327,8 @@ def _insert_topk(x_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
         mk = tl.where(jj[None, :] == 5, t5[:, None], mk)
         mk = tl.where(jj[None, :] == 6, t6[:, None], mk)
         mk = tl.where(jj[None, :] == 7, t7[:, None], mk)
+    if FKEY:
+        mk = _fkeys_to_keys(mk)
     return mk
 
 
@@ -228,9 +361,11 @@ def _topk_rank_kernel(
     SENT: tl.constexpr,  # below every real key: INT64_MIN (fp32) or INT32_MIN (16-bit)
     RANKS: tl.constexpr,  # rank pairs here (bitmasks); else store bare choices for _place_sorted
     HB: tl.constexpr,  # histogram bins when not RANKS: 2 * L_PAD (bin L_PAD counts the unrouted)
-    ONEHOT_HIST: tl.constexpr,  # histogram by one-hot sums (triton < 3.6 interpreter, see above)
+    OLD_INTERP: tl.constexpr,  # triton < 3.6 interpreter workarounds (see above)
     INSERT: tl.constexpr,  # top-k by per-thread insertion (K_PAD <= 8, not RANKS)
     W: tl.constexpr,  # INSERT: scores per thread and load (16 bytes)
+    FKEY: tl.constexpr,  # INSERT: exact-integer fp32 keys (16-bit scores, E_PAD <= 128)
+    MERGE: tl.constexpr,  # INSERT: sort each load's 8 keys and merge (K_PAD == W == 8)
 ):
     pid = tl.program_id(0)
     n_valid = T
@@ -251,7 +386,8 @@ def _topk_rank_kernel(
         rows64 = rows.to(tl.int64)
         if INSERT:
             mk = _insert_topk(x_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
-                              BLOCK_T, K_PAD, E_PAD, W, KIND, EVEN_E, SENT)  # fmt: skip
+                              BLOCK_T, K_PAD, E_PAD, W, KIND, EVEN_E, SENT, FKEY, MERGE,
+                              OLD_INTERP)  # fmt: skip
             if K < K_PAD:
                 mk = tl.where(k_ok, mk, SENT)
         else:
@@ -297,7 +433,7 @@ def _topk_rank_kernel(
         else:
             le = tl.where(routed, choice - start, HB // 2)
             le = tl.reshape(le, [BLOCK_T * K_PAD])
-            if ONEHOT_HIST:
+            if OLD_INTERP:
                 local_hist += tl.sum((le[:, None] == bins[None, :]).to(tl.int32), axis=0)
             else:
                 local_hist += tl.histogram(le, HB)
@@ -591,7 +727,7 @@ def _config(T: int, E: int, K: int, fp32: bool) -> dict[str, int]:
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # triton 3.5's interpreter returns wrong tl.histogram counts for program 0 of a multi-program
 # grid when the histogram accumulates in a loop; 3.8's is right, and the GPU never takes this.
-_ONEHOT_HIST = INTERPRET and tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6)
+_OLD_INTERP = INTERPRET and tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6)
 _topk_rank = FastKernel(_topk_rank_kernel)
 _scan = FastKernel(_scan_kernel)
 _place = FastKernel(_place_kernel)
@@ -691,9 +827,13 @@ def _launch_plan(
         SENT=-(2**63) if kind == 0 else -(2**31),
         RANKS=not sort,
         HB=2 * l_pad if sort else 2,
-        ONEHOT_HIST=_ONEHOT_HIST,
+        OLD_INTERP=_OLD_INTERP,
         INSERT=insert,
         W=min(e_pad, 4 if kind == 0 else 8),
+        # H200, T=2^20, E=128, k=8 (bf16), kernel A: 264 us with int32 keys and insertion, 201
+        # with FKEY, 214 with MERGE, 174 with both (gpu/routing_ablation.py).
+        FKEY=bool(cfg.get("FKEY", True)) and insert and kind != 0 and e_pad <= 128,
+        MERGE=bool(cfg.get("MERGE", True)) and insert and k_pad == 8 and kind != 0 and e_pad >= 8,
     )
     scan = None
     if L > 0 and not fuse_scan:

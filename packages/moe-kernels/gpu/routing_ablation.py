@@ -1,0 +1,171 @@
+"""Where routing's time goes at T=2^20 (one H200 run): per-kernel device time of the launch
+variants, each checked bit-exact against the reference, plus the memory floor of kernel A's load
+pattern.
+
+PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/gpu/routing_ablation.py
+
+Variants (``routing_triton(config=...)``): the insertion top-k with int32 keys (the old
+default), with exact-integer fp32 keys (``FKEY``), the sort-8 + merge network (``MERGE``), both;
+block sizes and C's warps. Times: one call per CUDA graph, ``do_bench`` medians (L2 flushed);
+per kernel: ``torch.profiler`` averages over 5 eager calls.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+from moe_kernels._reference.routing import index_shuffling_reference, route_reference
+from moe_kernels._triton import routing as tri
+
+FAILS: list[str] = []
+dev = torch.device("cuda")
+
+
+@triton.jit
+def _row_floor_kernel(x_ptr, out_ptr, T, E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Kernel A's load pattern (a row per thread, 16 bytes per load) with only a max."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = rows < T
+    acc = tl.full([BLOCK_T], -2147483648, tl.int32)
+    for c0 in range(0, E, 8):
+        v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * E + c0 + tl.arange(0, 8)[None, :],
+                    mask=ok[:, None], other=0).to(tl.int32)  # fmt: skip
+        acc = tl.maximum(acc, tl.max(v, axis=1))
+    tl.store(out_ptr + rows, acc, mask=ok)
+
+
+@triton.jit
+def _tile_floor_kernel(x_ptr, out_ptr, T, E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A coalesced (BLOCK_T, E) tile load with a row max."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = rows < T
+    v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * E + tl.arange(0, E)[None, :],
+                mask=ok[:, None], other=0).to(tl.int32)  # fmt: skip
+    tl.store(out_ptr + rows, tl.max(v, axis=1), mask=ok)
+
+
+def graph_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def per_kernel(fn) -> dict[str, float]:
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        for short, name in (("A", "_topk_rank"), ("B", "_scan"), ("C", "_place")):
+            if name in ev.key:
+                out[short] = ev.device_time_total / max(ev.count, 1)
+    return out
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype.is_floating_point:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return torch.equal(a, b)
+
+
+def floors(T: int, E: int) -> None:
+    x = torch.randn(T, E, device=dev).to(torch.bfloat16).view(torch.int16)
+    out = torch.empty(T, device=dev, dtype=torch.int32)
+    nbytes = x.numel() * 2
+    t_clone = graph_us(lambda: x.clone())
+    print(f"== floors T={T} E={E}: clone {t_clone:.1f} us ({2 * nbytes / t_clone / 1e3:.0f} GB/s)")
+    for name, kern, bt, w in (
+        ("row/thread 64x2w", _row_floor_kernel, 64, 2),
+        ("row/thread 128x4w", _row_floor_kernel, 128, 4),
+        ("tile 32x4w", _tile_floor_kernel, 32, 4),
+        ("tile 64x8w", _tile_floor_kernel, 64, 8),
+    ):
+        grid = (triton.cdiv(T, bt),)
+        t = graph_us(lambda k=kern, bt=bt, w=w, g=grid: k[g](x, out, T, E, bt, num_warps=w))
+        print(f"  {name:20} {t:8.1f} us  read {nbytes / t / 1e3:6.0f} GB/s")
+
+
+def variants(T: int, E: int, dtype: torch.dtype, cfgs: list[dict]) -> None:
+    k = 8
+    g = torch.Generator(device=dev).manual_seed(T)
+    x = torch.randn(T, E, device=dev, generator=g).softmax(-1).to(dtype)
+    if T <= 65536:  # specials too: NaN, -inf, -0.0
+        x[torch.rand(T, E, device=dev, generator=g) < 0.02] = float("nan")
+        x[torch.rand(T, E, device=dev, generator=g) < 0.02] = float("-inf")
+        x[torch.rand(T, E, device=dev, generator=g) < 0.02] = -0.0
+    want_is = index_shuffling_reference(x, 0, E, None, k)
+    want_rt = route_reference(x, k, None, 0, E, False)
+    print(f"== variants T={T} E={E} k={k} {dtype}  (us: graph IS, graph route | A B C of route)")
+    for cfg in cfgs:
+
+        def run_is(cfg=cfg):
+            _, _, ei, ti, _, _, tcpe = tri.routing_triton(
+                x, k, None, 0, E, False, False, False, True, config=cfg
+            )
+            return tcpe, ei, ti
+
+        def run_rt(cfg=cfg):
+            return tri.routing_triton(x, k, None, 0, E, False, True, True, False, cfg)[:6]
+
+        try:
+            ok = all(same(a, b) for a, b in zip(run_is(), want_is, strict=True))
+            ok &= all(same(a, b) for a, b in zip(run_rt(), want_rt, strict=True))
+            t_is, t_rt = graph_us(run_is), graph_us(run_rt)
+            pk = per_kernel(run_rt)
+            pk_is = per_kernel(run_is)
+            print(
+                f"  {cfg!s:62} ok={ok} IS {t_is:7.1f} route {t_rt:7.1f} | "
+                f"A {pk.get('A', 0):6.1f} B {pk.get('B', 0):5.1f} C {pk.get('C', 0):6.1f} | "
+                f"IS: A {pk_is.get('A', 0):6.1f} C {pk_is.get('C', 0):6.1f}",
+                flush=True,
+            )
+            if not ok:
+                FAILS.append(f"{T} {E} {dtype} {cfg}")
+        except Exception as exc:  # keep going: one broken variant should not hide the others
+            print(f"  {cfg!s:62} raised {exc!r}"[:400], flush=True)
+            FAILS.append(f"{T} {E} {dtype} {cfg} raised")
+
+
+def main() -> int:
+    print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
+    floors(1 << 20, 128)
+    big = [
+        {},
+        {"FKEY": True},
+        {"MERGE": True},
+        {"FKEY": True, "MERGE": True},
+        {"FKEY": True, "MERGE": True, "C_WARPS": 2},
+        {"FKEY": True, "MERGE": True, "C_WARPS": 8},
+        {"FKEY": True, "MERGE": True, "BLOCK_T": 128, "SUB": 1, "num_warps": 4},
+        {"FKEY": True, "MERGE": True, "BLOCK_T": 32, "SUB": 1, "num_warps": 1},
+        {"FKEY": True, "MERGE": True, "BLOCK_T": 128, "SUB": 1, "num_warps": 4, "C_WARPS": 8},
+    ]
+    variants(1 << 20, 128, torch.bfloat16, big)
+    variants(65536, 128, torch.bfloat16, big[:4])
+    variants(65536, 128, torch.float16, big[:4])
+    variants(65536, 64, torch.bfloat16, big[:4])
+    print("FAILS:", FAILS if FAILS else "none")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("GPU only")
+    sys.exit(main())
