@@ -41,6 +41,21 @@ def _row_floor_kernel(x_ptr, out_ptr, T, E: tl.constexpr, BLOCK_T: tl.constexpr)
 
 
 @triton.jit
+def _lanes_floor_kernel(x_ptr, out_ptr, T, E: tl.constexpr, BLOCK_T: tl.constexpr,
+                        LPR: tl.constexpr):  # fmt: skip
+    """LPR threads per row, 16 bytes each per load (LPR * 16 contiguous bytes of a row)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = rows < T
+    acc = tl.full([BLOCK_T, LPR], -2147483648, tl.int32)
+    cols = tl.arange(0, LPR)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    for c0 in range(0, E, 8 * LPR):
+        offs = rows.to(tl.int64)[:, None, None] * E + c0 + cols[None, :, :]
+        v = tl.load(x_ptr + offs, mask=ok[:, None, None], other=0).to(tl.int32)
+        acc = tl.maximum(acc, tl.max(v, axis=2))
+    tl.store(out_ptr + rows, tl.max(acc, axis=1), mask=ok)
+
+
+@triton.jit
 def _tile_floor_kernel(x_ptr, out_ptr, T, E: tl.constexpr, BLOCK_T: tl.constexpr):
     """A coalesced (BLOCK_T, E) tile load with a row max."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -91,14 +106,20 @@ def floors(T: int, E: int) -> None:
     nbytes = x.numel() * 2
     t_clone = graph_us(lambda: x.clone())
     print(f"== floors T={T} E={E}: clone {t_clone:.1f} us ({2 * nbytes / t_clone / 1e3:.0f} GB/s)")
-    for name, kern, bt, w in (
+    for name, kern, bt, w, *lpr in (
         ("row/thread 64x2w", _row_floor_kernel, 64, 2),
         ("row/thread 128x4w", _row_floor_kernel, 128, 4),
         ("tile 32x4w", _tile_floor_kernel, 32, 4),
+        ("2 lanes/row 64x4w", _lanes_floor_kernel, 64, 4, 2),
+        ("4 lanes/row 64x8w", _lanes_floor_kernel, 64, 8, 4),
+        ("4 lanes/row 16x2w", _lanes_floor_kernel, 16, 2, 4),
+        ("4 lanes/row 32x4w", _lanes_floor_kernel, 32, 4, 4),
         ("tile 64x8w", _tile_floor_kernel, 64, 8),
     ):
         grid = (triton.cdiv(T, bt),)
-        t = graph_us(lambda k=kern, bt=bt, w=w, g=grid: k[g](x, out, T, E, bt, num_warps=w))
+        t = graph_us(
+            lambda k=kern, bt=bt, w=w, g=grid, lpr=lpr: k[g](x, out, T, E, bt, *lpr, num_warps=w)
+        )
         print(f"  {name:20} {t:8.1f} us  read {nbytes / t / 1e3:6.0f} GB/s")
 
 
@@ -143,24 +164,55 @@ def variants(T: int, E: int, dtype: torch.dtype, cfgs: list[dict]) -> None:
             FAILS.append(f"{T} {E} {dtype} {cfg} raised")
 
 
+def _diag_patch(kind: str) -> None:
+    """Time-only diagnostics of C's placement (wrong results): ``nosort``, the identity in place
+    of tl.sort; ``nostore``, the sorted pairs' stores masked off (at run time, so they stay)."""
+    import importlib.util
+    import inspect
+    import tempfile
+    import textwrap
+
+    src = textwrap.dedent(inspect.getsource(tri._place_sorted_pairs.fn))
+    if kind == "nosort":
+        src = src.replace("key = tl.sort(key)", "key = key + 0")
+    else:
+        src = src.replace("ok = key != big", "ok = (key != big) & (pos_never < 0)")
+        src = src.replace("key = tl.sort(key)", "key = tl.sort(key)\n    pos_never = key * 0 + n")
+    path = os.path.join(tempfile.mkdtemp(), "nosort.py")
+    with open(path, "w") as f:
+        f.write("import triton\nimport triton.language as tl\n\n\n" + src)
+    spec = importlib.util.spec_from_file_location("nosort", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tri._place_sorted_pairs = mod._place_sorted_pairs
+
+
 def main() -> int:
+    if os.environ.get("ROUTING_DIAG"):
+        _diag_patch(os.environ["ROUTING_DIAG"])
+        x = torch.randn(1 << 20, 128, device=dev).softmax(-1).to(torch.bfloat16)
+        run = tri.routing_triton
+        for cfg in ({}, {"C_WARPS": 1}):
+            pk = per_kernel(lambda c=cfg: run(x, 8, None, 0, 128, False, False, False, True, c))
+            pr = per_kernel(lambda c=cfg: run(x, 8, None, 0, 128, False, True, True, False, c))
+            diag = os.environ["ROUTING_DIAG"]
+            print(f"  {diag} {cfg}: IS C {pk.get('C', 0):6.1f}  route C {pr.get('C', 0):6.1f}")
+        return 0
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
-    floors(1 << 20, 128)
     big = [
+        {"FKEY": False, "MERGE": False},
+        {"FKEY": True, "MERGE": False},
+        {"FKEY": False, "MERGE": True},
         {},
-        {"FKEY": True},
-        {"MERGE": True},
-        {"FKEY": True, "MERGE": True},
-        {"FKEY": True, "MERGE": True, "C_WARPS": 2},
-        {"FKEY": True, "MERGE": True, "C_WARPS": 8},
-        {"FKEY": True, "MERGE": True, "BLOCK_T": 128, "SUB": 1, "num_warps": 4},
-        {"FKEY": True, "MERGE": True, "BLOCK_T": 32, "SUB": 1, "num_warps": 1},
-        {"FKEY": True, "MERGE": True, "BLOCK_T": 128, "SUB": 1, "num_warps": 4, "C_WARPS": 8},
+        {"C_WARPS": 1},
+        {"C_WARPS": 2},
     ]
+    floors(1 << 20, 128)
     variants(1 << 20, 128, torch.bfloat16, big)
-    variants(65536, 128, torch.bfloat16, big[:4])
-    variants(65536, 128, torch.float16, big[:4])
-    variants(65536, 64, torch.bfloat16, big[:4])
+    small = [big[0], big[3]]
+    variants(65536, 128, torch.bfloat16, small)
+    variants(65536, 128, torch.float16, small)
+    variants(65536, 64, torch.bfloat16, small)
     print("FAILS:", FAILS if FAILS else "none")
     return 1 if FAILS else 0
 

@@ -358,6 +358,8 @@ def main() -> int:
     parts = [correctness, no_sync_graph_compile]
     if not DRY:
         parts += [timings, sweep, profile]
+    if os.environ.get("ROUTING_GPU_PARTS"):  # e.g. correctness,timings
+        parts = [p for p in parts if p.__name__ in os.environ["ROUTING_GPU_PARTS"].split(",")]
     for part in parts:
         try:
             part()

@@ -522,7 +522,6 @@ def _place_kernel(
     scr_w_ptr,  # (T, K) fp32 weights (only when WEIGHTS)
     inverse_ptr,  # (T, K) int32 out: sorted position or -1 (only when INVERSE)
     hist_ptr,  # (L, n_programs) int32: per-program counts (FUSE_SCAN) or their exclusive prefix
-    base_ptr,  # (n_programs, L) int32 scratch: this program's first position in each expert
     counts_ptr,  # (L,) int32: totals (written here when FUSE_SCAN, by the scan kernel otherwise)
     expert_ptr,  # (T*K,) int32 out
     token_ptr,  # (T*K,) int32 out
@@ -577,12 +576,11 @@ def _place_kernel(
     base = excl + before
     if SORTED:  # position = index in the program's sorted pairs + base - first index of e there
         base -= tl.cumsum(mine, axis=0) - mine
-    tl.store(base_ptr + pid * L + ls, base, mask=l_ok)  # read back (gathered) below
     if pid == 0:  # noqa: SIM102 (a constexpr and a runtime test stay apart)
         if OFFSETS:
             tl.store(offsets_ptr + ls, excl, mask=l_ok)
             tl.store(offsets_ptr + L, n)
-    tl.debug_barrier()  # base (and counts, when FUSE_SCAN) visible to the whole program
+    tl.debug_barrier()  # counts (FUSE_SCAN) visible to the whole program
     if TCPE:  # noqa: SIM102
         if pid == 0:
             if WHILE_LOOPS:
@@ -598,19 +596,19 @@ def _place_kernel(
 
     if SORTED:
         _place_sorted_pairs(
-            pack_ptr, scr_w_ptr, inverse_ptr, base_ptr, expert_ptr, token_ptr, weight_ptr, T, K, L,
+            pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K,
             n, pid, K_PAD, TOK_PER_PROG, IDX_BITS, KEY64, WEIGHTS, INVERSE,
         )  # fmt: skip
     else:
         _place_ranked_pairs(
-            pack_ptr, scr_w_ptr, inverse_ptr, base_ptr, expert_ptr, token_ptr, weight_ptr, T, K, L,
+            pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K,
             n, pid, K_PAD, L_BITS, TOK_PER_PROG, CHUNK_T, WEIGHTS, INVERSE,
         )  # fmt: skip
 
 
 @triton.jit
 def _place_ranked_pairs(
-    pack_ptr, scr_w_ptr, inverse_ptr, base_ptr, expert_ptr, token_ptr, weight_ptr, T, K, L, n, pid,
+    pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K, n, pid,
     K_PAD: tl.constexpr, L_BITS: tl.constexpr, TOK_PER_PROG: tl.constexpr, CHUNK_T: tl.constexpr,
     WEIGHTS: tl.constexpr, INVERSE: tl.constexpr,
 ):  # fmt: skip
@@ -626,8 +624,8 @@ def _place_ranked_pairs(
         routed = packed >= 0
         le = tl.where(routed, packed & ((1 << L_BITS) - 1), -1)
         r = packed >> L_BITS
-        b = tl.load(base_ptr + pid * L + le, mask=routed, other=0)
-        pos = tl.where(routed, b + r, -1)
+        b = tl.gather(base, tl.reshape(tl.where(routed, le, 0), [CHUNK_T * K_PAD]), 0)
+        pos = tl.where(routed, tl.reshape(b, [CHUNK_T, K_PAD]) + r, -1)
         if INVERSE:
             tl.store(inverse_ptr + offs, pos, mask=m)
         tl.store(expert_ptr + pos, le, mask=routed)
@@ -643,7 +641,7 @@ def _place_ranked_pairs(
 
 @triton.jit
 def _place_sorted_pairs(
-    pack_ptr, scr_w_ptr, inverse_ptr, base_ptr, expert_ptr, token_ptr, weight_ptr, T, K, L, n, pid,
+    pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K, n, pid,
     K_PAD: tl.constexpr, TOK_PER_PROG: tl.constexpr, IDX_BITS: tl.constexpr, KEY64: tl.constexpr,
     WEIGHTS: tl.constexpr, INVERSE: tl.constexpr,
 ):  # fmt: skip
@@ -675,8 +673,7 @@ def _place_sorted_pairs(
     e_s = (key >> IDX_BITS).to(tl.int32)
     i_s = (key & (NP - 1)).to(tl.int32)
     src = (pid * TOK_PER_PROG + i_s // K_PAD) * K + i_s % K_PAD  # (token, j) of sorted pair
-    b = tl.load(base_ptr + pid * L + e_s, mask=ok, other=0)
-    pos = idx + b
+    pos = idx + tl.gather(base, tl.where(ok, e_s, 0), 0)  # base[e_s], from registers
     tl.store(expert_ptr + pos, e_s, mask=ok)
     tl.store(token_ptr + pos, pid * TOK_PER_PROG + i_s // K_PAD, mask=ok)
     if INVERSE:
@@ -748,7 +745,7 @@ class _Launch(NamedTuple):
 # Outputs first, then scratch; weights and scr_w hold fp32 bits.
 _SEGMENTS = (
     "expert", "token", "weights", "inverse", "counts", "offsets", "tcpe", "pad",
-    "hist", "base", "packed", "scr_w",
+    "hist", "packed", "scr_w",
 )  # fmt: skip
 _N_OUT = _SEGMENTS.index("pad")
 
@@ -808,7 +805,7 @@ def _launch_plan(
     sizes = [
         P, P, P if with_weights else 0, P if with_weights else 0, Lm,
         L + 1 if with_offsets else 0, E + 2 if with_tcpe else 0, 0,
-        n_hist, n_hist, P, P if with_weights else 0,
+        n_hist, P, P if with_weights else 0,
     ]  # fmt: skip
     sizes[_N_OUT] = -sum(sizes[:_N_OUT]) % 4  # scratch starts 16-byte aligned
     a = dict(
@@ -905,7 +902,7 @@ def routing_triton(
         seg = out + list(torch.empty(sum(p.sizes[_N_OUT:]), dtype=i32, device=dev).split(
             p.sizes[_N_OUT:]
         ))  # fmt: skip
-    expert, token, weights, inverse, counts, offsets, tcpe, _, hist, base, packed, scr_w = seg
+    expert, token, weights, inverse, counts, offsets, tcpe, _, hist, packed, scr_w = seg
     weights = weights.view(torch.float32) if with_weights else None
     scr_w = scr_w.view(torch.float32) if with_weights else packed
     x = scores_TE if kind == 0 else scores_TE.view(torch.int16)
@@ -927,7 +924,7 @@ def routing_triton(
         )
     _place.launch(
         (p.n_prog,),
-        (packed, scr_w, inverse if with_weights else packed, hist, base, counts, expert, token,
+        (packed, scr_w, inverse if with_weights else packed, hist, counts, expert, token,
          weights if with_weights else scr_w, offsets if with_offsets else counts,
          tcpe if with_tcpe else counts, T, E, L, start, p.n_prog),
         p.c,
