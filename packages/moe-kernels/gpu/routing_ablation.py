@@ -18,7 +18,8 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench
+from routing_gpu import graph_time as graph_us  # CUDA graph of one call, do_bench median
+from routing_gpu import same
 
 from moe_kernels._reference.routing import index_shuffling_reference, route_reference
 from moe_kernels._triton import routing as tri
@@ -65,20 +66,6 @@ def _tile_floor_kernel(x_ptr, out_ptr, T, E: tl.constexpr, BLOCK_T: tl.constexpr
     tl.store(out_ptr + rows, tl.max(v, axis=1), mask=ok)
 
 
-def graph_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
-
-
 def per_kernel(fn) -> dict[str, float]:
     fn()
     torch.cuda.synchronize()
@@ -92,12 +79,6 @@ def per_kernel(fn) -> dict[str, float]:
             if name in ev.key:
                 out[short] = ev.device_time_total / max(ev.count, 1)
     return out
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype.is_floating_point:
-        return torch.equal(a.view(torch.int32), b.view(torch.int32))
-    return torch.equal(a, b)
 
 
 def floors(T: int, E: int) -> None:
