@@ -4,10 +4,10 @@ pattern.
 
 PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/gpu/routing_ablation.py
 
-Variants (``routing_triton(config=...)``): the insertion top-k with int32 keys (the old
-default), with exact-integer fp32 keys (``FKEY``), the sort-8 + merge network (``MERGE``), both;
-block sizes and C's warps. Times: one call per CUDA graph, ``do_bench`` medians (L2 flushed);
-per kernel: ``torch.profiler`` averages over 5 eager calls.
+Variants (``routing_triton(config=...)``): the 16-bit weights in the packed choices and sort
+keys (``PACK_W``, default) or in fp32 scratch; C's warps (other switches: ``FKEY``, ``MERGE``).
+``ROUTING_FLOORS=1`` adds the floors of kernel A's load patterns. Times: one call per CUDA graph,
+``do_bench`` medians (L2 flushed); per kernel: ``torch.profiler`` averages over 5 eager calls.
 """
 
 from __future__ import annotations
@@ -155,10 +155,9 @@ def _diag_patch(kind: str) -> None:
 
     src = textwrap.dedent(inspect.getsource(tri._place_sorted_pairs.fn))
     if kind == "nosort":
-        src = src.replace("key = tl.sort(key)", "key = key + 0")
+        src = src.replace("tl.sort(", "(")
     else:
-        src = src.replace("ok = key != big", "ok = (key != big) & (pos_never < 0)")
-        src = src.replace("key = tl.sort(key)", "key = tl.sort(key)\n    pos_never = key * 0 + n")
+        src = src.replace("    pos = idx + tl.gather", "    ok = ok & (key * 0 + n < 0)\n    pos = idx + tl.gather")
     path = os.path.join(tempfile.mkdtemp(), "nosort.py")
     with open(path, "w") as f:
         f.write("import triton\nimport triton.language as tl\n\n\n" + src)
@@ -181,16 +180,16 @@ def main() -> int:
         return 0
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
     big = [
-        {"FKEY": False, "MERGE": False},
-        {"FKEY": True, "MERGE": False},
-        {"FKEY": False, "MERGE": True},
+        {"PACK_W": False},
         {},
         {"C_WARPS": 1},
         {"C_WARPS": 2},
+        {"C_WARPS": 1, "PACK_W": False},
     ]
-    floors(1 << 20, 128)
+    if os.environ.get("ROUTING_FLOORS"):
+        floors(1 << 20, 128)
     variants(1 << 20, 128, torch.bfloat16, big)
-    small = [big[0], big[3]]
+    small = [big[0], big[1]]
     variants(65536, 128, torch.bfloat16, small)
     variants(65536, 128, torch.float16, small)
     variants(65536, 64, torch.bfloat16, small)

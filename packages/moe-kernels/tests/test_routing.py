@@ -435,3 +435,35 @@ def test_topk_variants(config, T, E, k, kind, layout, dtype):
     got = routing_triton(x, k, None, 0, E, False, True, True, True, config)
     check_plan(RoutingPlan(*got[:6]), want)
     assert_int(got[6], want["tcpe"], "token_count_per_expert")
+
+
+@pytest.mark.parametrize("pack_w", (True, False), ids=("pack_w", "scratch_w"))
+@pytest.mark.parametrize(
+    "T,E,k,start,end,valid,kind",
+    [
+        (70, 128, 8, 0, 128, None, "special"),  # 7 expert + 9 index bits: the full 32-bit key
+        (45, 30, 6, 3, 25, 40, "special"),  # expert range, valid count
+        (37, 9, 3, 2, 9, 0, "ties"),  # nothing routed
+    ],
+)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_packed_weights(pack_w, T, E, k, start, end, valid, kind, dtype):
+    """Sorted placement with the 16-bit weights carried in A's choices and C's sort keys
+    (``PACK_W``, the default for route without renormalize) against the reference, and the fp32
+    weight scratch it replaces."""
+    from moe_kernels._dispatch import use_triton
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("the Triton launcher runs on CPU only under TRITON_INTERPRET=1")
+    from moe_kernels._triton.routing import _launch_plan, routing_triton
+
+    config = {"SORTED": True, "PACK_W": pack_w}
+    kind_id = 1 if dtype == torch.bfloat16 else 2
+    plan = _launch_plan(T, E, k, start, end, kind_id, False, valid is not None, True, True, True,
+                        tuple(sorted(config.items())))  # fmt: skip
+    assert plan.c["PACK_W"] == pack_w and plan.sizes[-1] == (0 if pack_w else T * k)
+    x = make_scores(T, E, dtype, kind, seed=T * E, layout="row")
+    want = naive_plan(x, k, start, end, valid, renormalize=False)
+    got = routing_triton(x, k, _vtc(valid), start, end, False, True, True, True, config)
+    check_plan(RoutingPlan(*got[:6]), want)
+    assert_int(got[6], want["tcpe"], "token_count_per_expert")

@@ -38,8 +38,10 @@ def _router_step(
     stride_wd,
     EVEN_D: tl.constexpr,
     USE_DOT: tl.constexpr,
+    ACC3: tl.constexpr,
 ):
-    """acc (BLOCK_T, BLOCK_E) + x[:, d0:d0+BLOCK_D] @ w[:, d0:d0+BLOCK_D].T, all fp32."""
+    """acc (BLOCK_T, BLOCK_E) + x[:, d0:d0+BLOCK_D] @ w[:, d0:d0+BLOCK_D].T, all fp32; with ACC3
+    acc is (BLOCK_T, BLOCK_E, BLOCK_D) and gets the bare products (reduced over D at the end)."""
     c = d0 + cols
     x_ptrs = x_rows[:, None] + c[None, :] * stride_xd
     w_ptrs = w_rows[:, None] + c[None, :] * stride_wd
@@ -50,7 +52,9 @@ def _router_step(
         c_in = c < D
         x_c = tl.load(x_ptrs, mask=c_in[None, :], other=0.0).to(tl.float32)
         w_c = tl.load(w_ptrs, mask=c_in[None, :], other=0.0).to(tl.float32)
-    if USE_DOT:
+    if ACC3:
+        acc += x_c[:, None, :] * w_c[None, :, :]
+    elif USE_DOT:
         acc = tl.dot(x_c, tl.trans(w_c), acc, input_precision="ieee")
     else:
         acc += tl.sum(x_c[:, None, :] * w_c[None, :, :], axis=2)
@@ -75,6 +79,7 @@ def _router_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     USE_DOT: tl.constexpr,
+    ACC3: tl.constexpr,  # per-lane partial sums over D, one tree reduction at the end
     WHILE_LOOPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -85,19 +90,24 @@ def _router_kernel(
     x_rows = x_ptr + tl.minimum(rows, T - 1) * stride_xt
     w_rows = w_ptr + tl.minimum(experts, E - 1).to(tl.int64) * stride_we
     cols = tl.arange(0, BLOCK_D)
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    if ACC3:
+        acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_D), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     if WHILE_LOOPS:
         d0 = D * 0
         while d0 < D:
             acc = _router_step(
-                acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT
+                acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT, ACC3
             )
             d0 += BLOCK_D
     else:
         for d0 in range(0, D, BLOCK_D):
             acc = _router_step(
-                acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT
+                acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT, ACC3
             )
+    if ACC3:
+        acc = tl.sum(acc, axis=2)
 
     e_in = experts < E
     if SIGMOID:
@@ -121,6 +131,7 @@ class RouterConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = True
+    acc3: bool = False  # (BLOCK_T, BLOCK_E, BLOCK_D) partial sums: FMAs only in the D loop
 
 
 def block_e(num_experts: int) -> int:
@@ -191,6 +202,7 @@ def router_scores(
             BLOCK_D=block_d,
             EVEN_D=dim % block_d == 0,
             USE_DOT=cfg.dot,
+            ACC3=cfg.acc3,
             WHILE_LOOPS=INTERPRET,
         ),
         num_warps=cfg.num_warps,

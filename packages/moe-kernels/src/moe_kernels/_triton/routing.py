@@ -366,6 +366,7 @@ def _topk_rank_kernel(
     W: tl.constexpr,  # INSERT: scores per thread and load (16 bytes)
     FKEY: tl.constexpr,  # INSERT: exact-integer fp32 keys (16-bit scores, E_PAD <= 128)
     MERGE: tl.constexpr,  # INSERT: sort each load's 8 keys and merge (K_PAD == W == 8)
+    PACK_W: tl.constexpr,  # sorted, 16-bit weights, no renormalize: weight bits in pack (no scr_w)
 ):
     pid = tl.program_id(0)
     n_valid = T
@@ -413,6 +414,31 @@ def _topk_rank_kernel(
             routed = routed & (choice >= start) & (choice < end)
         out_offs = rows[:, None] * K + jj[None, :]
         st_mask = row_ok[:, None] & k_ok
+        if WEIGHTS:
+            if KIND == 0:
+                c = (mk >> 32).to(tl.int32)
+                w = (c ^ ((c >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            else:
+                c = mk >> 16
+                wb = c ^ ((c >> 15) & 0x7FFF)  # the score's bits (sign-extended)
+                w = _bits16_to_f32(wb, KIND == 1)
+            # NaN and -0.0 were canonicalised in the key: reload those few originals.
+            fix = st_mask & ((w == 0.0) | (w == float("-inf")))
+            orig_offs = rows64[:, None] * stride_t + choice.to(tl.int64) * stride_e
+            if KIND == 0:
+                orig = tl.load(x_ptr + orig_offs, mask=fix, other=0.0)
+                w = tl.where(fix, orig, w)
+            else:
+                orig = tl.load(x_ptr + orig_offs, mask=fix, other=0).to(tl.int32)
+                wb = tl.where(fix, orig, wb)
+                w = _bits16_to_f32(wb, KIND == 1)
+            if RENORM:
+                wsum = tl.sum(tl.where(jj[None, :] == 0, w, 0.0), axis=1)
+                for j in range(1, K):  # in choice order, as the reference adds
+                    wsum = wsum + tl.sum(tl.where(jj[None, :] == j, w, 0.0), axis=1)
+                w = tl.math.div_rn(w, wsum[:, None])
+            if not PACK_W:
+                tl.store(scr_w_ptr + out_offs, w, mask=st_mask)
         if RANKS:
             picked = (key == SENT) & routed_row[:, None]
             if not EVEN_E:
@@ -437,31 +463,11 @@ def _topk_rank_kernel(
                 local_hist += tl.sum((le[:, None] == bins[None, :]).to(tl.int32), axis=0)
             else:
                 local_hist += tl.histogram(le, HB)
-            packed = tl.where(routed, choice - start, -1)
+            if PACK_W:  # the score's 16 bits above the local expert (0xFFFF: not routed)
+                packed = (wb << 16) | tl.where(routed, choice - start, 0xFFFF)
+            else:
+                packed = tl.where(routed, choice - start, -1)
         tl.store(pack_ptr + out_offs, packed, mask=st_mask)
-        if WEIGHTS:
-            if KIND == 0:
-                c = (mk >> 32).to(tl.int32)
-                w = (c ^ ((c >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-            else:
-                c = mk >> 16
-                w = _bits16_to_f32(c ^ ((c >> 15) & 0x7FFF), KIND == 1)
-            # NaN and -0.0 were canonicalised in the key: reload those few originals.
-            fix = st_mask & ((w == 0.0) | (w == float("-inf")))
-            orig_offs = rows64[:, None] * stride_t + choice.to(tl.int64) * stride_e
-            if KIND == 0:
-                orig = tl.load(x_ptr + orig_offs, mask=fix, other=0.0)
-            else:
-                orig = _bits16_to_f32(
-                    tl.load(x_ptr + orig_offs, mask=fix, other=0).to(tl.int32), KIND == 1
-                )
-            w = tl.where(fix, orig, w)
-            if RENORM:
-                wsum = tl.sum(tl.where(jj[None, :] == 0, w, 0.0), axis=1)
-                for j in range(1, K):  # in choice order, as the reference adds
-                    wsum = wsum + tl.sum(tl.where(jj[None, :] == j, w, 0.0), axis=1)
-                w = tl.math.div_rn(w, wsum[:, None])
-            tl.store(scr_w_ptr + out_offs, w, mask=st_mask)
     if RANKS:
         tl.store(hist_ptr + (cols - start) * n_programs + pid, running, mask=in_range)
     else:
@@ -549,6 +555,8 @@ def _place_kernel(
     SORTED: tl.constexpr,  # A stored bare choices: rank them here by sorting the program's pairs
     IDX_BITS: tl.constexpr,  # log2(TOK_PER_PROG * K_PAD) (SORTED)
     KEY64: tl.constexpr,  # SORTED keys need more than 30 bits
+    PACK_W: tl.constexpr,  # SORTED: A packed 16-bit weight bits above each expert (see A)
+    IS_BF16: tl.constexpr,  # PACK_W: the weights' bits are bf16 (else fp16)
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -597,7 +605,7 @@ def _place_kernel(
     if SORTED:
         _place_sorted_pairs(
             pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K,
-            n, pid, K_PAD, TOK_PER_PROG, IDX_BITS, KEY64, WEIGHTS, INVERSE,
+            n, pid, K_PAD, TOK_PER_PROG, IDX_BITS, KEY64, WEIGHTS, INVERSE, PACK_W, IS_BF16,
         )  # fmt: skip
     else:
         _place_ranked_pairs(
@@ -643,18 +651,25 @@ def _place_ranked_pairs(
 def _place_sorted_pairs(
     pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K, n, pid,
     K_PAD: tl.constexpr, TOK_PER_PROG: tl.constexpr, IDX_BITS: tl.constexpr, KEY64: tl.constexpr,
-    WEIGHTS: tl.constexpr, INVERSE: tl.constexpr,
+    WEIGHTS: tl.constexpr, INVERSE: tl.constexpr, PACK_W: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
     """Bare choices from A: sort the program's pairs by (expert, token, j) in registers, then
-    store them in that order, so each expert's run goes out as contiguous (coalesced) stores."""
+    store them in that order, so each expert's run goes out as contiguous (coalesced) stores.
+    PACK_W: A packed each 16-bit weight above its expert; the sort key carries it along as its
+    low 16 bits (expert, index, weight: 32 bits, ordered as unsigned), so no gather of weights."""
     NP: tl.constexpr = TOK_PER_PROG * K_PAD
     idx = tl.arange(0, NP)  # = local token * K_PAD + j: token-major order
     rows = pid * TOK_PER_PROG + idx // K_PAD
     jv = idx % K_PAD
     m = (rows < T) & (jv < K)
     offs = rows * K + jv
-    le = tl.load(pack_ptr + offs, mask=m, other=-1)
-    routed = le >= 0
+    if PACK_W:
+        word = tl.load(pack_ptr + offs, mask=m, other=0xFFFF)
+        le = word & 0xFFFF
+        routed = le != 0xFFFF
+    else:
+        le = tl.load(pack_ptr + offs, mask=m, other=-1)
+        routed = le >= 0
     if INVERSE:
         tl.store(inverse_ptr + offs, tl.full([NP], -1, tl.int32), mask=m & ~routed)
     tail = m & (offs >= n)
@@ -662,16 +677,28 @@ def _place_sorted_pairs(
     tl.store(token_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
     if WEIGHTS:
         tl.store(weight_ptr + offs, tl.zeros([NP], tl.float32), mask=tail)
-    if KEY64:
+    if PACK_W:
+        big = tl.full([NP], 0x7FFFFFFF, tl.int32)
+        flip = -2147483648  # xor of the sign bit: signed order == the unsigned order of the bits
+        key = ((le << (IDX_BITS + 16)) | (idx << 16) | ((word >> 16) & 0xFFFF)) ^ flip
+        key = tl.sort(tl.where(routed, key, big))
+        # A real key may equal ``big`` (bits all ones); the routed pairs still come first.
+        ok = idx < tl.sum(routed.to(tl.int32), axis=0)
+        key = key ^ flip
+        e_s = (key >> (IDX_BITS + 16)) & ((1 << (16 - IDX_BITS)) - 1)
+        i_s = (key >> 16) & (NP - 1)
+    elif KEY64:
         big = tl.full([NP], 0x7FFFFFFFFFFFFFFF, tl.int64)
-        key = tl.where(routed, (le.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), big)
+        key = tl.sort(tl.where(routed, (le.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), big))
+        ok = key != big
+        e_s = (key >> IDX_BITS).to(tl.int32)
+        i_s = (key & (NP - 1)).to(tl.int32)
     else:
         big = tl.full([NP], 0x7FFFFFFF, tl.int32)
-        key = tl.where(routed, (le << IDX_BITS) | idx, big)
-    key = tl.sort(key)
-    ok = key != big
-    e_s = (key >> IDX_BITS).to(tl.int32)
-    i_s = (key & (NP - 1)).to(tl.int32)
+        key = tl.sort(tl.where(routed, (le << IDX_BITS) | idx, big))
+        ok = key != big
+        e_s = key >> IDX_BITS
+        i_s = key & (NP - 1)
     src = (pid * TOK_PER_PROG + i_s // K_PAD) * K + i_s % K_PAD  # (token, j) of sorted pair
     pos = idx + tl.gather(base, tl.where(ok, e_s, 0), 0)  # base[e_s], from registers
     tl.store(expert_ptr + pos, e_s, mask=ok)
@@ -679,7 +706,10 @@ def _place_sorted_pairs(
     if INVERSE:
         tl.store(inverse_ptr + src, pos, mask=ok)
     if WEIGHTS:
-        wv = tl.load(scr_w_ptr + src, mask=ok, other=0.0)
+        if PACK_W:
+            wv = _bits16_to_f32(key & 0xFFFF, IS_BF16)
+        else:
+            wv = tl.load(scr_w_ptr + src, mask=ok, other=0.0)
         tl.store(weight_ptr + pos, wv, mask=ok)
 
 
@@ -800,12 +830,18 @@ def _launch_plan(
     idx_bits = (tok_per_prog * k_pad - 1).bit_length()
     if not sort and (tok_per_prog - 1).bit_length() + l_bits > 31:
         raise ValueError(f"too many experts ({L}) for this block size")
+    # Weights of 16-bit scores (not renormalised) ride in the high half of A's packed choices
+    # and in C's sort keys: no fp32 weight scratch written by A and gathered by C.
+    pack_w = (
+        bool(cfg.get("PACK_W", True)) and sort and with_weights and not renormalize
+        and kind != 0 and l_bits + idx_bits <= 16
+    )  # fmt: skip
     P = T * K
     n_hist = Lm * n_prog
     sizes = [
         P, P, P if with_weights else 0, P if with_weights else 0, Lm,
         L + 1 if with_offsets else 0, E + 2 if with_tcpe else 0, 0,
-        n_hist, P, P if with_weights else 0,
+        n_hist, P, P if with_weights and not pack_w else 0,
     ]  # fmt: skip
     sizes[_N_OUT] = -sum(sizes[:_N_OUT]) % 4  # scratch starts 16-byte aligned
     a = dict(
@@ -831,6 +867,7 @@ def _launch_plan(
         # with FKEY, 214 with MERGE, 174 with both (gpu/routing_ablation.py).
         FKEY=bool(cfg.get("FKEY", True)) and insert and kind != 0 and e_pad <= 128,
         MERGE=bool(cfg.get("MERGE", True)) and insert and k_pad == 8 and kind != 0 and e_pad >= 8,
+        PACK_W=pack_w,
     )
     scan = None
     if L > 0 and not fuse_scan:
@@ -854,6 +891,8 @@ def _launch_plan(
         SORTED=sort,
         IDX_BITS=idx_bits,
         KEY64=cfg.get("KEY64", l_bits + idx_bits > 30),  # int64 keys always work
+        PACK_W=pack_w,
+        IS_BF16=kind == 1,
     )
     if INTERPRET:
         c_warps = 1
@@ -904,7 +943,7 @@ def routing_triton(
         ))  # fmt: skip
     expert, token, weights, inverse, counts, offsets, tcpe, _, hist, packed, scr_w = seg
     weights = weights.view(torch.float32) if with_weights else None
-    scr_w = scr_w.view(torch.float32) if with_weights else packed
+    scr_w = scr_w.view(torch.float32) if scr_w.numel() else packed
     x = scores_TE if kind == 0 else scores_TE.view(torch.int16)
     L = end - start
 
