@@ -157,7 +157,8 @@ def _diag_patch(kind: str) -> None:
     if kind == "nosort":
         src = src.replace("tl.sort(", "(")
     else:
-        src = src.replace("    pos = idx + tl.gather", "    ok = ok & (key * 0 + n < 0)\n    pos = idx + tl.gather")
+        at = "    pos = idx + tl.gather"
+        src = src.replace(at, "    ok = ok & (key * 0 + n < 0)\n" + at)
     path = os.path.join(tempfile.mkdtemp(), "nosort.py")
     with open(path, "w") as f:
         f.write("import triton\nimport triton.language as tl\n\n\n" + src)
