@@ -5,7 +5,8 @@ pattern.
 PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/gpu/routing_ablation.py
 
 Variants (``routing_triton(config=...)``): the 16-bit weights in the packed choices and sort
-keys (``PACK_W``, default) or in fp32 scratch; C's warps (other switches: ``FKEY``, ``MERGE``).
+keys (``PACK_W``, default) or in fp32 scratch; C's warps; B's chunk and warps (other switches:
+``FKEY``, ``MERGE``).
 ``ROUTING_FLOORS=1`` adds the floors of kernel A's load patterns. Times: one call per CUDA graph,
 ``do_bench`` medians (L2 flushed); per kernel: ``torch.profiler`` averages over 5 eager calls.
 """
@@ -184,13 +185,14 @@ def main() -> int:
         {"PACK_W": False},
         {},
         {"C_WARPS": 1},
-        {"C_WARPS": 2},
-        {"C_WARPS": 1, "PACK_W": False},
+        {"SCAN_CHUNK": 8192, "SCAN_WARPS": 8},
+        {"SCAN_CHUNK": 16384, "SCAN_WARPS": 8},
+        {"SCAN_CHUNK": 16384, "SCAN_WARPS": 16},
     ]
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
     variants(1 << 20, 128, torch.bfloat16, big)
-    small = [big[0], big[1]]
+    small = [big[0], big[1], big[2]]
     variants(65536, 128, torch.bfloat16, small)
     variants(65536, 128, torch.float16, small)
     variants(65536, 64, torch.bfloat16, small)

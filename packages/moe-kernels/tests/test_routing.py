@@ -373,6 +373,7 @@ def test_bad_renormalize():
         {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False, "SORTED": True, "INSERT": False},
         {"BLOCK_T": 32, "SUB": 4, "FUSE_SCAN": True, "SORTED": True, "INSERT": False},
         {"BLOCK_T": 4, "SUB": 1, "FUSE_SCAN": False, "SORTED": True, "INSERT": False},
+        {"BLOCK_T": 4, "SUB": 1, "FUSE_SCAN": False, "SORTED": True, "SCAN_CHUNK": 4},
         {"BLOCK_T": 16, "SUB": 2, "FUSE_SCAN": True, "SORTED": True, "KEY64": True},
         # ranks from bitmasks in kernel A and scattered stores in C (small problems)
         {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False, "SORTED": False},

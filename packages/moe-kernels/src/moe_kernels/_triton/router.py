@@ -39,25 +39,46 @@ def _router_step(
     EVEN_D: tl.constexpr,
     USE_DOT: tl.constexpr,
     ACC3: tl.constexpr,
+    SPLIT3: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """acc (BLOCK_T, BLOCK_E) + x[:, d0:d0+BLOCK_D] @ w[:, d0:d0+BLOCK_D].T, all fp32; with ACC3
-    acc is (BLOCK_T, BLOCK_E, BLOCK_D) and gets the bare products (reduced over D at the end)."""
+    acc is (BLOCK_T, BLOCK_E, BLOCK_D) and gets the bare products (reduced over D at the end).
+    SPLIT3 (bf16 x): w = hi + mid + lo exactly, three bf16 parts; three bf16 tensor-core dots."""
     c = d0 + cols
     x_ptrs = x_rows[:, None] + c[None, :] * stride_xd
     w_ptrs = w_rows[:, None] + c[None, :] * stride_wd
     if EVEN_D:
-        x_c = tl.load(x_ptrs).to(tl.float32)
+        x_c = tl.load(x_ptrs)
         w_c = tl.load(w_ptrs).to(tl.float32)
     else:
         c_in = c < D
-        x_c = tl.load(x_ptrs, mask=c_in[None, :], other=0.0).to(tl.float32)
+        x_c = tl.load(x_ptrs, mask=c_in[None, :], other=0.0)
         w_c = tl.load(w_ptrs, mask=c_in[None, :], other=0.0).to(tl.float32)
-    if ACC3:
-        acc += x_c[:, None, :] * w_c[None, :, :]
-    elif USE_DOT:
-        acc = tl.dot(x_c, tl.trans(w_c), acc, input_precision="ieee")
+    if SPLIT3:
+        # Each part is the rounding error of the one before: exact in fp32, 8 significant bits
+        # each (fp32 has 24), so x * part is exact and only the additions round (in fp32).
+        w_hi = w_c.to(tl.bfloat16)
+        r = w_c - w_hi.to(tl.float32)
+        w_mid = r.to(tl.bfloat16)
+        w_lo = (r - w_mid.to(tl.float32)).to(tl.bfloat16)
+        if INTERP:  # the interpreter's bf16 dot is wrong: the same products in fp32
+            x_c = x_c.to(tl.float32)
+            acc = tl.dot(x_c, tl.trans(w_lo.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(x_c, tl.trans(w_mid.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(x_c, tl.trans(w_hi.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x_c, tl.trans(w_lo), acc)
+            acc = tl.dot(x_c, tl.trans(w_mid), acc)
+            acc = tl.dot(x_c, tl.trans(w_hi), acc)
     else:
-        acc += tl.sum(x_c[:, None, :] * w_c[None, :, :], axis=2)
+        x_c = x_c.to(tl.float32)
+        if ACC3:
+            acc += x_c[:, None, :] * w_c[None, :, :]
+        elif USE_DOT:
+            acc = tl.dot(x_c, tl.trans(w_c), acc, input_precision="ieee")
+        else:
+            acc += tl.sum(x_c[:, None, :] * w_c[None, :, :], axis=2)
     return acc
 
 
@@ -80,6 +101,7 @@ def _router_kernel(
     EVEN_D: tl.constexpr,
     USE_DOT: tl.constexpr,
     ACC3: tl.constexpr,  # per-lane partial sums over D, one tree reduction at the end
+    SPLIT3: tl.constexpr,  # bf16 x: w split into three bf16 parts, bf16 tensor-core dots
     WHILE_LOOPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -98,13 +120,37 @@ def _router_kernel(
         d0 = D * 0
         while d0 < D:
             acc = _router_step(
-                acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT, ACC3
+                acc,
+                d0,
+                x_rows,
+                w_rows,
+                cols,
+                D,
+                stride_xd,
+                stride_wd,
+                EVEN_D,
+                USE_DOT,
+                ACC3,
+                SPLIT3,
+                WHILE_LOOPS,
             )
             d0 += BLOCK_D
     else:
         for d0 in range(0, D, BLOCK_D):
             acc = _router_step(
-                acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT, ACC3
+                acc,
+                d0,
+                x_rows,
+                w_rows,
+                cols,
+                D,
+                stride_xd,
+                stride_wd,
+                EVEN_D,
+                USE_DOT,
+                ACC3,
+                SPLIT3,
+                WHILE_LOOPS,
             )
     if ACC3:
         acc = tl.sum(acc, axis=2)
@@ -132,6 +178,7 @@ class RouterConfig(NamedTuple):
     num_stages: int = 3
     dot: bool = True
     acc3: bool = False  # (BLOCK_T, BLOCK_E, BLOCK_D) partial sums: FMAs only in the D loop
+    split3: bool = False  # bf16 x only: three bf16 tensor-core dots with exact parts of w
 
 
 def block_e(num_experts: int) -> int:
@@ -203,6 +250,7 @@ def router_scores(
             EVEN_D=dim % block_d == 0,
             USE_DOT=cfg.dot,
             ACC3=cfg.acc3,
+            SPLIT3=cfg.split3 and x_TD.dtype == torch.bfloat16,
             WHILE_LOOPS=INTERPRET,
         ),
         num_warps=cfg.num_warps,

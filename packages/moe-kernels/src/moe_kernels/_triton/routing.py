@@ -415,23 +415,25 @@ def _topk_rank_kernel(
         out_offs = rows[:, None] * K + jj[None, :]
         st_mask = row_ok[:, None] & k_ok
         if WEIGHTS:
+            # NaN and -0.0 were canonicalised in the key (to -inf and +0.0): where the key says
+            # 0 or -inf, reload the original score.
+            orig_offs = rows64[:, None] * stride_t + choice.to(tl.int64) * stride_e
             if KIND == 0:
                 c = (mk >> 32).to(tl.int32)
                 w = (c ^ ((c >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+                fix = st_mask & ((w == 0.0) | (w == float("-inf")))
+                w = tl.where(fix, tl.load(x_ptr + orig_offs, mask=fix, other=0.0), w)
             else:
                 c = mk >> 16
                 wb = c ^ ((c >> 15) & 0x7FFF)  # the score's bits (sign-extended)
-                w = _bits16_to_f32(wb, KIND == 1)
-            # NaN and -0.0 were canonicalised in the key: reload those few originals.
-            fix = st_mask & ((w == 0.0) | (w == float("-inf")))
-            orig_offs = rows64[:, None] * stride_t + choice.to(tl.int64) * stride_e
-            if KIND == 0:
-                orig = tl.load(x_ptr + orig_offs, mask=fix, other=0.0)
-                w = tl.where(fix, orig, w)
-            else:
-                orig = tl.load(x_ptr + orig_offs, mask=fix, other=0).to(tl.int32)
-                wb = tl.where(fix, orig, wb)
-                w = _bits16_to_f32(wb, KIND == 1)
+                if KIND == 1:
+                    fix = ((wb & 0x7FFF) == 0) | (wb == -128)  # bf16 -inf: 0xFF80
+                else:
+                    fix = ((wb & 0x7FFF) == 0) | (wb == -1024)  # fp16 -inf: 0xFC00
+                fix = fix & st_mask
+                wb = tl.where(fix, tl.load(x_ptr + orig_offs, mask=fix, other=0).to(tl.int32), wb)
+                if not PACK_W:
+                    w = _bits16_to_f32(wb, KIND == 1)
             if RENORM:
                 wsum = tl.sum(tl.where(jj[None, :] == 0, w, 0.0), axis=1)
                 for j in range(1, K):  # in choice order, as the reference adds
@@ -767,7 +769,7 @@ class _Launch(NamedTuple):
     sizes: tuple[int, ...]  # int32 elements of the buffer segments, in _SEGMENTS order
     a: dict  # constexprs of kernel A
     a_warps: int
-    scan: tuple[int, dict] | None  # (grid, constexprs) of kernel B, None when fused into C
+    scan: tuple[int, dict, int] | None  # (grid, constexprs, warps) of B; None: fused into C
     c: dict  # constexprs of kernel C
     c_warps: int
 
@@ -871,9 +873,13 @@ def _launch_plan(
     )
     scan = None
     if L > 0 and not fuse_scan:
-        chunk = min(np_pad, 4096)
+        chunk = min(np_pad, cfg.get("SCAN_CHUNK", 4096))
         block_l = max(1, min(l_pad, 4096 // chunk))
-        scan = (triton.cdiv(L, block_l), dict(BLOCK_L=block_l, CHUNK=chunk, WHILE_LOOPS=INTERPRET))
+        scan = (
+            triton.cdiv(L, block_l),
+            dict(BLOCK_L=block_l, CHUNK=chunk, WHILE_LOOPS=INTERPRET),
+            1 if INTERPRET else cfg.get("SCAN_WARPS", 4),
+        )
     c = dict(
         K=K,
         K_PAD=k_pad,
@@ -959,7 +965,7 @@ def routing_triton(
             (p.scan[0],),
             (hist, counts, L, p.n_prog),
             p.scan[1],
-            num_warps=1 if INTERPRET else 4,
+            num_warps=p.scan[2],
         )
     _place.launch(
         (p.n_prog,),
