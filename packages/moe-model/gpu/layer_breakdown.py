@@ -33,11 +33,11 @@ IMPL = os.environ.get("LAYER_IMPL", "triton_fused")
 def configs():
     from moe_kernels._triton.router import RouterConfig as C
 
+    a3 = {"acc3": True, "dot": False}
     return {
-        "acc3 16x64 w8": C(16, 64, 8, 3, acc3=True, dot=False),
-        "split3 16x128": C(16, 128, 4, 3, split3=True),
-        "split3 16x64 s4": C(16, 64, 4, 4, split3=True),
-        "split3 32x128": C(32, 128, 4, 3, split3=True),
+        "acc3 16x32 w4": C(16, 32, 4, 3, **a3),
+        "acc3 8x64 w4": C(8, 64, 4, 3, **a3),
+        "acc3 16x64 w8": C(16, 64, 8, 3, **a3),
     }
 
 

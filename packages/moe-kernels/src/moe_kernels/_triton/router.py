@@ -1,10 +1,12 @@
 """Triton kernel for the fused MoE router (logits GEMM + softmax/sigmoid) and its launcher.
 
 One program per block of BLOCK_T tokens holds all E logits of its tokens: it walks D in BLOCK_D
-chunks, upcasting each x chunk to fp32 right after the load, and accumulates
-``x_chunk @ w_chunk.T`` in fp32 with IEEE FMAs (``tl.dot(..., input_precision="ieee")``, or a
-broadcast multiply + sum when ``RouterConfig.dot`` is False; never TF32), then applies the
-max-subtracted softmax over E (or the sigmoid) in registers and writes (BLOCK_T, E) fp32 scores.
+chunks, upcasting each x chunk to fp32 right after the load, and accumulates the products in
+fp32 with IEEE multiply-adds, never TF32. The GPU default (``RouterConfig.acc3``) keeps a
+(BLOCK_T, BLOCK_E, BLOCK_D) accumulator of per-lane partial sums, so the D loop is loads and FMAs
+only, and reduces it over BLOCK_D once at the end; ``tl.dot(..., input_precision="ieee")`` and a
+per-chunk broadcast multiply + sum are the other modes. Then it applies the max-subtracted
+softmax over E (or the sigmoid) in registers and writes (BLOCK_T, E) fp32 scores.
 x is read once; no split over D, no atomics: every program reduces in a fixed order, so results
 are bitwise reproducible. Rows past T and experts past E are clamped on load (no masks in the D
 loop) and masked on store / out of the softmax. Nothing here checks arguments: the public module
@@ -39,46 +41,25 @@ def _router_step(
     EVEN_D: tl.constexpr,
     USE_DOT: tl.constexpr,
     ACC3: tl.constexpr,
-    SPLIT3: tl.constexpr,
-    INTERP: tl.constexpr,
 ):
     """acc (BLOCK_T, BLOCK_E) + x[:, d0:d0+BLOCK_D] @ w[:, d0:d0+BLOCK_D].T, all fp32; with ACC3
-    acc is (BLOCK_T, BLOCK_E, BLOCK_D) and gets the bare products (reduced over D at the end).
-    SPLIT3 (bf16 x): w = hi + mid + lo exactly, three bf16 parts; three bf16 tensor-core dots."""
+    acc is (BLOCK_T, BLOCK_E, BLOCK_D) and gets the bare products (reduced over D at the end)."""
     c = d0 + cols
     x_ptrs = x_rows[:, None] + c[None, :] * stride_xd
     w_ptrs = w_rows[:, None] + c[None, :] * stride_wd
     if EVEN_D:
-        x_c = tl.load(x_ptrs)
+        x_c = tl.load(x_ptrs).to(tl.float32)
         w_c = tl.load(w_ptrs).to(tl.float32)
     else:
         c_in = c < D
-        x_c = tl.load(x_ptrs, mask=c_in[None, :], other=0.0)
+        x_c = tl.load(x_ptrs, mask=c_in[None, :], other=0.0).to(tl.float32)
         w_c = tl.load(w_ptrs, mask=c_in[None, :], other=0.0).to(tl.float32)
-    if SPLIT3:
-        # Each part is the rounding error of the one before: exact in fp32, 8 significant bits
-        # each (fp32 has 24), so x * part is exact and only the additions round (in fp32).
-        w_hi = w_c.to(tl.bfloat16)
-        r = w_c - w_hi.to(tl.float32)
-        w_mid = r.to(tl.bfloat16)
-        w_lo = (r - w_mid.to(tl.float32)).to(tl.bfloat16)
-        if INTERP:  # the interpreter's bf16 dot is wrong: the same products in fp32
-            x_c = x_c.to(tl.float32)
-            acc = tl.dot(x_c, tl.trans(w_lo.to(tl.float32)), acc, input_precision="ieee")
-            acc = tl.dot(x_c, tl.trans(w_mid.to(tl.float32)), acc, input_precision="ieee")
-            acc = tl.dot(x_c, tl.trans(w_hi.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x_c, tl.trans(w_lo), acc)
-            acc = tl.dot(x_c, tl.trans(w_mid), acc)
-            acc = tl.dot(x_c, tl.trans(w_hi), acc)
+    if ACC3:
+        acc += x_c[:, None, :] * w_c[None, :, :]
+    elif USE_DOT:
+        acc = tl.dot(x_c, tl.trans(w_c), acc, input_precision="ieee")
     else:
-        x_c = x_c.to(tl.float32)
-        if ACC3:
-            acc += x_c[:, None, :] * w_c[None, :, :]
-        elif USE_DOT:
-            acc = tl.dot(x_c, tl.trans(w_c), acc, input_precision="ieee")
-        else:
-            acc += tl.sum(x_c[:, None, :] * w_c[None, :, :], axis=2)
+        acc += tl.sum(x_c[:, None, :] * w_c[None, :, :], axis=2)
     return acc
 
 
@@ -101,7 +82,6 @@ def _router_kernel(
     EVEN_D: tl.constexpr,
     USE_DOT: tl.constexpr,
     ACC3: tl.constexpr,  # per-lane partial sums over D, one tree reduction at the end
-    SPLIT3: tl.constexpr,  # bf16 x: w split into three bf16 parts, bf16 tensor-core dots
     WHILE_LOOPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -120,37 +100,13 @@ def _router_kernel(
         d0 = D * 0
         while d0 < D:
             acc = _router_step(
-                acc,
-                d0,
-                x_rows,
-                w_rows,
-                cols,
-                D,
-                stride_xd,
-                stride_wd,
-                EVEN_D,
-                USE_DOT,
-                ACC3,
-                SPLIT3,
-                WHILE_LOOPS,
+                acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT, ACC3
             )
             d0 += BLOCK_D
     else:
         for d0 in range(0, D, BLOCK_D):
             acc = _router_step(
-                acc,
-                d0,
-                x_rows,
-                w_rows,
-                cols,
-                D,
-                stride_xd,
-                stride_wd,
-                EVEN_D,
-                USE_DOT,
-                ACC3,
-                SPLIT3,
-                WHILE_LOOPS,
+                acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT, ACC3
             )
     if ACC3:
         acc = tl.sum(acc, axis=2)
@@ -178,7 +134,6 @@ class RouterConfig(NamedTuple):
     num_stages: int = 3
     dot: bool = True
     acc3: bool = False  # (BLOCK_T, BLOCK_E, BLOCK_D) partial sums: FMAs only in the D loop
-    split3: bool = False  # bf16 x only: three bf16 tensor-core dots with exact parts of w
 
 
 def block_e(num_experts: int) -> int:
@@ -189,13 +144,13 @@ def block_e(num_experts: int) -> int:
 def pick_config(num_tokens: int, dim: int, num_experts: int) -> RouterConfig:
     """Blocks and warps from T, D, E.
 
-    GPU: the (BLOCK_T, BLOCK_E) fp32 accumulator and the fp32 chunks of x (BLOCK_T, BLOCK_D) and
-    w (BLOCK_E, BLOCK_D) live in registers: (BLOCK_T + BLOCK_D) * BLOCK_E <= 10240 keeps 4 warps
-    below ptxas's 255 registers without spills (sm_90a, triton 3.8: E=128 at 32 x 64 spills,
-    32 x 32 and 16 x 64 do not), so BLOCK_T and BLOCK_D shrink as E grows. BLOCK_T also
-    shrinks until there are about two programs per SM of an H200 (132 SMs): small T would
-    otherwise leave most SMs idle while x streams through a few. Very large E (> 256) gets 8
-    warps and may still spill. Under the interpreter: few, large programs.
+    GPU: per-lane partial sums (``acc3``), whose (BLOCK_T, BLOCK_E, BLOCK_D) fp32 accumulator
+    is kept at <= 128 registers per thread (ptxas: no spills). H200, D=2048, graph medians
+    (``gpu/router_sweep.py``): E=16: 4 x 128 at T=512 (8.5 us vs 13.7 us for the torch formula
+    compiled), 8 x 128 at T=2048 (14.2 vs 25.6), 16 x 64 at T=16384 (89 vs 152); E=128, where
+    the compiled formula (cuBLAS) stays faster from T=512 on: 4 x 64 with 8 warps at T=512 (29 vs
+    19), 8 x 16 above (60 vs 44 at T=2048). The old ``tl.dot`` (FMA) layout took 44 / 158 us at
+    T=2048. Under the interpreter: few, large programs with ``tl.dot``.
     """
     be = block_e(num_experts)
     bd_cap = max(16, triton.next_power_of_2(max(dim, 1)))
@@ -203,15 +158,23 @@ def pick_config(num_tokens: int, dim: int, num_experts: int) -> RouterConfig:
         return RouterConfig(
             min(64, max(16, triton.next_power_of_2(max(num_tokens, 1)))), min(256, bd_cap), 4, 1
         )
-    block_t = 64 if be <= 64 else 32 if be <= 128 else 16
-    while block_t > 16 and triton.cdiv(num_tokens, block_t) < 264:
-        block_t //= 2
-    block_d = 128
-    while block_d > 16 and (block_t + block_d) * be > 10240:
-        block_d //= 2
-    block_d = min(block_d, bd_cap)
-    num_warps = 4 if (block_t + block_d) * be <= 10240 else 8
-    return RouterConfig(block_t, block_d, num_warps, 3)
+    if be <= 32:
+        warps = 4
+        block_t, block_d = (
+            (4, 128) if num_tokens <= 1024 else (8, 128) if num_tokens <= 4096 else (16, 64)
+        )
+    elif num_tokens <= 1024:
+        block_t, block_d, warps = 4, 64, 8
+    else:
+        block_t, block_d, warps = 8, 16, 4 if be <= 128 else 8
+    while block_t * be * block_d > 128 * 32 * warps:  # accumulator registers per thread
+        if block_d > 16:
+            block_d //= 2
+        elif block_t > 1:
+            block_t //= 2
+        else:
+            break
+    return RouterConfig(block_t, min(block_d, bd_cap), warps, 3, dot=False, acc3=True)
 
 
 def router_scores(
@@ -250,7 +213,6 @@ def router_scores(
             EVEN_D=dim % block_d == 0,
             USE_DOT=cfg.dot,
             ACC3=cfg.acc3,
-            SPLIT3=cfg.split3 and x_TD.dtype == torch.bfloat16,
             WHILE_LOOPS=INTERPRET,
         ),
         num_warps=cfg.num_warps,
