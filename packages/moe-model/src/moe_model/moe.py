@@ -147,7 +147,8 @@ def _make_triton(out_dtype: torch.dtype) -> Callable:
 def _forward_fused(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
     """Fewer passes over memory: ``route``, the gather + first GEMM + SiLU in one Triton grouped
     GEMM, the second GEMM (``torch._grouped_mm`` where it runs, else the Triton grouped GEMM),
-    bf16 combine. SwiGLU layers apply the gate between the GEMMs (outside the kernel)."""
+    bf16 combine. SwiGLU layers apply the gate between the GEMMs (outside the kernel). The router
+    stays the torch formula: ``moe_kernels.router_scores`` was slower than it compiled (H200)."""
     from moe_kernels import combine, gather_grouped_mm, route
 
     plan = route(scores_TE, layer.top_k, renormalize=layer.renormalize)
@@ -230,12 +231,6 @@ _IMPLS: dict[str, Callable] = {
 }
 
 
-# The fused router kernel beat the compiled torch formula on the H200 only for E <= 32 (E=16:
-# 14 vs 26 us at 2048 tokens; E=128: 60 vs 44 us); see moe_kernels/_triton/router.py.
-_KERNEL_ROUTER_IMPLS = ("triton_bf16", "triton_fp32", "triton_fused", "mxfp8")
-_KERNEL_ROUTER_MAX_E = 32
-
-
 def check_impl(impl: str) -> str:
     """Validate an implementation name (ValueError if unknown, RuntimeError if unavailable)."""
     if impl not in MOE_IMPLS:
@@ -302,13 +297,7 @@ class MoELayer(nn.Module):
         nn.init.normal_(self.out_proj, std=1.0 / math.sqrt(self.hidden))
 
     def scores(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """Router scores (T, E) fp32: softmax over all E logits, or sigmoid. The kernel
-        implementations with E <= 32 use ``moe_kernels.router_scores`` (one kernel, the same
-        fp32 math summed in another order); the others, the torch formula."""
-        if self._impl in _KERNEL_ROUTER_IMPLS and self.n_experts <= _KERNEL_ROUTER_MAX_E:
-            from moe_kernels import router_scores
-
-            return router_scores(x_TD, self.router.weight, score_fn=self.score_fn)
+        """Router scores (T, E) fp32: softmax over all E logits, or sigmoid."""
         logits_TE = F.linear(x_TD.float(), self.router.weight.float())
         if self.score_fn == "softmax":
             return torch.softmax(logits_TE, dim=-1)
