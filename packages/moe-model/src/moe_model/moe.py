@@ -148,7 +148,8 @@ def _forward_fused(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor)
     """Fewer passes over memory: ``route``, the gather + first GEMM + SiLU in one Triton grouped
     GEMM, the second GEMM (``torch._grouped_mm`` where it runs, else the Triton grouped GEMM),
     bf16 combine. SwiGLU layers apply the gate between the GEMMs (outside the kernel). The router
-    stays the torch formula: ``moe_kernels.router_scores`` was slower than it compiled (H200)."""
+    stays the torch formula: in this layer ``moe_kernels.router_scores`` was no faster (H200,
+    docs/perf-notes.md)."""
     from moe_kernels import combine, gather_grouped_mm, route
 
     plan = route(scores_TE, layer.top_k, renormalize=layer.renormalize)
