@@ -12,7 +12,9 @@ A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` (
    and merged into them, ``MERGE``; with 16-bit scores and E <= 128 the keys are fp32 values
    holding exact integers, so a compare-exchange is one max plus two adds, ``FKEY``), else
    ``top_k`` rounds of row maxima (``tl.topk``, bitonic, measured slower than both). The
-   weights go to scratch. Then, by the placement C will use:
+   weights go to fp32 scratch, or (``PACK_W``: sorted placement, 16-bit scores, no renormalize)
+   their 16 bits go above the local expert in the packed choice word. Then, by the placement C
+   will use:
    * ranked (``SORTED=False``, small problems): a per-expert bitmask of the block's tokens that
      picked it, with a popcount of the earlier tokens' bits plus the program's running count,
      ranks every pair inside its expert; ``rank << L_BITS | local expert`` (or -1) to scratch;
@@ -25,15 +27,17 @@ C. ``_place_kernel``: one program per A-program. It turns the per-expert totals 
    and writes the sorted pairs (``expert_indices``, ``token_indices``, ``weights``), ``inverse``
    and its own slice of the tail. Ranked: each pair at ``offset[e] + hist[e, program] + rank``,
    in token order (scattered 4-byte stores). Sorted: the program's pairs sorted in registers by
-   (expert, token, j) with ``tl.sort``, then stored in that order, each expert's run contiguous.
+   (expert, token, j) with ``tl.sort``, then stored in that order, each expert's run contiguous
+   (with ``PACK_W`` the weight's 16 bits are the key's low bits, so they sort along).
    Program 0 also writes ``counts``/``offsets`` and ``token_count_per_expert``.
 
 Measured on the H200 (``gpu/routing_gpu.py``): at T=2^20, E=128, k=8 (bf16) the k rounds cost
 ~34 us each and the bitmask ranks ~210 us; sorted placement (512 pairs per program) brought
 index_shuffling from 711 to 550 us and route from 992 to 697 us, insertion top-k then to 445 and
 490 us, fp32 keys and the merge network to 353 and 402 us (kernel A 174 us, its load pattern's
-floor 110 us; C 164 / 204 us, mostly ``tl.sort``). At T=4096 the kernels take 6-12 us and
-eager calls are bound by the host's launch cost.
+floor 110 us; C 164 / 204 us, mostly ``tl.sort``), route's weights carried in the packed choices
+and sort keys (``PACK_W``) and B's wider chunks to 344 and 382 us. At T=4096 the kernels take
+6-12 us and eager calls are bound by the host's launch cost.
 
 ``OLD_INTERP`` (only under triton < 3.6's interpreter): kernel A's per-program histogram by
 one-hot sums instead of ``tl.histogram`` (wrong counts for program 0 there), and NaN scores
