@@ -21,6 +21,7 @@ import traceback
 
 import numpy as np
 import torch
+from _gpu_common import graph_us
 from triton.testing import do_bench
 
 from moe_kernels import mxfp8 as mx
@@ -325,28 +326,7 @@ def graph_bench(fn, n: int = 10) -> float:
     overhead, no L2 flush)."""
     if DRY:
         return float("nan")
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(9):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        graph.replay()
-        t1.record()
-        t1.synchronize()
-        times.append(t0.elapsed_time(t1) * 1e3 / n)
-    del graph
-    return float(np.median(times))
+    return graph_us(fn, n, 9)
 
 
 def host_us(fn, n: int = 200) -> float:
