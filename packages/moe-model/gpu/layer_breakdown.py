@@ -35,9 +35,14 @@ def configs():
 
     a3 = {"acc3": True, "dot": False}
     return {
-        "acc3 16x32 w4": C(16, 32, 4, 3, **a3),
-        "acc3 8x64 w4": C(8, 64, 4, 3, **a3),
-        "acc3 16x64 w8": C(16, 64, 8, 3, **a3),
+        "acc3 8x128": C(8, 128, 4, 3, **a3),
+        "acc3 8x128 s4": C(8, 128, 4, 3, **a3, split=4),
+        "acc3 8x128 s8": C(8, 128, 4, 3, **a3, split=8),
+        "acc3 4x128 s8": C(4, 128, 4, 3, **a3, split=8),
+        "acc3 16x64 s4": C(16, 64, 4, 3, **a3, split=4),
+        "acc3 32x32 s8": C(32, 32, 4, 3, **a3, split=8),
+        "dot 16x128 s8": C(16, 128, 4, 3, split=8),
+        "dot 32x64 s8": C(32, 64, 4, 3, split=8),
     }
 
 
@@ -102,17 +107,37 @@ def main() -> None:
         layer.__dict__.pop("scores", None)
 
         if not DRY and hasattr(torch, "_grouped_mm"):
+            # The two expert GEMMs alone on random rows, with the groups split evenly (what
+            # `moe-bench matrix` times) and with the layer's own group sizes for this x; 10
+            # calls per graph (as the layer above) and 1 call per graph (as the matrix).
+            from moe_kernels import route
+
             rows = T * K
             xs = torch.randn(rows, D, device=DEV).bfloat16()
             h = torch.randn(rows, H, device=DEV).bfloat16()
-            offs = (torch.arange(1, E + 1, device=DEV) * rows // E).to(torch.int32)
+            even = (torch.arange(1, E + 1, device=DEV) * rows // E).to(torch.int32)
+            mine = route(layer.scores(x), K).offsets[1:].to(torch.int32)
             w_in, w_out = layer.in_proj.mT, layer.out_proj.mT
+            for label, offs in (("even groups", even), ("layer's groups", mine)):
 
-            def gemms():
-                torch._grouped_mm(xs, w_in, offs=offs)
-                torch._grouped_mm(h, w_out, offs=offs)
+                def gemms(offs=offs):
+                    torch._grouped_mm(xs, w_in, offs=offs)
+                    torch._grouped_mm(h, w_out, offs=offs)
 
-            print(f"  {'two GEMMs alone':16} {time_ms(gemms) * 1e3:7.1f} us (torch._grouped_mm)")
+                one = graph_time_fn(gemms, DEV, warmup=3, iters=50, calls=1).median_ms
+                print(
+                    f"  two GEMMs alone, {label:15} {time_ms(gemms) * 1e3:7.1f} us "
+                    f"(10 per graph), {one * 1e3:7.1f} us (1 per graph)  (torch._grouped_mm)"
+                )
+            for name, cfg in (("torch", None), ("acc3 8x128 s8", configs()["acc3 8x128 s8"])):
+                layer.__dict__.pop("scores", None)
+                if cfg is not None:
+                    with_router(layer, cfg)
+                torch._dynamo.reset()
+                f = torch.compile(layer, fullgraph=True)
+                one = graph_time_fn(lambda f=f: f(x), DEV, warmup=3, iters=50, calls=1).median_ms
+                print(f"  layer, router {name:13} {one * 1e3:7.1f} us (1 per graph)")
+            layer.__dict__.pop("scores", None)
 
         if not DRY:  # per-kernel profile of the compiled layer (torch router), 10 calls
             torch._dynamo.reset()
