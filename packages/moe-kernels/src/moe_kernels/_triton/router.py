@@ -11,9 +11,9 @@ x is read once. With ``RouterConfig.split`` = S > 1 the D loop is cut into S con
 (a second grid axis, S times the programs): each writes its raw fp32 partial logits to a (S, T, E)
 scratch and a small second kernel adds the S partials in slice order before the softmax. No
 atomics anywhere: every sum has a fixed order, so results are bitwise reproducible for a given
-config (a different S rounds differently). Rows past T and experts past E are clamped on load (no masks in the D
-loop) and masked on store / out of the softmax. Nothing here checks arguments: the public module
-``moe_kernels.router`` does that before any launch.
+config (a different S rounds differently). Rows past T and experts past E are clamped on load
+(no masks in the D loop) and masked on store / out of the softmax. Nothing here checks
+arguments: the public module ``moe_kernels.router`` does that before any launch.
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def router_scores(
     n_split = triton.cdiv(dim, d_split) if dim else 1
     dst = out_TE
     if n_split > 1:
-        dst = torch.empty((n_split, num_tokens, num_experts), dtype=torch.float32, device=x_TD.device)
+        dst = out_TE.new_empty((n_split, num_tokens, num_experts))
     _router.launch(
         (triton.cdiv(num_tokens, cfg.block_t), n_split),
         (
