@@ -5,9 +5,6 @@ PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/sr
     python3 packages/moe-kernels/gpu/router_sweep.py --dry-run  # CPU, interpreter, tiny shapes
     python3 packages/moe-kernels/gpu/router_sweep.py --ptx      # CPU: compile for sm_90a
 
-Configs: ``RouterConfig`` fields; ``split`` S > 1 cuts D into S slices (a second grid axis) whose
-partial logits a second kernel adds in order (the time shown is both kernels).
-
 Shapes: T in {512, 2048, 16384} tokens, D = 2048, E in {16, 128}; x bf16 ~ N(0, 1), router
 weight fp32 ~ N(0, 1/D) (the model's init), softmax scores (sigmoid checked once per shape).
 
@@ -61,13 +58,8 @@ C = tri.RouterConfig  # (block_t, block_d, num_warps, num_stages, dot)
 if DRY:
     SHAPES = [(5, 16, 64), (33, 40, 100)]  # (T, E, D)
     CONFIGS = {
-        16: [
-            C(16, 32, 4, 1),
-            C(32, 64, 4, 1, False),
-            C(4, 32, 4, 1, False, True),
-            C(4, 16, 4, 1, False, True, 3),
-        ],
-        128: [C(16, 128, 4, 1), C(16, 32, 4, 1, split=2)],
+        16: [C(16, 32, 4, 1), C(32, 64, 4, 1, False), C(4, 32, 4, 1, False, True)],
+        128: [C(16, 128, 4, 1)],
     }
     CALLS, REPLAYS, TOP_K = 1, 1, 4
 else:
@@ -75,22 +67,23 @@ else:
     A3 = {"acc3": True, "dot": False}  # per-lane partial sums over D (FMAs only in the loop)
     CONFIGS = {
         16: [
-            C(8, 128, 4, 3, **A3),  # no split: the launcher's pick at T=2048 so far
+            C(16, 128, 4, 3),  # tl.dot (ieee), the launcher's pick at T=2048 so far
+            C(16, 32, 4, 3, **A3),
             C(16, 64, 4, 3, **A3),
-            *(C(8, 128, 4, 3, **A3, split=s) for s in (2, 4, 8)),
-            *(C(4, 128, 4, 3, **A3, split=s) for s in (4, 8)),
-            *(C(16, 64, 4, 3, **A3, split=s) for s in (2, 4, 8)),
-            *(C(32, 32, 4, 3, **A3, split=s) for s in (4, 8)),
-            *(C(16, 128, 4, 3, split=s) for s in (4, 8, 16)),  # tl.dot (ieee FMAs)
-            *(C(32, 64, 4, 3, split=s) for s in (4, 8)),
+            C(8, 64, 4, 3, **A3),
+            C(32, 32, 4, 3, **A3),
+            C(8, 128, 4, 3, **A3),
+            C(16, 64, 8, 3, **A3),
+            C(4, 128, 4, 3, **A3),
+            C(16, 32, 4, 4, **A3),
         ],
         128: [
+            C(16, 64, 4, 3),
+            C(4, 32, 4, 3, **A3),
+            C(2, 64, 4, 3, **A3),
             C(8, 16, 4, 3, **A3),
-            *(C(8, 16, 4, 3, **A3, split=s) for s in (4, 8)),
-            *(C(4, 32, 4, 3, **A3, split=s) for s in (4, 8)),
-            *(C(2, 64, 4, 3, **A3, split=s) for s in (8, 16)),
-            *(C(16, 64, 4, 3, split=s) for s in (4, 8)),
-            *(C(32, 32, 4, 3, split=s) for s in (4, 8)),
+            C(8, 32, 8, 3, **A3),
+            C(4, 64, 8, 3, **A3),
         ],
     }
     CALLS, REPLAYS, TOP_K = 20, 7, 8
@@ -163,10 +156,8 @@ def row(shape: str, name: str, us: float, x_bytes: int, clone_us: float, torch_u
 
 
 def cfg_name(c: tri.RouterConfig) -> str:
-    return (
-        f"BT{c.block_t} BD{c.block_d} w{c.num_warps} s{c.num_stages}"
-        + (" acc3" if c.acc3 else "" if c.dot else " sum")
-        + (f" split{c.split}" if c.split > 1 else "")
+    return f"BT{c.block_t} BD{c.block_d} w{c.num_warps} s{c.num_stages}" + (
+        " acc3" if c.acc3 else "" if c.dot else " sum"
     )
 
 
@@ -278,7 +269,7 @@ def ptx_check() -> int:
     import re
 
     kern = tri._router_kernel
-    ints = ["T", "D", "E", "stride_xt", "stride_we", "d_split"]
+    ints = ["T", "D", "E", "stride_xt", "stride_we"]
     for num_experts in (16, 128, 1000):
         configs = list(CONFIGS.get(num_experts, []))
         for num_tokens in (512, 2048, 16384):
@@ -289,7 +280,7 @@ def ptx_check() -> int:
             sig = dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", **dict.fromkeys(ints, "i32"))
             consts = dict(stride_xd=1, stride_wd=1, SIGMOID=False, BLOCK_T=cfg.block_t)
             consts.update(BLOCK_E=tri.block_e(num_experts), BLOCK_D=cfg.block_d, EVEN_D=True)
-            consts.update(USE_DOT=cfg.dot, ACC3=cfg.acc3, SPLIT=cfg.split > 1, WHILE_LOOPS=False)
+            consts.update(USE_DOT=cfg.dot, ACC3=cfg.acc3, WHILE_LOOPS=False)
             sig.update(dict.fromkeys(consts, "constexpr"))
             name = f"E{num_experts} {cfg_name(cfg)}"
             try:

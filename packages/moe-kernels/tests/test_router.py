@@ -158,23 +158,6 @@ def test_kernel_configs(mode, block_t, block_d):
         assert_close_to_oracle(scores, x, w, score_fn)
 
 
-@pytest.mark.skipif(not TRITON, reason="launch configs exist only on the Triton path")
-@pytest.mark.parametrize("split", [2, 3, 7])
-@pytest.mark.parametrize("mode", ["dot", "acc3"])
-def test_split_over_d(split, mode):
-    """D cut into slices summed by the second kernel: D=80 with BLOCK_D=16 gives slices of
-    48 + 32 (split 2), 32 * 2 + 16 (3) and 16 * 5 (7: only 5 non-empty slices)."""
-    from moe_kernels._triton import router as tri
-
-    x, w = make(37, 20, 80, seed=23)
-    cfg = tri.RouterConfig(16, 16, 4, 1, mode == "dot", mode == "acc3", split)
-    for score_fn in ("softmax", "sigmoid"):
-        scores = tri.router_scores(x, w, score_fn == "sigmoid", config=cfg)
-        assert_close_to_reference(scores, x, w, score_fn)
-        assert_close_to_oracle(scores, x, w, score_fn)
-        assert torch.equal(scores, tri.router_scores(x, w, score_fn == "sigmoid", config=cfg))
-
-
 def test_pick_config_shapes():
     from moe_kernels._triton import router as tri
 

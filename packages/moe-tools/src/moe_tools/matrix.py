@@ -1,8 +1,10 @@
 """``moe-bench matrix``: every ``moe_model.MoELayer`` implementation on the same weights and input.
 
-Per implementation: eager and ``torch.compile(fullgraph=True)`` medians, determinism (eager vs a
-second eager call), drift from the eager ``baseline`` and between compiled and eager. Errors are
-measured in fp32 on the layer outputs. One layer is built and its ``impl`` switched, so every
+Per implementation: eager and ``torch.compile(fullgraph=True)`` medians, the compiled layer's
+time in a CUDA graph (``graph_ms``) and, on CUDA, that time over the two expert GEMMs alone with
+the layer's own group sizes (``vs_gemms``), determinism (eager vs a second eager call), drift
+from the eager ``baseline`` and between compiled and eager. Errors are measured in fp32 on the
+layer outputs. One layer is built and its ``impl`` switched, so every
 implementation sees the same parameters; Dynamo is reset between implementations.
 """
 
@@ -23,6 +25,7 @@ COLUMNS = [
     "eager_ms",
     "compiled_ms",
     "graph_ms",
+    "vs_gemms",
     "speedup",
     "self_max",
     "self_mean",
@@ -169,7 +172,12 @@ def run(
             rows.append(_measure(layer, impl, x_TD, y_base, device, warmup, iters, backend=backend))
             _free(device)
         if device.type == "cuda":
-            rows.append(_grouped_gemms_row(layer, tokens, device, warmup, iters))
+            gemm_rows = _grouped_gemms_rows(layer, x_TD, device, warmup, iters)
+            floor = gemm_rows[-1]["graph_ms"]  # the routed groups: the GEMMs the layer runs
+            for row in rows + gemm_rows:
+                if floor and row["graph_ms"]:
+                    row["vs_gemms"] = row["graph_ms"] / floor
+            rows += gemm_rows
     torch._dynamo.reset()
     return Result("matrix", rows, COLUMNS, extra)
 
@@ -239,34 +247,47 @@ def _measure(
     return row
 
 
-GEMMS_ROW = "grouped_gemms"
+GEMMS_ROW = "grouped_gemms"  # groups of equal size: the floor with perfectly balanced routing
+GEMMS_ROUTED_ROW = "grouped_gemms_routed"  # the group sizes the layer's router gives this input
 
 
-def _grouped_gemms_row(
-    layer: torch.nn.Module, tokens: int, device: torch.device, warmup: int, iters: int
-) -> Row:
-    """The experts' two ``torch._grouped_mm`` calls alone (tokens * top_k rows split evenly over
-    the experts): the floor the sync-free implementations are compared with."""
-    row = _empty_row(GEMMS_ROW, "reference: the two expert GEMMs alone")
+def _grouped_gemms_rows(
+    layer: torch.nn.Module, x_TD: torch.Tensor, device: torch.device, warmup: int, iters: int
+) -> list[Row]:
+    """The experts' two ``torch._grouped_mm`` calls alone on random rows (tokens * top_k of
+    them), the yardstick of the sync-free implementations: once with the rows split evenly over
+    the experts, once with the group sizes that ``moe_kernels.route`` gives for the layer's
+    router scores of ``x_TD`` (the GEMMs the layer itself runs: with uneven groups the GEMMs
+    have more partial tiles, and more waves of tiles on the GPU)."""
+    rows = [_empty_row(GEMMS_ROW, "reference: the two expert GEMMs alone, equal groups")]
+    rows.append(
+        _empty_row(GEMMS_ROUTED_ROW, "reference: the two expert GEMMs alone, routed groups")
+    )
     if not hasattr(torch, "_grouped_mm"):
-        row["status"] = "unavailable: torch._grouped_mm missing"
-        return row
+        for row in rows:
+            row["status"] = "unavailable: torch._grouped_mm missing"
+        return rows
+    from moe_kernels import route
+
     E, k = layer.n_experts, layer.top_k
     w_in, w_out = layer.in_proj.mT, layer.out_proj.mT  # (E, D, H'), (E, H, D)
-    rows = tokens * k
+    n_rows = x_TD.shape[0] * k
     gen = torch.Generator(device=device).manual_seed(1)
-    xs = torch.randn(rows, w_in.shape[1], device=device, dtype=w_in.dtype, generator=gen)
-    h = torch.randn(rows, w_out.shape[1], device=device, dtype=w_out.dtype, generator=gen)
-    offs = (torch.arange(1, E + 1, device=device) * rows // E).to(torch.int32)
+    xs = torch.randn(n_rows, w_in.shape[1], device=device, dtype=w_in.dtype, generator=gen)
+    h = torch.randn(n_rows, w_out.shape[1], device=device, dtype=w_out.dtype, generator=gen)
+    even = (torch.arange(1, E + 1, device=device) * n_rows // E).to(torch.int32)
+    plan = route(layer.scores(x_TD), k, renormalize=layer.renormalize)
+    routed = plan.offsets[1:].to(torch.int32)  # every token routes k times: ends at n_rows
+    for row, offs in zip(rows, (even, routed), strict=True):
 
-    def gemms() -> None:
-        torch._grouped_mm(xs, w_in, offs=offs)
-        torch._grouped_mm(h, w_out, offs=offs)
+        def gemms(offs: torch.Tensor = offs) -> None:
+            torch._grouped_mm(xs, w_in, offs=offs)
+            torch._grouped_mm(h, w_out, offs=offs)
 
-    try:
-        row["eager_ms"] = time_fn(gemms, device, warmup=warmup, iters=iters).median_ms
-        graph = graph_time_fn(gemms, device, warmup=warmup, iters=iters)
-        row["graph_ms"] = graph.median_ms if graph is not None else None
-    except Exception as exc:
-        row["status"] = f"unavailable: {short_error(exc)}"
-    return row
+        try:
+            row["eager_ms"] = time_fn(gemms, device, warmup=warmup, iters=iters).median_ms
+            graph = graph_time_fn(gemms, device, warmup=warmup, iters=iters)
+            row["graph_ms"] = graph.median_ms if graph is not None else None
+        except Exception as exc:
+            row["status"] = f"unavailable: {short_error(exc)}"
+    return rows

@@ -7,13 +7,10 @@ fp32 with IEEE multiply-adds, never TF32. The GPU default (``RouterConfig.acc3``
 only, and reduces it over BLOCK_D once at the end; ``tl.dot(..., input_precision="ieee")`` and a
 per-chunk broadcast multiply + sum are the other modes. Then it applies the max-subtracted
 softmax over E (or the sigmoid) in registers and writes (BLOCK_T, E) fp32 scores.
-x is read once. With ``RouterConfig.split`` = S > 1 the D loop is cut into S contiguous slices
-(a second grid axis, S times the programs): each writes its raw fp32 partial logits to a (S, T, E)
-scratch and a small second kernel adds the S partials in slice order before the softmax. No
-atomics anywhere: every sum has a fixed order, so results are bitwise reproducible for a given
-config (a different S rounds differently). Rows past T and experts past E are clamped on load
-(no masks in the D loop) and masked on store / out of the softmax. Nothing here checks
-arguments: the public module ``moe_kernels.router`` does that before any launch.
+x is read once; no split over D, no atomics: every program reduces in a fixed order, so results
+are bitwise reproducible. Rows past T and experts past E are clamped on load (no masks in the D
+loop) and masked on store / out of the softmax. Nothing here checks arguments: the public module
+``moe_kernels.router`` does that before any launch.
 """
 
 from __future__ import annotations
@@ -67,25 +64,10 @@ def _router_step(
 
 
 @triton.jit
-def _scores_store(acc, rows, experts, out_ptr, T, E, SIGMOID: tl.constexpr):
-    """softmax over E (max-subtracted, IEEE divide like torch) or sigmoid of the (BLOCK_T,
-    BLOCK_E) fp32 logits; store rows < T, experts < E into out (T, E)."""
-    e_in = experts < E
-    if SIGMOID:
-        scores = tl.math.div_rn(tl.full(acc.shape, 1.0, tl.float32), 1.0 + tl.exp(-acc))
-    else:
-        logits = tl.where(e_in[None, :], acc, float("-inf"))
-        p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        scores = tl.math.div_rn(p, tl.sum(p, axis=1)[:, None])
-    dst = out_ptr + rows[:, None] * E + experts[None, :]
-    tl.store(dst, scores, mask=(rows < T)[:, None] & e_in[None, :])
-
-
-@triton.jit
 def _router_kernel(
     x_ptr,  # (T, D) fp32/bf16/fp16, any strides
     w_ptr,  # (E, D) fp32/bf16/fp16, any strides
-    out_ptr,  # (T, E) fp32 scores, or (S, T, E) fp32 partial logits when SPLIT
+    out_ptr,  # (T, E) fp32, contiguous
     T,
     D,
     E,
@@ -93,7 +75,6 @@ def _router_kernel(
     stride_xd,
     stride_we,
     stride_wd,
-    d_split,  # columns per D slice (SPLIT; a multiple of BLOCK_D), else D
     SIGMOID: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -101,12 +82,9 @@ def _router_kernel(
     EVEN_D: tl.constexpr,
     USE_DOT: tl.constexpr,
     ACC3: tl.constexpr,  # per-lane partial sums over D, one tree reduction at the end
-    SPLIT: tl.constexpr,  # program_id(1) picks a D slice; store raw partial logits
     WHILE_LOOPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    d_lo = tl.program_id(1) * d_split
-    d_hi = tl.minimum(D, d_lo + d_split)
     rows = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     # Clamped indices: padded rows / experts re-read the last real one (no load masks); their
@@ -119,57 +97,32 @@ def _router_kernel(
     else:
         acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     if WHILE_LOOPS:
-        d0 = d_lo
-        while d0 < d_hi:
+        d0 = D * 0
+        while d0 < D:
             acc = _router_step(
                 acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT, ACC3
             )
             d0 += BLOCK_D
     else:
-        for d0 in range(d_lo, d_hi, BLOCK_D):
+        for d0 in range(0, D, BLOCK_D):
             acc = _router_step(
                 acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT, ACC3
             )
     if ACC3:
         acc = tl.sum(acc, axis=2)
-    if SPLIT:
-        dst = out_ptr + tl.program_id(1).to(tl.int64) * T * E + rows[:, None] * E + experts[None, :]
-        tl.store(dst, acc, mask=(rows < T)[:, None] & (experts < E)[None, :])
-    else:
-        _scores_store(acc, rows, experts, out_ptr, T, E, SIGMOID)
 
-
-@triton.jit
-def _router_finish_kernel(
-    part_ptr,  # (S, T, E) fp32 partial logits
-    out_ptr,  # (T, E) fp32 scores
-    T,
-    E,
-    S,
-    SIGMOID: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr,
-):
-    """logits = partial[0] + partial[1] + ... + partial[S-1] (in that order), then the scores."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    experts = tl.arange(0, BLOCK_E)
-    m = (rows < T)[:, None] & (experts < E)[None, :]
-    src = part_ptr + rows[:, None] * E + experts[None, :]
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    if WHILE_LOOPS:
-        s = S * 0
-        while s < S:
-            acc += tl.load(src + s * T * E, mask=m, other=0.0)
-            s += 1
+    e_in = experts < E
+    if SIGMOID:
+        scores = tl.math.div_rn(tl.full(acc.shape, 1.0, tl.float32), 1.0 + tl.exp(-acc))
     else:
-        for s in range(0, S):
-            acc += tl.load(src + s * T * E, mask=m, other=0.0)
-    _scores_store(acc, rows, experts, out_ptr, T, E, SIGMOID)
+        logits = tl.where(e_in[None, :], acc, float("-inf"))
+        p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = tl.math.div_rn(p, tl.sum(p, axis=1)[:, None])  # IEEE divide, like torch
+    dst = out_ptr + rows[:, None] * E + experts[None, :]
+    tl.store(dst, scores, mask=(rows < T)[:, None] & e_in[None, :])
 
 
 _router = FastKernel(_router_kernel)
-_router_finish = FastKernel(_router_finish_kernel)
 
 
 class RouterConfig(NamedTuple):
@@ -181,7 +134,6 @@ class RouterConfig(NamedTuple):
     num_stages: int = 3
     dot: bool = True
     acc3: bool = False  # (BLOCK_T, BLOCK_E, BLOCK_D) partial sums: FMAs only in the D loop
-    split: int = 1  # D slices (a second grid axis) summed in order by a second kernel
 
 
 def block_e(num_experts: int) -> int:
@@ -239,18 +191,12 @@ def router_scores(
         return out_TE
     cfg = config or pick_config(num_tokens, dim, num_experts)
     block_d = cfg.block_d
-    # D slices of whole BLOCK_D chunks; S = the number of non-empty slices.
-    d_split = triton.cdiv(triton.cdiv(dim, max(cfg.split, 1)), block_d) * block_d
-    n_split = triton.cdiv(dim, d_split) if dim else 1
-    dst = out_TE
-    if n_split > 1:
-        dst = out_TE.new_empty((n_split, num_tokens, num_experts))
     _router.launch(
-        (triton.cdiv(num_tokens, cfg.block_t), n_split),
+        (triton.cdiv(num_tokens, cfg.block_t),),
         (
             x_TD,
             weight_ED,
-            dst,
+            out_TE,
             num_tokens,
             dim,
             num_experts,
@@ -258,7 +204,6 @@ def router_scores(
             x_TD.stride(1),
             weight_ED.stride(0),
             weight_ED.stride(1),
-            d_split if n_split > 1 else dim,
         ),
         dict(
             SIGMOID=sigmoid,
@@ -268,23 +213,9 @@ def router_scores(
             EVEN_D=dim % block_d == 0,
             USE_DOT=cfg.dot,
             ACC3=cfg.acc3,
-            SPLIT=n_split > 1,
             WHILE_LOOPS=INTERPRET,
         ),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if n_split > 1:
-        finish_t = max(1, min(64, 4096 // block_e(num_experts)))
-        _router_finish.launch(
-            (triton.cdiv(num_tokens, finish_t),),
-            (dst, out_TE, num_tokens, num_experts, n_split),
-            dict(
-                SIGMOID=sigmoid,
-                BLOCK_T=finish_t,
-                BLOCK_E=block_e(num_experts),
-                WHILE_LOOPS=INTERPRET,
-            ),
-            num_warps=4,
-        )
     return out_TE
