@@ -4,9 +4,9 @@ pattern.
 
 PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/gpu/routing_ablation.py
 
-Variants (``routing_triton(config=...)``): the 16-bit weights in the packed choices and sort
-keys (``PACK_W``, default) or in fp32 scratch; C's warps; B's chunk and warps (other switches:
-``FKEY``, ``MERGE``).
+Variants (``routing_triton(config=...)``): C ranking each program's pairs by ``tl.sort`` or by
+byte-packed per-expert counts (``COUNT``), and C's warps (other switches: ``PACK_W``, ``FKEY``,
+``MERGE``, ``SCAN_CHUNK``, ``SCAN_WARPS``).
 ``ROUTING_FLOORS=1`` adds the floors of kernel A's load patterns. Times: one call per CUDA graph,
 ``do_bench`` medians (L2 flushed); per kernel: ``torch.profiler`` averages over 5 eager calls.
 """
@@ -181,18 +181,14 @@ def main() -> int:
             print(f"  {diag} {cfg}: IS C {pk.get('C', 0):6.1f}  route C {pr.get('C', 0):6.1f}")
         return 0
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
-    big = [
-        {"PACK_W": False},
-        {},
-        {"C_WARPS": 1},
-        {"SCAN_CHUNK": 8192, "SCAN_WARPS": 8},
-        {"SCAN_CHUNK": 16384, "SCAN_WARPS": 8},
-        {"SCAN_CHUNK": 16384, "SCAN_WARPS": 16},
-    ]
+    count = [{"COUNT": True}, *({"COUNT": True, "C_WARPS": w} for w in (1, 2, 8))]
+    big = [{}, {"C_WARPS": 1}, *count]
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
     variants(1 << 20, 128, torch.bfloat16, big)
-    small = [big[0], big[1], big[2]]
+    variants(1 << 20, 128, torch.float32, big[:4])
+    variants(1 << 20, 16, torch.bfloat16, big[:4])
+    small = big[:4]
     variants(65536, 128, torch.bfloat16, small)
     variants(65536, 128, torch.float16, small)
     variants(65536, 64, torch.bfloat16, small)

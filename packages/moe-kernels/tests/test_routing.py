@@ -381,6 +381,9 @@ def test_bad_renormalize():
         # top-k by per-thread insertion (sorted placement only)
         {"SORTED": True, "INSERT": True},
         {"BLOCK_T": 16, "SUB": 2, "SORTED": True, "INSERT": True, "FUSE_SCAN": False},
+        # ranks from byte-packed per-expert counts in C instead of its sort
+        {"BLOCK_T": 8, "SUB": 2, "FUSE_SCAN": False, "SORTED": True, "COUNT": True},
+        {"SORTED": True, "INSERT": True, "COUNT": True},
     ],
     ids=str,
 )
@@ -438,6 +441,7 @@ def test_topk_variants(config, T, E, k, kind, layout, dtype):
     assert_int(got[6], want["tcpe"], "token_count_per_expert")
 
 
+@pytest.mark.parametrize("count", (False, True), ids=("sort", "count"))
 @pytest.mark.parametrize("pack_w", (True, False), ids=("pack_w", "scratch_w"))
 @pytest.mark.parametrize(
     "T,E,k,start,end,valid,kind",
@@ -448,21 +452,22 @@ def test_topk_variants(config, T, E, k, kind, layout, dtype):
     ],
 )
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-def test_packed_weights(pack_w, T, E, k, start, end, valid, kind, dtype):
+def test_packed_weights(count, pack_w, T, E, k, start, end, valid, kind, dtype):
     """Sorted placement with the 16-bit weights carried in A's choices and C's sort keys
     (``PACK_W``, the default for route without renormalize) against the reference, and the fp32
-    weight scratch it replaces."""
+    weight scratch it replaces; each with C ranking by sorting or by counting (``COUNT``)."""
     from moe_kernels._dispatch import use_triton
 
     if not use_triton(torch.device("cpu")):
         pytest.skip("the Triton launcher runs on CPU only under TRITON_INTERPRET=1")
     from moe_kernels._triton.routing import _launch_plan, routing_triton
 
-    config = {"SORTED": True, "PACK_W": pack_w}
+    config = {"SORTED": True, "PACK_W": pack_w, "COUNT": count}
     kind_id = 1 if dtype == torch.bfloat16 else 2
     plan = _launch_plan(T, E, k, start, end, kind_id, False, valid is not None, True, True, True,
                         tuple(sorted(config.items())))  # fmt: skip
     assert plan.c["PACK_W"] == pack_w and plan.sizes[-1] == (0 if pack_w else T * k)
+    assert plan.c["COUNT"] == count
     x = make_scores(T, E, dtype, kind, seed=T * E, layout="row")
     want = naive_plan(x, k, start, end, valid, renormalize=False)
     got = routing_triton(x, k, _vtc(valid), start, end, False, True, True, True, config)

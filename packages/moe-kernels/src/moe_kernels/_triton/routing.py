@@ -563,6 +563,7 @@ def _place_kernel(
     KEY64: tl.constexpr,  # SORTED keys need more than 30 bits
     PACK_W: tl.constexpr,  # SORTED: A packed 16-bit weight bits above each expert (see A)
     IS_BF16: tl.constexpr,  # PACK_W: the weights' bits are bf16 (else fp16)
+    COUNT: tl.constexpr,  # SORTED: rank by byte-packed per-expert counts instead of tl.sort
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -588,7 +589,7 @@ def _place_kernel(
     excl = tl.cumsum(cnt, axis=0) - cnt
     n = tl.sum(cnt, axis=0)
     base = excl + before
-    if SORTED:  # position = index in the program's sorted pairs + base - first index of e there
+    if SORTED and not COUNT:  # position = index in the sorted pairs + base - first index of e
         base -= tl.cumsum(mine, axis=0) - mine
     if pid == 0:  # noqa: SIM102 (a constexpr and a runtime test stay apart)
         if OFFSETS:
@@ -608,7 +609,12 @@ def _place_kernel(
             tl.store(tcpe_ptr + E, T)
             tl.store(tcpe_ptr + E + 1, n)
 
-    if SORTED:
+    if COUNT:
+        _place_counted_pairs(
+            pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K,
+            n, pid, K_PAD, L_PAD, TOK_PER_PROG, WEIGHTS, INVERSE, PACK_W, IS_BF16,
+        )  # fmt: skip
+    elif SORTED:
         _place_sorted_pairs(
             pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K,
             n, pid, K_PAD, TOK_PER_PROG, IDX_BITS, KEY64, WEIGHTS, INVERSE, PACK_W, IS_BF16,
@@ -717,6 +723,65 @@ def _place_sorted_pairs(
         else:
             wv = tl.load(scr_w_ptr + src, mask=ok, other=0.0)
         tl.store(weight_ptr + pos, wv, mask=ok)
+
+
+@triton.jit
+def _place_counted_pairs(
+    pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K, n, pid,
+    K_PAD: tl.constexpr, L_PAD: tl.constexpr, TOK_PER_PROG: tl.constexpr,
+    WEIGHTS: tl.constexpr, INVERSE: tl.constexpr, PACK_W: tl.constexpr, IS_BF16: tl.constexpr,
+):  # fmt: skip
+    """Bare choices from A, ranked without sorting: a pair's rank inside its expert's run is the
+    number of earlier tokens of the program that chose the same expert (a token picks an expert
+    at most once). Per token, the counts of all L experts are packed one byte each (at most
+    TOK_PER_PROG <= 255 per program) into L_PAD / 4 int32 words; an exclusive prefix sum over
+    the program's tokens then gives every (token, expert) its rank in one byte. Stores go out in
+    token order (each pair to base[e] + rank), not grouped per expert as after a sort."""
+    NW: tl.constexpr = (L_PAD + 3) // 4  # count words per token
+    tok = tl.arange(0, TOK_PER_PROG)
+    rows = pid * TOK_PER_PROG + tok
+    row_ok = rows < T
+    words = tl.arange(0, NW)
+    inc = tl.zeros([TOK_PER_PROG, NW], tl.int32)
+    for j in tl.static_range(K_PAD):  # this token's one-byte increments, one choice at a time
+        if PACK_W:
+            le_j = tl.load(pack_ptr + rows * K + j, mask=row_ok & (j < K), other=0xFFFF) & 0xFFFF
+            ok_j = le_j != 0xFFFF
+        else:
+            le_j = tl.load(pack_ptr + rows * K + j, mask=row_ok & (j < K), other=-1)
+            ok_j = le_j >= 0
+        hit = ((le_j >> 2)[:, None] == words[None, :]) & ok_j[:, None]
+        inc += tl.where(hit, (1 << ((le_j & 3) * 8))[:, None], 0)
+    before = tl.cumsum(inc, axis=0) - inc  # (tokens, words): counts over earlier tokens
+
+    jj = tl.arange(0, K_PAD)
+    m = row_ok[:, None] & (jj[None, :] < K)
+    offs = rows[:, None] * K + jj[None, :]
+    if PACK_W:
+        word = tl.load(pack_ptr + offs, mask=m, other=0xFFFF)
+        le = word & 0xFFFF
+        routed = le != 0xFFFF
+    else:
+        le = tl.load(pack_ptr + offs, mask=m, other=-1)
+        routed = le >= 0
+    le0 = tl.where(routed, le, 0)
+    rank = (tl.gather(before, le0 >> 2, 1) >> ((le0 & 3) * 8)) & 0xFF
+    b = tl.gather(base, tl.reshape(le0, [TOK_PER_PROG * K_PAD]), 0)
+    pos = tl.where(routed, tl.reshape(b, [TOK_PER_PROG, K_PAD]) + rank, -1)
+    if INVERSE:
+        tl.store(inverse_ptr + offs, pos, mask=m)
+    tl.store(expert_ptr + pos, le, mask=routed)
+    tl.store(token_ptr + pos, tl.broadcast_to(rows[:, None], [TOK_PER_PROG, K_PAD]), mask=routed)
+    tail = m & (offs >= n)
+    tl.store(expert_ptr + offs, tl.full([TOK_PER_PROG, K_PAD], -1, tl.int32), mask=tail)
+    tl.store(token_ptr + offs, tl.full([TOK_PER_PROG, K_PAD], -1, tl.int32), mask=tail)
+    if WEIGHTS:
+        if PACK_W:
+            wv = _bits16_to_f32((word >> 16) & 0xFFFF, IS_BF16)
+        else:
+            wv = tl.load(scr_w_ptr + offs, mask=m, other=0.0)
+        tl.store(weight_ptr + pos, wv, mask=routed)
+        tl.store(weight_ptr + offs, tl.zeros([TOK_PER_PROG, K_PAD], tl.float32), mask=tail)
 
 
 def _next_pow2(n: int) -> int:
@@ -905,6 +970,7 @@ def _launch_plan(
         KEY64=cfg.get("KEY64", l_bits + idx_bits > 30),  # int64 keys always work
         PACK_W=pack_w,
         IS_BF16=kind == 1,
+        COUNT=sort and bool(cfg.get("COUNT", False)) and l_pad <= 128 and tok_per_prog <= 255,
     )
     if INTERPRET:
         c_warps = 1
