@@ -58,32 +58,39 @@ C = tri.RouterConfig  # (block_t, block_d, num_warps, num_stages, dot)
 if DRY:
     SHAPES = [(5, 16, 64), (33, 40, 100)]  # (T, E, D)
     CONFIGS = {
-        16: [C(16, 32, 4, 1), C(32, 64, 4, 1, False), C(4, 32, 4, 1, False, True)],
+        16: [
+            C(16, 32, 4, 1),
+            C(32, 64, 4, 1, False),
+            C(4, 32, 4, 1, False, True),
+            C(4, 16, 4, 1, False, True, True),
+        ],
         128: [C(16, 128, 4, 1)],
     }
     CALLS, REPLAYS, TOP_K = 1, 1, 4
 else:
     SHAPES = [(t, e, 2048) for e in (16, 128) for t in (512, 2048, 16384)]
     A3 = {"acc3": True, "dot": False}  # per-lane partial sums over D (FMAs only in the loop)
+    P3 = {**A3, "prefetch": True}  # and chunk i+1's loads issued before chunk i's FMAs
     CONFIGS = {
         16: [
-            C(16, 128, 4, 3),  # tl.dot (ieee), the launcher's pick at T=2048 so far
-            C(16, 32, 4, 3, **A3),
-            C(16, 64, 4, 3, **A3),
-            C(8, 64, 4, 3, **A3),
-            C(32, 32, 4, 3, **A3),
-            C(8, 128, 4, 3, **A3),
-            C(16, 64, 8, 3, **A3),
             C(4, 128, 4, 3, **A3),
-            C(16, 32, 4, 4, **A3),
+            C(8, 128, 4, 3, **A3),
+            C(16, 64, 4, 3, **A3),
+            C(4, 128, 4, 3, **P3),
+            C(8, 128, 4, 3, **P3),
+            C(16, 64, 4, 3, **P3),
+            C(8, 64, 4, 3, **P3),
+            C(16, 32, 4, 3, **P3),
+            C(32, 32, 4, 3, **P3),
+            C(8, 128, 8, 3, **P3),
         ],
         128: [
-            C(16, 64, 4, 3),
-            C(4, 32, 4, 3, **A3),
-            C(2, 64, 4, 3, **A3),
-            C(8, 16, 4, 3, **A3),
-            C(8, 32, 8, 3, **A3),
             C(4, 64, 8, 3, **A3),
+            C(8, 16, 4, 3, **A3),
+            C(4, 64, 8, 3, **P3),
+            C(8, 16, 4, 3, **P3),
+            C(4, 32, 4, 3, **P3),
+            C(8, 32, 8, 3, **P3),
         ],
     }
     CALLS, REPLAYS, TOP_K = 20, 7, 8
@@ -156,8 +163,10 @@ def row(shape: str, name: str, us: float, x_bytes: int, clone_us: float, torch_u
 
 
 def cfg_name(c: tri.RouterConfig) -> str:
-    return f"BT{c.block_t} BD{c.block_d} w{c.num_warps} s{c.num_stages}" + (
-        " acc3" if c.acc3 else "" if c.dot else " sum"
+    return (
+        f"BT{c.block_t} BD{c.block_d} w{c.num_warps} s{c.num_stages}"
+        + (" acc3" if c.acc3 else "" if c.dot else " sum")
+        + (" pf" if c.prefetch else "")
     )
 
 
@@ -280,7 +289,7 @@ def ptx_check() -> int:
             sig = dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", **dict.fromkeys(ints, "i32"))
             consts = dict(stride_xd=1, stride_wd=1, SIGMOID=False, BLOCK_T=cfg.block_t)
             consts.update(BLOCK_E=tri.block_e(num_experts), BLOCK_D=cfg.block_d, EVEN_D=True)
-            consts.update(USE_DOT=cfg.dot, ACC3=cfg.acc3, WHILE_LOOPS=False)
+            consts.update(USE_DOT=cfg.dot, ACC3=cfg.acc3, PREFETCH=cfg.prefetch, WHILE_LOOPS=False)
             sig.update(dict.fromkeys(consts, "constexpr"))
             name = f"E{num_experts} {cfg_name(cfg)}"
             try:

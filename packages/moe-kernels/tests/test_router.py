@@ -145,13 +145,15 @@ def test_zero_dim():
 
 
 @pytest.mark.skipif(not TRITON, reason="launch configs exist only on the Triton path")
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("mode", ["dot", "sum", "acc3"])
-@pytest.mark.parametrize("block_t,block_d", [(16, 16), (32, 64), (4, 32)])
-def test_kernel_configs(mode, block_t, block_d):
+@pytest.mark.parametrize("block_t,block_d", [(16, 16), (32, 64), (4, 32), (4, 128)])
+def test_kernel_configs(mode, block_t, block_d, prefetch):
+    """Several programs, a ragged last D chunk (D=80), E padded to 32; (4, 128): one D chunk."""
     from moe_kernels._triton import router as tri
 
-    x, w = make(37, 20, 80, seed=17)  # several programs, a ragged last D chunk, E padded to 32
-    cfg = tri.RouterConfig(block_t, block_d, 4, 1, mode == "dot", mode == "acc3")
+    x, w = make(37, 20, 80, seed=17)
+    cfg = tri.RouterConfig(block_t, block_d, 4, 1, mode == "dot", mode == "acc3", prefetch)
     for score_fn in ("softmax", "sigmoid"):
         scores = tri.router_scores(x, w, score_fn == "sigmoid", config=cfg)
         assert_close_to_reference(scores, x, w, score_fn)

@@ -34,9 +34,12 @@ def configs():
     from moe_kernels._triton.router import RouterConfig as C
 
     a3 = {"acc3": True, "dot": False}
+    pf = {**a3, "prefetch": True}
     return {
-        "acc3 16x64": C(16, 64, 4, 3, **a3),
-        "acc3 4x128": C(4, 128, 4, 3, **a3),
+        "acc3 8x128 pf": C(8, 128, 4, 3, **pf),
+        "acc3 16x64 pf": C(16, 64, 4, 3, **pf),
+        "acc3 8x64 pf": C(8, 64, 4, 3, **pf),
+        "acc3 4x128 pf": C(4, 128, 4, 3, **pf),
     }
 
 

@@ -29,31 +29,27 @@ from moe_kernels._triton.launch import FastKernel
 
 
 @triton.jit
-def _router_step(
-    acc,
-    d0,
-    x_rows,
-    w_rows,
-    cols,
-    D,
-    stride_xd,
-    stride_wd,
-    EVEN_D: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    ACC3: tl.constexpr,
-):
-    """acc (BLOCK_T, BLOCK_E) + x[:, d0:d0+BLOCK_D] @ w[:, d0:d0+BLOCK_D].T, all fp32; with ACC3
-    acc is (BLOCK_T, BLOCK_E, BLOCK_D) and gets the bare products (reduced over D at the end)."""
+def _router_load(d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D: tl.constexpr):
+    """The chunk d0:d0+BLOCK_D of the x rows and w rows, in their own dtypes (zeros past D)."""
     c = d0 + cols
     x_ptrs = x_rows[:, None] + c[None, :] * stride_xd
     w_ptrs = w_rows[:, None] + c[None, :] * stride_wd
     if EVEN_D:
-        x_c = tl.load(x_ptrs).to(tl.float32)
-        w_c = tl.load(w_ptrs).to(tl.float32)
+        x_c = tl.load(x_ptrs)
+        w_c = tl.load(w_ptrs)
     else:
         c_in = c < D
-        x_c = tl.load(x_ptrs, mask=c_in[None, :], other=0.0).to(tl.float32)
-        w_c = tl.load(w_ptrs, mask=c_in[None, :], other=0.0).to(tl.float32)
+        x_c = tl.load(x_ptrs, mask=c_in[None, :], other=0.0)
+        w_c = tl.load(w_ptrs, mask=c_in[None, :], other=0.0)
+    return x_c, w_c
+
+
+@triton.jit
+def _router_fma(acc, x_c, w_c, USE_DOT: tl.constexpr, ACC3: tl.constexpr):
+    """acc (BLOCK_T, BLOCK_E) + x_c @ w_c.T, all fp32; with ACC3 acc is (BLOCK_T, BLOCK_E,
+    BLOCK_D) and gets the bare products (reduced over D at the end)."""
+    x_c = x_c.to(tl.float32)
+    w_c = w_c.to(tl.float32)
     if ACC3:
         acc += x_c[:, None, :] * w_c[None, :, :]
     elif USE_DOT:
@@ -82,6 +78,7 @@ def _router_kernel(
     EVEN_D: tl.constexpr,
     USE_DOT: tl.constexpr,
     ACC3: tl.constexpr,  # per-lane partial sums over D, one tree reduction at the end
+    PREFETCH: tl.constexpr,  # issue chunk i+1's loads before chunk i's FMAs (needs D > 0)
     WHILE_LOOPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -96,18 +93,31 @@ def _router_kernel(
         acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_D), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    if WHILE_LOOPS:
+    if PREFETCH:  # registers double-buffered: the next chunk is in flight during the FMAs
+        x_c, w_c = _router_load(0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D)
+        if WHILE_LOOPS:
+            d0 = D * 0 + BLOCK_D
+            while d0 < D:
+                x_n, w_n = _router_load(d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D)
+                acc = _router_fma(acc, x_c, w_c, USE_DOT, ACC3)
+                x_c, w_c = x_n, w_n
+                d0 += BLOCK_D
+        else:
+            for d0 in range(BLOCK_D, D, BLOCK_D):
+                x_n, w_n = _router_load(d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D)
+                acc = _router_fma(acc, x_c, w_c, USE_DOT, ACC3)
+                x_c, w_c = x_n, w_n
+        acc = _router_fma(acc, x_c, w_c, USE_DOT, ACC3)
+    elif WHILE_LOOPS:
         d0 = D * 0
         while d0 < D:
-            acc = _router_step(
-                acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT, ACC3
-            )
+            x_c, w_c = _router_load(d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D)
+            acc = _router_fma(acc, x_c, w_c, USE_DOT, ACC3)
             d0 += BLOCK_D
     else:
         for d0 in range(0, D, BLOCK_D):
-            acc = _router_step(
-                acc, d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D, USE_DOT, ACC3
-            )
+            x_c, w_c = _router_load(d0, x_rows, w_rows, cols, D, stride_xd, stride_wd, EVEN_D)
+            acc = _router_fma(acc, x_c, w_c, USE_DOT, ACC3)
     if ACC3:
         acc = tl.sum(acc, axis=2)
 
@@ -134,6 +144,7 @@ class RouterConfig(NamedTuple):
     num_stages: int = 3
     dot: bool = True
     acc3: bool = False  # (BLOCK_T, BLOCK_E, BLOCK_D) partial sums: FMAs only in the D loop
+    prefetch: bool = False  # chunk i+1's loads issued before chunk i's FMAs
 
 
 def block_e(num_experts: int) -> int:
@@ -213,6 +224,7 @@ def router_scores(
             EVEN_D=dim % block_d == 0,
             USE_DOT=cfg.dot,
             ACC3=cfg.acc3,
+            PREFETCH=cfg.prefetch and dim > 0,
             WHILE_LOOPS=INTERPRET,
         ),
         num_warps=cfg.num_warps,
