@@ -147,9 +147,7 @@ def _make_triton(out_dtype: torch.dtype) -> Callable:
 def _forward_fused(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
     """Fewer passes over memory: ``route``, the gather + first GEMM + SiLU in one Triton grouped
     GEMM, the second GEMM (``torch._grouped_mm`` where it runs, else the Triton grouped GEMM),
-    bf16 combine. SwiGLU layers apply the gate between the GEMMs (outside the kernel). The router
-    stays the torch formula: in this layer ``moe_kernels.router_scores`` was no faster (H200,
-    docs/perf-notes.md)."""
+    bf16 combine. SwiGLU layers apply the gate between the GEMMs (outside the kernel)."""
     from moe_kernels import combine, gather_grouped_mm, route
 
     plan = route(scores_TE, layer.top_k, renormalize=layer.renormalize)
@@ -232,6 +230,13 @@ _IMPLS: dict[str, Callable] = {
 }
 
 
+# Where ``moe_kernels.router_scores`` replaces the torch formula (x cast to fp32, fp32 GEMM,
+# softmax). H200, D=2048, E=16: 11.2 vs 24.1 us alone at 2048 tokens, 7.0 vs 14.4 us at 512
+# (with prefetched D chunks; gpu/router_sweep.py); for E=128 cuBLAS stays faster (58 vs 44 us).
+KERNEL_ROUTER_IMPLS: tuple[str, ...] = ("triton_bf16", "triton_fp32", "triton_fused", "mxfp8")
+KERNEL_ROUTER_MAX_E = 32
+
+
 def check_impl(impl: str) -> str:
     """Validate an implementation name (ValueError if unknown, RuntimeError if unavailable)."""
     if impl not in MOE_IMPLS:
@@ -298,7 +303,14 @@ class MoELayer(nn.Module):
         nn.init.normal_(self.out_proj, std=1.0 / math.sqrt(self.hidden))
 
     def scores(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """Router scores (T, E) fp32: softmax over all E logits, or sigmoid."""
+        """Router scores (T, E) fp32: softmax over all E logits, or sigmoid. The kernel
+        implementations in ``KERNEL_ROUTER_IMPLS`` with E <= ``KERNEL_ROUTER_MAX_E`` use
+        ``moe_kernels.router_scores`` (one kernel, the same fp32 math summed in another order);
+        the others, the torch formula."""
+        if self._impl in KERNEL_ROUTER_IMPLS and self.n_experts <= KERNEL_ROUTER_MAX_E:
+            from moe_kernels import router_scores
+
+            return router_scores(x_TD, self.router.weight, score_fn=self.score_fn)
         logits_TE = F.linear(x_TD.float(), self.router.weight.float())
         if self.score_fn == "softmax":
             return torch.softmax(logits_TE, dim=-1)

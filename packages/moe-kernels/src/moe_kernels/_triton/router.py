@@ -4,8 +4,10 @@ One program per block of BLOCK_T tokens holds all E logits of its tokens: it wal
 chunks, upcasting each x chunk to fp32 right after the load, and accumulates the products in
 fp32 with IEEE multiply-adds, never TF32. The GPU default (``RouterConfig.acc3``) keeps a
 (BLOCK_T, BLOCK_E, BLOCK_D) accumulator of per-lane partial sums, so the D loop is loads and FMAs
-only, and reduces it over BLOCK_D once at the end; ``tl.dot(..., input_precision="ieee")`` and a
-per-chunk broadcast multiply + sum are the other modes. Then it applies the max-subtracted
+only, and reduces it over BLOCK_D once at the end; with ``RouterConfig.prefetch`` the loads of
+chunk i+1 are issued before the FMAs of chunk i (registers double-buffered).
+``tl.dot(..., input_precision="ieee")`` and a per-chunk broadcast multiply + sum are the other
+modes. Then it applies the max-subtracted
 softmax over E (or the sigmoid) in registers and writes (BLOCK_T, E) fp32 scores.
 x is read once; no split over D, no atomics: every program reduces in a fixed order, so results
 are bitwise reproducible. Rows past T and experts past E are clamped on load (no masks in the D
@@ -155,13 +157,14 @@ def block_e(num_experts: int) -> int:
 def pick_config(num_tokens: int, dim: int, num_experts: int) -> RouterConfig:
     """Blocks and warps from T, D, E.
 
-    GPU: per-lane partial sums (``acc3``), whose (BLOCK_T, BLOCK_E, BLOCK_D) fp32 accumulator
-    is kept at <= 128 registers per thread (ptxas: no spills). H200, D=2048, graph medians
-    (``gpu/router_sweep.py``): E=16: 4 x 128 at T=512 (8.5 us vs 13.7 us for the torch formula
-    compiled), 8 x 128 at T=2048 (14.2 vs 25.6), 16 x 64 at T=16384 (89 vs 152); E=128, where
-    the compiled formula (cuBLAS) stays faster from T=512 on: 4 x 64 with 8 warps at T=512 (29 vs
-    19), 8 x 16 above (60 vs 44 at T=2048). The old ``tl.dot`` (FMA) layout took 44 / 158 us at
-    T=2048. Under the interpreter: few, large programs with ``tl.dot``.
+    GPU: per-lane partial sums (``acc3``) with the next D chunk's loads issued before the
+    current chunk's FMAs (``prefetch``); the (BLOCK_T, BLOCK_E, BLOCK_D) fp32 accumulator is kept
+    at <= 128 registers per thread (ptxas: no spills). H200, D=2048, graph medians
+    (``gpu/router_sweep.py``, session 5): E=16: 4 x 128 at T=512 (7.0 us vs 14.4 us for the
+    torch formula compiled), 16 x 64 at T=2048 (11.2 vs 24.1), 16 x 32 at T=16384 (76 vs 135);
+    E=128, where the compiled formula (cuBLAS) stays faster: 4 x 64 with 8 warps at T=512 (28.5
+    vs 19.3, no prefetch), 8 x 16 above (58 vs 44 at T=2048). Under the interpreter: few, large
+    programs with ``tl.dot``.
     """
     be = block_e(num_experts)
     bd_cap = max(16, triton.next_power_of_2(max(dim, 1)))
@@ -169,15 +172,17 @@ def pick_config(num_tokens: int, dim: int, num_experts: int) -> RouterConfig:
         return RouterConfig(
             min(64, max(16, triton.next_power_of_2(max(num_tokens, 1)))), min(256, bd_cap), 4, 1
         )
+    prefetch = True
     if be <= 32:
         warps = 4
         block_t, block_d = (
-            (4, 128) if num_tokens <= 1024 else (8, 128) if num_tokens <= 4096 else (16, 64)
+            (4, 128) if num_tokens <= 1024 else (16, 64) if num_tokens <= 4096 else (16, 32)
         )
     elif num_tokens <= 1024:
-        block_t, block_d, warps = 4, 64, 8
+        block_t, block_d, warps, prefetch = 4, 64, 8, False
     else:
         block_t, block_d, warps = 8, 16, 4 if be <= 128 else 8
+        prefetch = be <= 128  # E=1000: ptxas spills with the second buffer
     while block_t * be * block_d > 128 * 32 * warps:  # accumulator registers per thread
         if block_d > 16:
             block_d //= 2
@@ -185,7 +190,9 @@ def pick_config(num_tokens: int, dim: int, num_experts: int) -> RouterConfig:
             block_t //= 2
         else:
             break
-    return RouterConfig(block_t, min(block_d, bd_cap), warps, 3, dot=False, acc3=True)
+    return RouterConfig(
+        block_t, min(block_d, bd_cap), warps, 3, dot=False, acc3=True, prefetch=prefetch
+    )
 
 
 def router_scores(
