@@ -740,7 +740,9 @@ def _place_counted_pairs(
     TOK_PER_PROG <= 255 per program) into L_PAD / 4 int32 words; an exclusive prefix sum over
     the program's tokens then gives every (token, expert) its rank in one byte. Stores go out in
     token order (each pair to base[e] + rank), not grouped per expert as after a sort."""
-    NW: tl.constexpr = (L_PAD + 3) // 4  # count words per token
+    # Count words per token; at least 4 (a (tokens, 1) tensor trips triton 3.6-3.8's
+    # TritonGPUOptimizeThreadLocality pass; unused words stay zero).
+    NW: tl.constexpr = max(4, (L_PAD + 3) // 4)
     tok = tl.arange(0, TOK_PER_PROG)
     rows = pid * TOK_PER_PROG + tok
     row_ok = rows < T

@@ -1,0 +1,100 @@
+"""The GPU launch plans of the routing and router kernels compile for sm_90a (Hopper), on a
+machine without a GPU.
+
+The interpreter runs the kernels' semantics but not Triton's GPU compiler, whose passes can reject
+a kernel for one specialisation only (triton 3.6-3.8's ``TritonGPUOptimizeThreadLocality`` failed
+on C's counting placement with a (tokens, 1) count tensor, an expert range of <= 4 experts; found
+on an H200). So every launch plan the GPU launchers pick for a spread of shapes is compiled here
+to a cubin (Triton's bundled ptxas). Skipped under ``TRITON_INTERPRET=1`` (the launchers pick
+interpreter plans there) and where Triton cannot compile for CUDA at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_kernels._dispatch import INTERPRET
+
+pytestmark = pytest.mark.skipif(INTERPRET, reason="GPU launch plans only without the interpreter")
+
+
+def _compile(kern, sig: dict, consts: dict, num_warps: int, num_stages: int = 3):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**sig, **dict.fromkeys(consts, "constexpr")}
+    src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs={})
+    opts = dict(num_warps=num_warps, num_stages=num_stages)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+@pytest.fixture(scope="module")
+def can_compile():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe(x_ptr, BLOCK: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, BLOCK), tl.arange(0, BLOCK))
+
+    try:
+        _compile(_probe, {"x_ptr": "*i32"}, {"BLOCK": 32}, 1, 1)
+    except Exception as exc:  # no CUDA backend / ptxas in this Triton build
+        pytest.skip(f"triton cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+
+
+# (T, E, top_k, start, end, scores dtype kind: 0 fp32 / 1 bf16 / 2 fp16, renormalize)
+PLANS = [
+    (4096, 16, 8, 0, 16, 1, False),  # small: ranks in A, scan fused into C
+    (4096, 128, 8, 0, 128, 0, True),
+    (65536, 128, 8, 0, 128, 1, False),  # sorted placement, PACK_W
+    (1 << 20, 128, 8, 0, 128, 1, False),  # scan launch, sort
+    (1 << 20, 16, 8, 0, 16, 1, False),  # counting placement
+    (300000, 16, 4, 0, 16, 0, True),
+    (300000, 128, 8, 32, 32, 1, False),  # empty expert range (L = 0)
+    (300000, 128, 8, 32, 33, 1, False),  # L = 1
+    (300000, 128, 8, 32, 36, 2, False),  # L = 4
+    (300000, 128, 8, 32, 40, 1, True),  # L = 8
+    (300000, 64, 6, 16, 48, 0, False),  # L = 32: sort
+]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=str)
+@pytest.mark.parametrize("weights", [False, True], ids=["index_shuffling", "route"])
+def test_routing_plans_compile(can_compile, plan, weights):
+    from moe_kernels._triton import routing as tri
+
+    T, E, k, start, end, kind, renorm = plan
+    renorm = renorm and weights  # index_shuffling has no weights to renormalize
+    p = tri._launch_plan(T, E, k, start, end, kind, renorm, True, weights, weights, not weights,
+                         None)  # fmt: skip
+    x_t = "*fp32" if kind == 0 else "*i16"
+    ints = dict.fromkeys(["T", "E", "start", "end", "n_programs"], "i32")
+    a_sig = dict(x_ptr=x_t, stride_t="i32", stride_e="i32", vtc_ptr="*i32", pack_ptr="*i32",
+                 scr_w_ptr="*fp32", hist_ptr="*i32", **ints)  # fmt: skip
+    _compile(tri._topk_rank_kernel, a_sig, dict(p.a), p.a_warps)
+    if p.scan is not None:
+        _, consts, warps = p.scan
+        sig = dict(hist_ptr="*i32", counts_ptr="*i32", L="i32", n_programs="i32")
+        _compile(tri._scan_kernel, sig, dict(consts), warps)
+    c_sig = dict(pack_ptr="*i32", scr_w_ptr="*fp32", inverse_ptr="*i32", hist_ptr="*i32",
+                 counts_ptr="*i32", expert_ptr="*i32", token_ptr="*i32", weight_ptr="*fp32",
+                 offsets_ptr="*i32", tcpe_ptr="*i32", T="i32", E="i32", L="i32", start="i32",
+                 n_programs="i32")  # fmt: skip
+    _compile(tri._place_kernel, c_sig, dict(p.c), p.c_warps)
+
+
+@pytest.mark.parametrize("num_tokens", [512, 2048, 16384])
+@pytest.mark.parametrize("num_experts", [16, 128, 1000])
+def test_router_default_configs_compile(can_compile, num_tokens, num_experts):
+    from moe_kernels._triton import router as tri
+
+    cfg = tri.pick_config(num_tokens, 2048, num_experts)
+    sig = dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32")
+    sig.update(dict.fromkeys(["T", "D", "E", "stride_xt", "stride_xd", "stride_we", "stride_wd"],
+                             "i32"))  # fmt: skip
+    consts = dict(SIGMOID=False, BLOCK_T=cfg.block_t, BLOCK_E=tri.block_e(num_experts),
+                  BLOCK_D=cfg.block_d, EVEN_D=True, USE_DOT=cfg.dot, ACC3=cfg.acc3,
+                  PREFETCH=cfg.prefetch, WHILE_LOOPS=False)  # fmt: skip
+    _compile(tri._router_kernel, sig, consts, cfg.num_warps, cfg.num_stages)
