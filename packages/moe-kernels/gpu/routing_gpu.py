@@ -125,6 +125,20 @@ def correctness() -> None:
             T=40 if big else 100000, E=64, k=6, dtype=torch.float32, start=16, end=48, kind="ties"
         ),
         dict(T=40 if big else 300000, E=128, k=8, dtype=torch.bfloat16, start=32, end=32),
+        # C's counting placement (sorted path, <= 16 local experts): full, ranges of 1/4/8
+        dict(T=40 if big else 300000, E=16, k=8, dtype=torch.bfloat16, kind="ties"),
+        dict(T=40 if big else 300000, E=16, k=4, dtype=torch.float32, valid=299000),
+        dict(T=40 if big else 300000, E=128, k=8, dtype=torch.bfloat16, start=32, end=33),
+        dict(T=40 if big else 300000, E=128, k=8, dtype=torch.float16, start=32, end=36),
+        dict(
+            T=40 if big else 200000,
+            E=32,
+            k=8,
+            dtype=torch.bfloat16,
+            start=8,
+            end=16,
+            kind="special",
+        ),  # fmt: skip
         dict(T=1, E=8, k=2, dtype=torch.float16),
         dict(T=5, E=1, k=1, dtype=torch.bfloat16, kind="special"),
         dict(T=0, E=8, k=2, dtype=torch.bfloat16),

@@ -567,6 +567,7 @@ def _place_kernel(
     PACK_W: tl.constexpr,  # SORTED: A packed 16-bit weight bits above each expert (see A)
     IS_BF16: tl.constexpr,  # PACK_W: the weights' bits are bf16 (else fp16)
     COUNT: tl.constexpr,  # SORTED: rank by byte-packed per-expert counts instead of tl.sort
+    NW: tl.constexpr,  # COUNT: int32 count words per token (>= L_PAD / 4)
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -615,7 +616,7 @@ def _place_kernel(
     if COUNT:
         _place_counted_pairs(
             pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K,
-            n, pid, K_PAD, L_PAD, TOK_PER_PROG, WEIGHTS, INVERSE, PACK_W, IS_BF16,
+            n, pid, K_PAD, NW, TOK_PER_PROG, WEIGHTS, INVERSE, PACK_W, IS_BF16,
         )  # fmt: skip
     elif SORTED:
         _place_sorted_pairs(
@@ -731,18 +732,15 @@ def _place_sorted_pairs(
 @triton.jit
 def _place_counted_pairs(
     pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K, n, pid,
-    K_PAD: tl.constexpr, L_PAD: tl.constexpr, TOK_PER_PROG: tl.constexpr,
+    K_PAD: tl.constexpr, NW: tl.constexpr, TOK_PER_PROG: tl.constexpr,
     WEIGHTS: tl.constexpr, INVERSE: tl.constexpr, PACK_W: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
     """Bare choices from A, ranked without sorting: a pair's rank inside its expert's run is the
     number of earlier tokens of the program that chose the same expert (a token picks an expert
     at most once). Per token, the counts of all L experts are packed one byte each (at most
-    TOK_PER_PROG <= 255 per program) into L_PAD / 4 int32 words; an exclusive prefix sum over
+    TOK_PER_PROG <= 255 per program) into NW int32 words; an exclusive prefix sum over
     the program's tokens then gives every (token, expert) its rank in one byte. Stores go out in
     token order (each pair to base[e] + rank), not grouped per expert as after a sort."""
-    # Count words per token; at least 4 (a (tokens, 1) tensor trips triton 3.6-3.8's
-    # TritonGPUOptimizeThreadLocality pass; unused words stay zero).
-    NW: tl.constexpr = max(4, (L_PAD + 3) // 4)
     tok = tl.arange(0, TOK_PER_PROG)
     rows = pid * TOK_PER_PROG + tok
     row_ok = rows < T
@@ -981,6 +979,9 @@ def _launch_plan(
         PACK_W=pack_w,
         IS_BF16=kind == 1,
         COUNT=count,
+        # At least 4 words: a (tokens, 1) count tensor trips triton 3.6-3.8's
+        # TritonGPUOptimizeThreadLocality pass (unused words stay zero).
+        NW=max(4, (l_pad + 3) // 4) if count else 1,
     )
     if INTERPRET:
         c_warps = 1
