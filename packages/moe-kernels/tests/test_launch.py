@@ -46,3 +46,31 @@ def test_interpreter_launches_through_triton_and_caches_nothing():
         k.launch((1,), (x, out, 10), {"BLOCK": 16})
         assert torch.equal(out, x + 1)
     assert not FastKernel.enabled and k.handles == {}
+
+
+def test_hook_detection_reads_hook_chains():
+    """Triton >= 3.5 keeps launch hooks as always-present ``HookChain`` objects: an empty chain
+    is no hook (the fast path stays on), a chain with a hook is one, and so is a bare callable."""
+    from moe_kernels._triton.launch import _hooked
+
+    class Chain:  # the shape of triton.knobs.HookChain
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert not _hooked(None, None)
+    assert not _hooked(Chain([]), Chain([]))
+    assert _hooked(Chain([print]), Chain([]))
+    assert _hooked(None, print)
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    if knobs.runtime.launch_enter_hook is not None:  # this Triton's default: no hook installed
+        assert not _hooked(knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+
+
+def test_unkeyable_arguments_take_the_plain_path():
+    from moe_kernels._triton.launch import _NO_KEY
+
+    assert _arg_key(object()) is _NO_KEY  # e.g. a TMA descriptor, a new object per call
+    assert _arg_key(0.5) == _arg_key(2.0) and _arg_key(0.5) is not _NO_KEY

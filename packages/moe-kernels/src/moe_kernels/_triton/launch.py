@@ -1,15 +1,18 @@
 """Low-overhead launches of JIT kernels on the GPU.
 
 ``kernel[grid](*args, **constexprs)`` costs 15-40 us of host time per call on the H200's host
-(argument binding, specialisation, cache key, then the C launcher), as much as a small routing
-problem's GPU time. ``FastKernel`` does the first launch of every specialisation through Triton
-(which compiles and caches it) and later ones straight through the compiled kernel's launcher.
+(argument binding, specialisation, cache key, launch metadata, then the C launcher), as much as a
+small routing problem's GPU time. ``FastKernel`` does the first launch of every specialisation
+through Triton (which compiles and caches it) and later ones straight through the compiled
+kernel's launcher.
 
 The specialisation key mirrors Triton's: per tensor its dtype and whether its address is 16-byte
 aligned; per int whether it is 1, whether it is a multiple of 16 and whether it needs 64 bits;
 every constexpr and launch option by value. So a cached handle is only reused where Triton would
-have picked the same compiled kernel. Under the interpreter, with a launch hook installed, or on
-any Triton without the compiled-kernel attributes used here, every call takes the plain path.
+have picked the same compiled kernel. Under the interpreter, with a launch hook installed (a
+non-empty ``HookChain`` on Triton >= 3.5, whose empty chains are not None), or on any Triton
+without the compiled-kernel attributes used here, every call takes the plain path. Arguments
+without a stable key (e.g. TMA descriptors, new objects per call) never hit the cache either.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ except Exception:  # pragma: no cover - older triton: no knobs, no fast path
     _HOOKS = None
 
 
+def _hooked(*hooks: object) -> bool:
+    """Whether a launch hook is installed. Triton >= 3.5 keeps each hook slot as a ``HookChain``
+    that is never None (empty: ``.calls == []``); older versions use None for no hook."""
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+_NO_KEY = object()  # an argument the cache cannot key (e.g. a TMA descriptor): plain path
+
+
 def _arg_key(a: object) -> object:
     ptr = getattr(a, "data_ptr", None)
     if ptr is not None:
@@ -36,7 +48,9 @@ def _arg_key(a: object) -> object:
         return a
     if isinstance(a, int):
         return (a == 1, a % 16 == 0, not -(2**31) <= a < 2**31)
-    return a
+    if isinstance(a, float):
+        return float
+    return _NO_KEY
 
 
 class FastKernel:
@@ -58,15 +72,17 @@ class FastKernel:
     def launch(
         self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], **options: Any
     ) -> None:
-        if not FastKernel.enabled or (
-            _HOOKS.launch_enter_hook is not None or _HOOKS.launch_exit_hook is not None
-        ):
+        if not FastKernel.enabled or _hooked(_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook):
+            self.fn[grid](*args, **constexprs, **options)
+            return
+        arg_keys = tuple(map(_arg_key, args))
+        if _NO_KEY in arg_keys:
             self.fn[grid](*args, **constexprs, **options)
             return
         dev = args[0].get_device()
         key = (
             dev,
-            tuple(map(_arg_key, args)),
+            arg_keys,
             tuple(constexprs.values()),
             tuple(options.items()),
         )
