@@ -27,7 +27,7 @@ from moe_tools.timing import graph_time_fn
 DRY = os.environ.get("DRY", "0") == "1"
 DEV = torch.device("cpu" if DRY else "cuda")
 T, D, E, K, H = (64, 64, 4, 2, 32) if DRY else (2048, 2048, 16, 8, 1024)
-IMPL = os.environ.get("LAYER_IMPL", "triton_fused")
+IMPL = os.environ.get("LAYER_IMPL", "triton_bf16")
 
 
 def configs():

@@ -5,7 +5,7 @@ PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/sr
     python3 packages/moe-model/gpu/router_ab.py            # H200 (~5 min)
 DRY=1 python3 packages/moe-model/gpu/router_ab.py          # CPU smoke run, tiny sizes
 
-Rows, for ``triton_fused`` (``AB_IMPL`` to change): ``moe-bench rollout``'s figures with compile
+Rows, for ``triton_bf16`` (``AB_IMPL`` to change): ``moe-bench rollout``'s figures with compile
 and CUDA graphs (256 frames on the GPU), first with the kernel router (the default for E <= 32),
 then with the torch formula (``moe_model.moe.KERNEL_ROUTER_IMPLS`` emptied), then (``AB_AGAIN=1``)
 the kernel router once more, a drift check. The layer alone: ``gpu/layer_breakdown.py``.
@@ -22,7 +22,7 @@ from moe_tools import rollout
 
 DRY = os.environ.get("DRY", "0") == "1"
 DEV = torch.device("cpu" if DRY else "cuda")
-IMPL = os.environ.get("AB_IMPL", "triton_fused")
+IMPL = os.environ.get("AB_IMPL", "triton_bf16")
 KERNEL = moe.KERNEL_ROUTER_IMPLS
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moe_model.moe import MOE_IMPLS, SCORE_FNS
+from moe_model.moe import IMPL_ALIASES, MOE_IMPLS, SCORE_FNS
 
 _POSITIVE_FIELDS = (
     *("n_layers", "d_model", "n_heads", "n_kv_heads", "n_experts", "top_k", "moe_hidden"),
@@ -91,7 +91,7 @@ class WorldModelConfig:
             raise ValueError(f"top_k={self.top_k} must be <= n_experts={self.n_experts}")
         if self.mlp not in ("moe", "dense"):
             raise ValueError(f"mlp must be 'moe' or 'dense', got {self.mlp!r}")
-        if self.moe_impl not in MOE_IMPLS:
+        if IMPL_ALIASES.get(self.moe_impl, self.moe_impl) not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if self.score_fn not in SCORE_FNS:
             raise ValueError(f"score_fn must be one of {SCORE_FNS}, got {self.score_fn!r}")

@@ -4,8 +4,8 @@ Every implementation reads the same parameters, so ``layer.impl = "torch"`` swit
 layer. The data path of the sync-free implementations:
 ``scores = router(x)`` -> ``plan = route(scores, k)`` -> ``xs = dispatch(x, plan)`` ->
 ``h = grouped_mm(xs, in_proj^T)`` -> activation -> ``ys = grouped_mm(h, out_proj^T)`` ->
-``y = combine(ys, plan)``; ``"triton_fused"`` gathers the rows inside the first grouped GEMM,
-which also applies the SiLU.
+``y = combine(ys, plan)``; the ``triton_*`` implementations fuse the dispatch into the first
+grouped GEMM (the rows are gathered inside it, which also applies the SiLU).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ MOE_IMPLS: tuple[str, ...] = (
     "torch",
     "triton_bf16",
     "triton_fp32",
-    "triton_fused",
     "fbgemm",
     "mxfp8",
 )
@@ -127,28 +126,14 @@ def _kernels_experts(
     return ys_PD, plan
 
 
-def _mm_bf16(a_MK: torch.Tensor, b_EKN: torch.Tensor, plan) -> torch.Tensor:
-    return grouped_mm(a_MK, b_EKN, plan.offsets, plan.expert_indices)
-
-
-def _make_triton(out_dtype: torch.dtype) -> Callable:
-    def _forward(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
-        from moe_kernels.tokens import combine
-
-        ys_PD, plan = _kernels_experts(layer, x_TD, scores_TE, _mm_bf16)
-        return combine(ys_PD, plan, weighted=True, out_dtype=out_dtype).to(x_TD.dtype)
-
-    _forward.__doc__ = (
-        f"moe-kernels route/dispatch/combine (combine out {out_dtype}), grouped GEMM."
-    )
-    return _forward
-
-
-def _forward_fused(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
-    """Fewer passes over memory: ``route``, the gather + first GEMM + SiLU in one Triton grouped
-    GEMM, the second GEMM (``torch._grouped_mm`` where it runs, else the Triton grouped GEMM),
-    bf16 combine. SwiGLU layers apply the gate between the GEMMs (outside the kernel)."""
-    from moe_kernels import combine, gather_grouped_mm, route
+def _fused_experts(
+    layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor
+) -> tuple[torch.Tensor, object]:
+    """``route``; the dispatch (gather of the routed rows), first GEMM and SiLU in one Triton
+    grouped GEMM; the second GEMM (``torch._grouped_mm`` where it runs, else the Triton grouped
+    GEMM). SwiGLU layers apply the gate between the GEMMs (outside the kernel). Returns the
+    expert outputs (T * k, D) in the plan's sorted order, and the plan."""
+    from moe_kernels import gather_grouped_mm, route
 
     plan = route(scores_TE, layer.top_k, renormalize=layer.renormalize)
     w_dtype = layer.in_proj.dtype
@@ -161,7 +146,21 @@ def _forward_fused(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor)
         ys_PD = grouped_mm(h_PH, layer.out_proj.mT, plan.offsets, plan.expert_indices)
     else:  # the Triton grouped GEMM, not grouped_mm's E-times-the-FLOPs fallback
         ys_PD = gather_grouped_mm(h_PH, layer.out_proj, plan.offsets)
-    return combine(ys_PD, plan, weighted=True, out_dtype=w_dtype).to(x_TD.dtype)
+    return ys_PD, plan
+
+
+def _make_triton(out_dtype: torch.dtype) -> Callable:
+    def _forward(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+        from moe_kernels import combine
+
+        ys_PD, plan = _fused_experts(layer, x_TD, scores_TE)
+        return combine(ys_PD, plan, weighted=True, out_dtype=out_dtype).to(x_TD.dtype)
+
+    _forward.__doc__ = (
+        "moe-kernels route, gather + first grouped GEMM + SiLU fused, second grouped GEMM, "
+        f"combine accumulated in fp32 and returned in {out_dtype} before the cast to x's dtype."
+    )
+    return _forward
 
 
 def _mm_mxfp8(a_MK: torch.Tensor, b_EKN: torch.Tensor, plan) -> torch.Tensor:
@@ -224,7 +223,6 @@ _IMPLS: dict[str, Callable] = {
     "torch": _forward_torch,
     "triton_bf16": _make_triton(torch.bfloat16),
     "triton_fp32": _make_triton(torch.float32),
-    "triton_fused": _forward_fused,
     "fbgemm": _forward_fbgemm,
     "mxfp8": _forward_mxfp8,
 }
@@ -233,12 +231,18 @@ _IMPLS: dict[str, Callable] = {
 # Where ``moe_kernels.router_scores`` replaces the torch formula (x cast to fp32, fp32 GEMM,
 # softmax). H200, D=2048, E=16: 11.2 vs 24.1 us alone at 2048 tokens, 7.0 vs 14.4 us at 512
 # (with prefetched D chunks; gpu/router_sweep.py); for E=128 cuBLAS stays faster (58 vs 44 us).
-KERNEL_ROUTER_IMPLS: tuple[str, ...] = ("triton_bf16", "triton_fp32", "triton_fused", "mxfp8")
+KERNEL_ROUTER_IMPLS: tuple[str, ...] = ("triton_bf16", "triton_fp32", "mxfp8")
 KERNEL_ROUTER_MAX_E = 32
+
+# Former names, still accepted: "triton_fused" was triton_bf16 with the dispatch fused into the
+# first grouped GEMM, which triton_bf16 itself now does.
+IMPL_ALIASES: dict[str, str] = {"triton_fused": "triton_bf16"}
 
 
 def check_impl(impl: str) -> str:
-    """Validate an implementation name (ValueError if unknown, RuntimeError if unavailable)."""
+    """Validate an implementation name and return it, an alias (``IMPL_ALIASES``) replaced by its
+    implementation (ValueError if unknown, RuntimeError if unavailable)."""
+    impl = IMPL_ALIASES.get(impl, impl) if isinstance(impl, str) else impl
     if impl not in MOE_IMPLS:
         raise ValueError(f"impl must be one of {MOE_IMPLS}, got {impl!r}")
     if impl == "fbgemm" and not _fbgemm_available():
