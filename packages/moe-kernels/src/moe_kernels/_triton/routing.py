@@ -631,6 +631,26 @@ def _place_kernel(
 
 
 @triton.jit
+def _store_in_token_order(
+    pos, le, wv, rows, offs, m, routed, n, inverse_ptr, expert_ptr, token_ptr, weight_ptr,
+    NR: tl.constexpr, K_PAD: tl.constexpr, WEIGHTS: tl.constexpr, INVERSE: tl.constexpr,
+):  # fmt: skip
+    """(NR tokens, K_PAD choices) in token order: each routed pair's expert, token and weight
+    at its sorted position ``pos`` (scattered 4-byte stores), ``inverse`` = pos (-1 unrouted), and
+    the -1 / 0 tail at the pairs' own flat indices ``offs`` >= n."""
+    if INVERSE:
+        tl.store(inverse_ptr + offs, pos, mask=m)
+    tl.store(expert_ptr + pos, le, mask=routed)
+    tl.store(token_ptr + pos, tl.broadcast_to(rows[:, None], [NR, K_PAD]), mask=routed)
+    tail = m & (offs >= n)
+    tl.store(expert_ptr + offs, tl.full([NR, K_PAD], -1, tl.int32), mask=tail)
+    tl.store(token_ptr + offs, tl.full([NR, K_PAD], -1, tl.int32), mask=tail)
+    if WEIGHTS:
+        tl.store(weight_ptr + pos, wv, mask=routed)
+        tl.store(weight_ptr + offs, tl.zeros([NR, K_PAD], tl.float32), mask=tail)
+
+
+@triton.jit
 def _place_ranked_pairs(
     pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K, n, pid,
     K_PAD: tl.constexpr, L_BITS: tl.constexpr, TOK_PER_PROG: tl.constexpr, CHUNK_T: tl.constexpr,
@@ -650,17 +670,14 @@ def _place_ranked_pairs(
         r = packed >> L_BITS
         b = tl.gather(base, tl.reshape(tl.where(routed, le, 0), [CHUNK_T * K_PAD]), 0)
         pos = tl.where(routed, tl.reshape(b, [CHUNK_T, K_PAD]) + r, -1)
-        if INVERSE:
-            tl.store(inverse_ptr + offs, pos, mask=m)
-        tl.store(expert_ptr + pos, le, mask=routed)
-        tl.store(token_ptr + pos, tl.broadcast_to(rows[:, None], [CHUNK_T, K_PAD]), mask=routed)
-        tail = m & (offs >= n)
-        tl.store(expert_ptr + offs, tl.full([CHUNK_T, K_PAD], -1, tl.int32), mask=tail)
-        tl.store(token_ptr + offs, tl.full([CHUNK_T, K_PAD], -1, tl.int32), mask=tail)
         if WEIGHTS:
             wv = tl.load(scr_w_ptr + offs, mask=m, other=0.0)
-            tl.store(weight_ptr + pos, wv, mask=routed)
-            tl.store(weight_ptr + offs, tl.zeros([CHUNK_T, K_PAD], tl.float32), mask=tail)
+        else:
+            wv = tl.zeros([CHUNK_T, K_PAD], tl.float32)
+        _store_in_token_order(
+            pos, le, wv, rows, offs, m, routed, n, inverse_ptr, expert_ptr, token_ptr, weight_ptr,
+            CHUNK_T, K_PAD, WEIGHTS, INVERSE,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -771,20 +788,16 @@ def _place_counted_pairs(
     rank = (tl.gather(before, le0 >> 2, 1) >> ((le0 & 3) * 8)) & 0xFF
     b = tl.gather(base, tl.reshape(le0, [TOK_PER_PROG * K_PAD]), 0)
     pos = tl.where(routed, tl.reshape(b, [TOK_PER_PROG, K_PAD]) + rank, -1)
-    if INVERSE:
-        tl.store(inverse_ptr + offs, pos, mask=m)
-    tl.store(expert_ptr + pos, le, mask=routed)
-    tl.store(token_ptr + pos, tl.broadcast_to(rows[:, None], [TOK_PER_PROG, K_PAD]), mask=routed)
-    tail = m & (offs >= n)
-    tl.store(expert_ptr + offs, tl.full([TOK_PER_PROG, K_PAD], -1, tl.int32), mask=tail)
-    tl.store(token_ptr + offs, tl.full([TOK_PER_PROG, K_PAD], -1, tl.int32), mask=tail)
-    if WEIGHTS:
-        if PACK_W:
-            wv = _bits16_to_f32((word >> 16) & 0xFFFF, IS_BF16)
-        else:
-            wv = tl.load(scr_w_ptr + offs, mask=m, other=0.0)
-        tl.store(weight_ptr + pos, wv, mask=routed)
-        tl.store(weight_ptr + offs, tl.zeros([TOK_PER_PROG, K_PAD], tl.float32), mask=tail)
+    if WEIGHTS and PACK_W:
+        wv = _bits16_to_f32((word >> 16) & 0xFFFF, IS_BF16)
+    elif WEIGHTS:
+        wv = tl.load(scr_w_ptr + offs, mask=m, other=0.0)
+    else:
+        wv = tl.zeros([TOK_PER_PROG, K_PAD], tl.float32)
+    _store_in_token_order(
+        pos, le, wv, rows, offs, m, routed, n, inverse_ptr, expert_ptr, token_ptr, weight_ptr,
+        TOK_PER_PROG, K_PAD, WEIGHTS, INVERSE,
+    )  # fmt: skip
 
 
 def _next_pow2(n: int) -> int:
