@@ -631,6 +631,22 @@ def _place_kernel(
 
 
 @triton.jit
+def _load_choices(pack_ptr, offs, m, PACK_W: tl.constexpr):
+    """A's bare choices at ``offs``: (the packed word, the local expert, routed). PACK_W: the
+    expert in the low 16 bits (0xFFFF: not routed), the weight's bits above; else the expert or
+    -1 (the word is the expert then)."""
+    if PACK_W:
+        word = tl.load(pack_ptr + offs, mask=m, other=0xFFFF)
+        le = word & 0xFFFF
+        routed = le != 0xFFFF
+    else:
+        word = tl.load(pack_ptr + offs, mask=m, other=-1)
+        le = word
+        routed = le >= 0
+    return word, le, routed
+
+
+@triton.jit
 def _store_in_token_order(
     pos, le, wv, rows, offs, m, routed, n, inverse_ptr, expert_ptr, token_ptr, weight_ptr,
     NR: tl.constexpr, K_PAD: tl.constexpr, WEIGHTS: tl.constexpr, INVERSE: tl.constexpr,
@@ -696,13 +712,7 @@ def _place_sorted_pairs(
     jv = idx % K_PAD
     m = (rows < T) & (jv < K)
     offs = rows * K + jv
-    if PACK_W:
-        word = tl.load(pack_ptr + offs, mask=m, other=0xFFFF)
-        le = word & 0xFFFF
-        routed = le != 0xFFFF
-    else:
-        le = tl.load(pack_ptr + offs, mask=m, other=-1)
-        routed = le >= 0
+    word, le, routed = _load_choices(pack_ptr, offs, m, PACK_W)
     if INVERSE:
         tl.store(inverse_ptr + offs, tl.full([NP], -1, tl.int32), mask=m & ~routed)
     tail = m & (offs >= n)
@@ -777,13 +787,7 @@ def _place_counted_pairs(
     jj = tl.arange(0, K_PAD)
     m = row_ok[:, None] & (jj[None, :] < K)
     offs = rows[:, None] * K + jj[None, :]
-    if PACK_W:
-        word = tl.load(pack_ptr + offs, mask=m, other=0xFFFF)
-        le = word & 0xFFFF
-        routed = le != 0xFFFF
-    else:
-        le = tl.load(pack_ptr + offs, mask=m, other=-1)
-        routed = le >= 0
+    word, le, routed = _load_choices(pack_ptr, offs, m, PACK_W)
     le0 = tl.where(routed, le, 0)
     rank = (tl.gather(before, le0 >> 2, 1) >> ((le0 & 3) * 8)) & 0xFF
     b = tl.gather(base, tl.reshape(le0, [TOK_PER_PROG * K_PAD]), 0)
