@@ -4,8 +4,8 @@ Per implementation: eager and ``torch.compile(fullgraph=True)`` medians, the com
 time in a CUDA graph (``graph_ms``) and, on CUDA, that time over the two expert GEMMs alone with
 the layer's own group sizes (``vs_gemms``), determinism (eager vs a second eager call), drift
 from the eager ``baseline`` and between compiled and eager. Errors are measured in fp32 on the
-layer outputs. One layer is built and its ``impl`` switched, so every
-implementation sees the same parameters; Dynamo is reset between implementations.
+layer outputs. One layer is built and its ``impl`` switched, so every implementation sees the
+same parameters; Dynamo is reset between implementations.
 """
 
 from __future__ import annotations
@@ -257,8 +257,8 @@ def _grouped_gemms_rows(
     """The experts' two ``torch._grouped_mm`` calls alone on random rows (tokens * top_k of
     them), the yardstick of the sync-free implementations: once with the rows split evenly over
     the experts, once with the group sizes that ``moe_kernels.route`` gives for the layer's
-    router scores of ``x_TD`` (the GEMMs the layer itself runs: with uneven groups the GEMMs
-    have more partial tiles, and more waves of tiles on the GPU)."""
+    router scores of ``x_TD`` (the GEMMs the layer itself runs; on the H200 uneven groups made
+    them ~15% slower, most likely from partial tiles and one more wave of tiles)."""
     rows = [_empty_row(GEMMS_ROW, "reference: the two expert GEMMs alone, equal groups")]
     rows.append(
         _empty_row(GEMMS_ROUTED_ROW, "reference: the two expert GEMMs alone, routed groups")

@@ -7,8 +7,8 @@ fp32 with IEEE multiply-adds, never TF32. The GPU default (``RouterConfig.acc3``
 only, and reduces it over BLOCK_D once at the end; with ``RouterConfig.prefetch`` the loads of
 chunk i+1 are issued before the FMAs of chunk i (registers double-buffered).
 ``tl.dot(..., input_precision="ieee")`` and a per-chunk broadcast multiply + sum are the other
-modes. Then it applies the max-subtracted
-softmax over E (or the sigmoid) in registers and writes (BLOCK_T, E) fp32 scores.
+modes. Then it applies the max-subtracted softmax over E (or the sigmoid) in registers and
+writes (BLOCK_T, E) fp32 scores.
 x is read once; no split over D, no atomics: every program reduces in a fixed order, so results
 are bitwise reproducible. Rows past T and experts past E are clamped on load (no masks in the D
 loop) and masked on store / out of the softmax. Nothing here checks arguments: the public module

@@ -774,12 +774,7 @@ def _place_counted_pairs(
     words = tl.arange(0, NW)
     inc = tl.zeros([TOK_PER_PROG, NW], tl.int32)
     for j in tl.static_range(K_PAD):  # this token's one-byte increments, one choice at a time
-        if PACK_W:
-            le_j = tl.load(pack_ptr + rows * K + j, mask=row_ok & (j < K), other=0xFFFF) & 0xFFFF
-            ok_j = le_j != 0xFFFF
-        else:
-            le_j = tl.load(pack_ptr + rows * K + j, mask=row_ok & (j < K), other=-1)
-            ok_j = le_j >= 0
+        _, le_j, ok_j = _load_choices(pack_ptr, rows * K + j, row_ok & (j < K), PACK_W)
         hit = ((le_j >> 2)[:, None] == words[None, :]) & ok_j[:, None]
         inc += tl.where(hit, (1 << ((le_j & 3) * 8))[:, None], 0)
     before = tl.cumsum(inc, axis=0) - inc  # (tokens, words): counts over earlier tokens
