@@ -6,7 +6,10 @@ interpreter (``TRITON_INTERPRET=1``), so CI exercises the kernels without a GPU.
 
 from __future__ import annotations
 
+import json
 import os
+import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,19 +19,62 @@ ROOT = Path(__file__).parent
 PACKAGES = ("moe-kernels", "moe-model", "moe-tools")
 
 # torch version -> the triton that torch release was built against (pip's name differs on Windows).
+# Newest first: ``nox -s tests`` runs the main version before the older one.
 TORCH_TRITON = {
-    "2.9.1": ("triton==3.5.1", "triton-windows>=3.5,<3.6"),
     "2.13.0": ("triton==3.8.0", "triton-windows>=3.8,<3.9"),
+    "2.9.1": ("triton==3.5.1", "triton-windows>=3.5,<3.6"),
 }
 TORCH_VERSIONS = list(TORCH_TRITON)
+NEWEST_TORCH = TORCH_VERSIONS[0]
+
+# On Linux x86_64 PyPI's torch wheels are CUDA builds: torch 2.9.1 with its nvidia-* wheels took
+# 6.7 GiB installed and peaked at 10.4 GiB of disk while pip installed it without a cache (pip's
+# cache keeps another ~3.9 GiB of wheels). A CPU-only machine with less room skips that version's
+# session and says why, unless MOE_NOX_STRICT=1, which makes a missing version a failure.
+CUDA_TORCH_PEAK_GIB = 11 if os.environ.get("PIP_NO_CACHE_DIR", "") not in ("", "0") else 15
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "virtualenv"
 
 
-def _install_torch(session: nox.Session, torch_version: str) -> None:
+def _torch_requirements(torch_version: str) -> list[str]:
     linux, windows = TORCH_TRITON[torch_version]
-    session.install(f"torch=={torch_version}", windows if sys.platform == "win32" else linux)
+    return [f"torch=={torch_version}", windows if sys.platform == "win32" else linux]
+
+
+def _pulls_cuda_wheels(session: nox.Session, requirements: list[str]) -> bool:
+    """Whether pip would install nvidia-* wheels for ``requirements`` (a dry-run resolve, which
+    reads metadata only); False when the resolve itself fails (the real install then reports)."""
+    report = Path(session.create_tmp()) / "torch-resolve.json"
+    try:
+        session.run(
+            "python", "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+            "--report", str(report), *requirements, silent=True,
+        )  # fmt: skip
+        names = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    except Exception:
+        return False
+    return any(name.lower().startswith("nvidia-") for name in names)
+
+
+def _install_torch(session: nox.Session, torch_version: str) -> None:
+    """torch and its triton; skips the session (see CUDA_TORCH_PEAK_GIB) where a CUDA build would
+    not fit on the disk."""
+    requirements = _torch_requirements(torch_version)
+    free_gib = shutil.disk_usage(session.virtualenv.location).free / 2**30
+    if (
+        free_gib < CUDA_TORCH_PEAK_GIB
+        and platform.machine() in ("x86_64", "AMD64")
+        and _pulls_cuda_wheels(session, requirements)
+    ):
+        why = (
+            f"torch {torch_version} resolves to a CUDA build here (nvidia-* wheels), which needs "
+            f"about {CUDA_TORCH_PEAK_GIB} GiB of free disk to install; {free_gib:.1f} GiB are free"
+        )
+        if os.environ.get("MOE_NOX_STRICT", "0") not in ("", "0"):
+            session.error(why)
+        session.skip(why)
+    session.install(*requirements)
 
 
 def _install_packages(session: nox.Session, *extras: str) -> None:
@@ -58,7 +104,7 @@ def benchmarks(session: nox.Session) -> None:
     """The pytest-benchmark suite in packages/moe-tools/benchmarks (tiny sizes on CPU, full sizes
     on CUDA); JSON into benchmarks/results/<machine>-<date>/ (render it with
     ``moe-bench report --results benchmarks/results/<dir> --out BENCHMARKS.md``)."""
-    torch = os.environ.get("MOE_BENCH_TORCH", TORCH_VERSIONS[-1])
+    torch = os.environ.get("MOE_BENCH_TORCH", NEWEST_TORCH)
     _install_torch(session, torch)
     _install_packages(session, "pytest-benchmark>=4", "tqdm", "matplotlib")
     folder = session.run(
@@ -104,8 +150,7 @@ def build(session: nox.Session) -> None:
     venv = Path(session.create_tmp()) / "kernels-only"
     session.run(sys.executable, "-m", "venv", "--clear", str(venv), external=True)
     py = str(venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python"))
-    linux, windows = TORCH_TRITON[TORCH_VERSIONS[-1]]
     pip = [py, "-m", "pip", "install", "-q"]
-    session.run(*pip, f"torch=={TORCH_VERSIONS[-1]}", external=True)
+    session.run(*pip, f"torch=={NEWEST_TORCH}", external=True)
     session.run(*pip, str(wheel), external=True)
     session.run(py, str(ROOT / ".ci" / "check_kernels_wheel.py"), external=True)
