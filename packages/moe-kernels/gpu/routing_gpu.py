@@ -79,7 +79,9 @@ def check_case(T, E, k, dtype, start=None, end=None, valid=None, kind="softmax",
     s, e = (0 if start is None else start), (E if end is None else end)
     vtc = None if valid is None else torch.tensor([valid], device=dev, dtype=torch.int32)
     tag = f"T={T} E={E} k={k} {str(dtype)[6:]} [{s},{e}) valid={valid} {kind} {layout}"
-    for renorm in (False, True):
+    # Each shape twice: the first eager call launches through Triton, the second relaunches the
+    # bound handles (int addresses into a fresh buffer).
+    for renorm, launch in ((False, "full"), (False, "bound"), (True, "full"), (True, "bound")):
         poison(T * k * 16)
         got = route(
             x,
@@ -93,12 +95,13 @@ def check_case(T, E, k, dtype, start=None, end=None, valid=None, kind="softmax",
         op = torch.ops.moe_kernels.route.default(x, k, vtc, s, e, renorm)
         bad = [f for f, a, b in zip(got._fields, got, want, strict=True) if not same(a, b)]
         bad += [f"op:{f}" for f, a, b in zip(got._fields, got, op, strict=True) if not same(a, b)]
-        check(f"route renorm={renorm} {tag}", not bad, str(bad) if bad else "")
-    poison(T * k * 16)
-    got = index_shuffling(x, start, end, vtc, k)
-    want = index_shuffling_reference(x, s, e, vtc, k)
-    bad = [i for i in range(3) if not same(got[i], want[i])]
-    check(f"index_shuffling {tag}", not bad, str(bad) if bad else "")
+        check(f"route renorm={renorm} {launch} {tag}", not bad, str(bad) if bad else "")
+    for launch in ("full", "bound"):
+        poison(T * k * 16)
+        got = index_shuffling(x, start, end, vtc, k)
+        want = index_shuffling_reference(x, s, e, vtc, k)
+        bad = [i for i in range(3) if not same(got[i], want[i])]
+        check(f"index_shuffling {launch} {tag}", not bad, str(bad) if bad else "")
 
 
 def correctness() -> None:

@@ -13,11 +13,15 @@ have picked the same compiled kernel. Under the interpreter, with a launch hook 
 non-empty ``HookChain`` on Triton >= 3.5, whose empty chains are not None), or on any Triton
 without the compiled-kernel attributes used here, every call takes the plain path. Arguments
 without a stable key (e.g. TMA descriptors, new objects per call) never hit the cache either.
+
+A caller that can key a whole group of launches itself (the routing launcher: one key per launch
+plan, strides and pointer alignments) keeps the ``Handle`` that ``launch`` returns and relaunches
+it with ``run``, skipping the per-argument key as well.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from triton.runtime import driver
 
@@ -53,6 +57,13 @@ def _arg_key(a: object) -> object:
     return _NO_KEY
 
 
+class Handle(NamedTuple):
+    """A compiled kernel and the constexpr values that follow the runtime arguments."""
+
+    kernel: Any
+    tail: tuple
+
+
 class FastKernel:
     """Wraps a ``@triton.jit`` function; ``launch(grid, args, constexprs, **options)``.
 
@@ -64,21 +75,23 @@ class FastKernel:
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        self.handles: dict[tuple, Any] = {}
+        self.handles: dict[tuple, Handle] = {}
 
     def __getattr__(self, name: str) -> Any:  # ``.fn`` attributes, for introspection
         return getattr(self.fn, name)
 
     def launch(
         self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], **options: Any
-    ) -> None:
-        if not FastKernel.enabled or _hooked(_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook):
+    ) -> Handle | None:
+        """Launch; returns the compiled handle that ran (None where the plain path ran and no
+        handle could be cached), which ``run`` can launch again with new arguments."""
+        if not fast_path_open():
             self.fn[grid](*args, **constexprs, **options)
-            return
+            return None
         arg_keys = tuple(map(_arg_key, args))
         if _NO_KEY in arg_keys:
             self.fn[grid](*args, **constexprs, **options)
-            return
+            return None
         dev = args[0].get_device()
         key = (
             dev,
@@ -86,19 +99,33 @@ class FastKernel:
             tuple(constexprs.values()),
             tuple(options.items()),
         )
-        k = self.handles.get(key)
-        if k is None:
+        h = self.handles.get(key)
+        if h is None:
             k = self.fn[grid](*args, **constexprs, **options)
             if all(hasattr(k, a) for a in ("run", "function", "packed_metadata")):
-                self.handles[key] = k
-            return
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        stream = driver.active.get_current_stream(dev)
-        k.run(
-            grid[0], g1, g2, stream, k.function, k.packed_metadata, None, None, None,
-            *args, *[constexprs[n] for n in self.fn.arg_names[len(args):]],
-        )  # fmt: skip
+                tail = tuple(constexprs[n] for n in self.fn.arg_names[len(args) :])
+                h = self.handles[key] = Handle(k, tail)
+            return h
+        run(h, grid, dev, args)
+        return h
+
+
+def fast_path_open() -> bool:
+    """Whether compiled handles may be launched directly: the GPU (no interpreter), a Triton
+    with launch hooks we can see, and none installed now."""
+    return FastKernel.enabled and not _hooked(_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook)
+
+
+def run(h: Handle, grid: tuple[int, ...], dev: int, args: tuple) -> None:
+    """Launch handle ``h`` on device ``dev``'s current stream. ``args`` must give Triton the same
+    specialisation as the launch that returned ``h`` (dtypes, 16-byte alignment of every pointer,
+    the properties of every int: the caller's key has to pin them); pointers may be passed as
+    int addresses, which Triton's launcher accepts like tensors."""
+    k = h.kernel
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    stream = driver.active.get_current_stream(dev)
+    k.run(grid[0], g1, g2, stream, k.function, k.packed_metadata, None, None, None, *args, *h.tail)
 
 
 def fast(fn: Any) -> FastKernel:

@@ -40,7 +40,9 @@ index_shuffling from 711 to 550 us and route from 992 to 697 us, insertion top-k
 490 us, fp32 keys and the merge network to 353 and 402 us (kernel A 174 us, its load pattern's
 floor 110 us; C 164 / 204 us, mostly ``tl.sort``), route's weights carried in the packed choices
 and sort keys (``PACK_W``) and B's wider chunks to 344 and 382 us. At T=4096 the kernels take
-6-12 us and eager calls are bound by the host's launch cost.
+6-12 us and eager calls are bound by the host's launch cost. So eager calls after a plan's first
+relaunch its compiled handles with int addresses (``_BOUND``); on a 2-core CPU host with stand-in
+kernels that halved the launcher's time: route 28-32 -> 15 us, index_shuffling 26-29 -> 12 us.
 
 ``OLD_INTERP`` (only under triton < 3.6's interpreter): kernel A's per-program histogram by
 one-hot sums instead of ``tl.histogram`` (wrong counts for program 0 there), and NaN scores
@@ -57,6 +59,7 @@ compiles the ``for`` loops (same sm_90 PTX as without the flag).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -64,7 +67,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import INTERPRET
-from .launch import FastKernel
+from .launch import FastKernel, Handle, fast_path_open, run
 
 
 @triton.jit
@@ -852,6 +855,7 @@ class _Launch(NamedTuple):
 
     n_prog: int
     sizes: tuple[int, ...]  # int32 elements of the buffer segments, in _SEGMENTS order
+    starts: tuple[int, ...]  # where each segment starts in the one buffer (int32 elements)
     a: dict  # constexprs of kernel A
     a_warps: int
     scan: tuple[int, dict, int] | None  # (grid, constexprs, warps) of B; None: fused into C
@@ -865,6 +869,7 @@ _SEGMENTS = (
     "hist", "packed", "scr_w",
 )  # fmt: skip
 _N_OUT = _SEGMENTS.index("pad")
+_SEG = {name: i for i, name in enumerate(_SEGMENTS)}
 
 
 @functools.lru_cache(maxsize=512)
@@ -1001,7 +1006,92 @@ def _launch_plan(
         c_warps = cfg.get("C_WARPS", max(1, min(4, tok_per_prog * k_pad // 128)))
     else:
         c_warps = cfg.get("C_WARPS", max(1, min(4, chunk_t * k_pad // 256)))
-    return _Launch(n_prog, tuple(sizes), a, cfg["num_warps"], scan, c, c_warps)
+    starts = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+    return _Launch(n_prog, tuple(sizes), starts, a, cfg["num_warps"], scan, c, c_warps)
+
+
+# Eager calls at small T are bound by host time (H200, T=4096: 25-45 us per call against 6-11 us
+# of GPU time). Once a one-buffer call has launched every kernel of its plan through FastKernel,
+# later calls with the same plan, device, strides and pointer alignments relaunch the same
+# compiled handles with int addresses into the new buffer: no per-argument keys, no views of the
+# scratch segments (``_bound_key`` pins everything Triton specialised on). Keys hold exact sizes,
+# so the table keeps the _MAX_BOUND latest (first in, first out).
+_BOUND: dict[tuple, tuple[Handle, Handle | None, Handle]] = {}
+_MAX_BOUND = 256
+
+
+def _bound_key(
+    plan_key: tuple, x: torch.Tensor, vtc: torch.Tensor | None, buf: torch.Tensor
+) -> tuple:
+    """The plan's arguments (sizes, dtype kind, flags: every constexpr and int argument but the
+    strides), then the device, the strides and the 16-byte alignment of every pointer: the
+    scores, the valid count and the buffer (the segments sit at fixed offsets from its start)."""
+    return (
+        plan_key,
+        x.get_device(),
+        x.stride(0),
+        x.stride(1),
+        x.data_ptr() % 16 == 0,
+        None if vtc is None else (vtc.dtype, vtc.data_ptr() % 16 == 0),
+        buf.data_ptr() % 16 == 0,
+    )
+
+
+def _kernel_args(
+    p: _Launch,
+    seg: list,
+    x: object,
+    strides: tuple[int, int],
+    vtc: object | None,
+    T: int,
+    E: int,
+    start: int,
+    end: int,
+    with_weights: bool,
+    with_offsets: bool,
+    with_tcpe: bool,
+) -> tuple[tuple, tuple, tuple]:
+    """Runtime arguments of kernels A, B and C in signature order. ``seg`` holds the buffer
+    segments in ``_SEGMENTS`` order, ``x`` the scores and ``vtc`` the valid count, either all as
+    tensors (typed views) or all as int addresses. Unused pointers alias used ones."""
+    expert, token, weights, inverse, counts, offsets, tcpe, _, hist, packed, scr_w = seg
+    if not p.sizes[_SEG["scr_w"]]:
+        scr_w = packed
+    if not with_weights:
+        weights, inverse = scr_w, packed
+    if not with_offsets:
+        offsets = counts
+    if not with_tcpe:
+        tcpe = counts
+    L = end - start
+    a = (x, *strides, expert if vtc is None else vtc, packed, scr_w, hist, T, E, start, end,
+         p.n_prog)  # fmt: skip
+    b = (hist, counts, L, p.n_prog)
+    c = (packed, scr_w, inverse, hist, counts, expert, token, weights, offsets, tcpe, T, E, L,
+         start, p.n_prog)  # fmt: skip
+    return a, b, c
+
+
+def _outputs(
+    segment: Callable[[int], torch.Tensor],
+    T: int,
+    top_k: int,
+    L: int,
+    with_weights: bool,
+    with_offsets: bool,
+    with_tcpe: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """routing_triton's outputs from ``segment(i)``, the i-th buffer segment (int32 or fp32)."""
+    counts = segment(_SEG["counts"])
+    return (
+        counts[:L] if L == 0 else counts,
+        segment(_SEG["offsets"]) if with_offsets else None,
+        segment(_SEG["expert"]),
+        segment(_SEG["token"]),
+        segment(_SEG["weights"]).view(torch.float32) if with_weights else None,
+        segment(_SEG["inverse"]).view(T, top_k) if with_weights else None,
+        segment(_SEG["tcpe"]) if with_tcpe else None,
+    )
 
 
 def routing_triton(
@@ -1029,53 +1119,56 @@ def routing_triton(
         scores_TE = scores_TE.float()  # 16-bit keys hold the expert in 16 bits; fp32 is exact
     kind = _KIND[scores_TE.dtype]
     vtc = valid_token_count
-    p = _launch_plan(
+    plan_key = (
         T, E, top_k, start, end, kind, renormalize, vtc is not None, with_weights,
         with_offsets, with_tcpe, tuple(sorted(config.items())) if config else None,
     )  # fmt: skip
+    p = _launch_plan(*plan_key)
     dev = scores_TE.device
+    flags = (with_weights, with_offsets, with_tcpe)
+    grids = ((p.n_prog,), (p.scan[0],) if p.scan else None, (p.n_prog,))
     i32 = torch.int32
+    bound_key = None
     if one_buffer:
-        seg = torch.empty(sum(p.sizes), dtype=i32, device=dev).split(p.sizes)
+        buf = torch.empty(sum(p.sizes), dtype=i32, device=dev)
+        if fast_path_open():
+            bound_key = _bound_key(plan_key, scores_TE, vtc, buf)
+            handles = _BOUND.get(bound_key)
+            if handles is not None:
+                base = buf.data_ptr()
+                addrs = [base + 4 * s for s in p.starts]
+                vtc_addr = None if vtc is None else vtc.data_ptr()
+                all_args = _kernel_args(
+                    p, addrs, scores_TE.data_ptr(), scores_TE.stride(), vtc_addr, T, E, start,
+                    end, *flags,
+                )  # fmt: skip
+                d = bound_key[1]
+                for h, grid, args in zip(handles, grids, all_args, strict=True):
+                    if h is not None:
+                        run(h, grid, d, args)
+                starts, sizes = p.starts, p.sizes
+                return _outputs(
+                    lambda i: buf[starts[i] : starts[i] + sizes[i]], T, top_k, end - start, *flags
+                )
+        seg = list(buf.split(p.sizes))
     else:
         out = [torch.empty(n, dtype=i32, device=dev) for n in p.sizes[:_N_OUT]]
         seg = out + list(torch.empty(sum(p.sizes[_N_OUT:]), dtype=i32, device=dev).split(
             p.sizes[_N_OUT:]
         ))  # fmt: skip
-    expert, token, weights, inverse, counts, offsets, tcpe, _, hist, packed, scr_w = seg
-    weights = weights.view(torch.float32) if with_weights else None
-    scr_w = scr_w.view(torch.float32) if scr_w.numel() else packed
+    for i in (_SEG["weights"], _SEG["scr_w"]):  # fp32 bits
+        seg[i] = seg[i].view(torch.float32)
     x = scores_TE if kind == 0 else scores_TE.view(torch.int16)
-    L = end - start
-
-    _topk_rank.launch(
-        (p.n_prog,),
-        (x, x.stride(0), x.stride(1), vtc if vtc is not None else expert, packed, scr_w, hist,
-         T, E, start, end, p.n_prog),
-        p.a,
-        num_warps=p.a_warps,
-    )  # fmt: skip
-    if p.scan is not None:
-        _scan.launch(
-            (p.scan[0],),
-            (hist, counts, L, p.n_prog),
-            p.scan[1],
-            num_warps=p.scan[2],
-        )
-    _place.launch(
-        (p.n_prog,),
-        (packed, scr_w, inverse if with_weights else packed, hist, counts, expert, token,
-         weights if with_weights else scr_w, offsets if with_offsets else counts,
-         tcpe if with_tcpe else counts, T, E, L, start, p.n_prog),
-        p.c,
-        num_warps=p.c_warps,
-    )  # fmt: skip
-    return (
-        counts[:L] if L == 0 else counts,
-        offsets if with_offsets else None,
-        expert,
-        token,
-        weights,
-        inverse.view(T, top_k) if with_weights else None,
-        tcpe if with_tcpe else None,
+    args_a, args_b, args_c = _kernel_args(
+        p, seg, x, scores_TE.stride(), vtc, T, E, start, end, *flags
     )
+    ha = _topk_rank.launch(grids[0], args_a, p.a, num_warps=p.a_warps)
+    hb = None
+    if p.scan is not None:
+        hb = _scan.launch(grids[1], args_b, p.scan[1], num_warps=p.scan[2])
+    hc = _place.launch(grids[2], args_c, p.c, num_warps=p.c_warps)
+    if bound_key is not None and ha and hc and (hb or p.scan is None):
+        if len(_BOUND) >= _MAX_BOUND:
+            del _BOUND[next(iter(_BOUND))]
+        _BOUND[bound_key] = (ha, hb, hc)
+    return _outputs(seg.__getitem__, T, top_k, end - start, *flags)
