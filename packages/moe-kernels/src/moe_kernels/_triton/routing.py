@@ -1146,11 +1146,9 @@ def routing_triton(
                 for h, grid, args in zip(handles, grids, all_args, strict=True):
                     if h is not None:
                         run(h, grid, d, args)
-                starts, sizes = p.starts, p.sizes
-                return _outputs(
-                    lambda i: buf[starts[i] : starts[i] + sizes[i]], T, top_k, end - start, *flags
-                )
-        seg = list(buf.split(p.sizes))
+                out = buf[: p.starts[_N_OUT]].split_with_sizes(p.sizes[:_N_OUT])
+                return _outputs(out.__getitem__, T, top_k, end - start, *flags)
+        seg = list(buf.split_with_sizes(p.sizes))
     else:
         out = [torch.empty(n, dtype=i32, device=dev) for n in p.sizes[:_N_OUT]]
         seg = out + list(torch.empty(sum(p.sizes[_N_OUT:]), dtype=i32, device=dev).split(

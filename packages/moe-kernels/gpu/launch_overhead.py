@@ -1,0 +1,118 @@
+"""Host cost of eager routing calls at T=4096: the full launch path against the bound relaunch.
+
+PYTHONPATH=packages/moe-kernels/src:packages/moe-tools/src \
+    python3 packages/moe-kernels/gpu/launch_overhead.py [--stub]
+
+On a GPU: per call, back-to-back eager calls (no L2 flush, so the host's launch cost shows),
+``do_bench`` medians (L2 flushed between calls, as ``moe-bench kernels`` times them) and
+torch-native routing (topk + stable sort + bincount), once with the bound relaunch
+(``_triton/routing.py``'s ``_BOUND``) and once with it off.
+Without a GPU (or with ``--stub``): the launcher's own host time, with stand-in kernels whose
+launches do nothing, on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+import moe_kernels._triton.launch as launch
+import moe_kernels._triton.routing as R
+import moe_kernels.routing as MR
+
+SHAPES = [(4096, 16, 8), (4096, 128, 8)]
+
+
+class _NoStore(dict):
+    """A ``_BOUND`` that never binds: every call takes the full launch path."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def _per_call_us(fn, n: int = 2000, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the wall time of ``n`` back-to-back calls, per call."""
+    for _ in range(200):
+        fn()
+    cuda = torch.cuda.is_available()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(times)
+
+
+def _stub_kernels() -> None:
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *args) -> None:
+            pass
+
+    class Jit:
+        def __init__(self, real) -> None:
+            self.arg_names = real.arg_names
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: Compiled()
+
+    class Driver:
+        class active:  # noqa: N801 - mirrors triton.runtime.driver.active
+            @staticmethod
+            def get_current_stream(dev) -> int:
+                return 0
+
+    for name in ("_topk_rank", "_scan", "_place"):
+        setattr(R, name, launch.FastKernel(Jit(getattr(R, name).fn)))
+    launch.FastKernel.enabled = True
+    launch.driver = Driver
+    MR.eager_direct = lambda *tensors: True  # CPU tensors through the eager path
+    MR.use_triton = lambda device: True
+
+
+def main() -> int:
+    stub = "--stub" in sys.argv or not torch.cuda.is_available()
+    if stub:
+        _stub_kernels()
+    dev = "cpu" if stub else "cuda"
+    print(f"# {'stand-in kernels on the CPU' if stub else torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}")  # fmt: skip
+    print("| op | T | E | bound | full | ratio |" + ("" if stub else " do_bench bound | torch |"))
+    print("| --- | ---: | ---: | ---: | ---: | ---: |" + ("" if stub else " ---: | ---: |"))
+    for T, E, k in SHAPES:
+        gen = torch.Generator(device=dev).manual_seed(0)
+        scores = torch.randn(T, E, generator=gen, device=dev).softmax(-1).to(torch.bfloat16)
+        ops = {
+            "route": lambda s=scores, k=k: MR.route(s, k),
+            "index_shuffling": lambda s=scores, k=k: MR.index_shuffling(s, top_k=k),
+        }
+        for name, fn in ops.items():
+            R._BOUND = _NoStore()
+            full = _per_call_us(fn)
+            R._BOUND = {}
+            bound = _per_call_us(fn)
+            row = f"| {name} | {T} | {E} | {bound:.1f} | {full:.1f} | {full / bound:.2f}x |"
+            if not stub:
+                from triton.testing import do_bench
+
+                from moe_tools.kernels import torch_route
+
+                med = do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+                ref = do_bench(lambda s=scores, k=k: torch_route(s, k), warmup=25, rep=200,
+                               return_mode="median") * 1e3  # fmt: skip
+                row += f" {med:.1f} | {ref:.1f} |"
+            print(row, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
