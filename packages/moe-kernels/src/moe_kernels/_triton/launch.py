@@ -96,7 +96,7 @@ class FastKernel:
         key = (
             dev,
             arg_keys,
-            tuple(constexprs.values()),
+            tuple(constexprs.items()),
             tuple(options.items()),
         )
         h = self.handles.get(key)
