@@ -41,8 +41,9 @@ index_shuffling from 711 to 550 us and route from 992 to 697 us, insertion top-k
 floor 110 us; C 164 / 204 us, mostly ``tl.sort``), route's weights carried in the packed choices
 and sort keys (``PACK_W``) and B's wider chunks to 344 and 382 us. At T=4096 the kernels take
 6-12 us and eager calls are bound by the host's launch cost. So eager calls after a plan's first
-relaunch its compiled handles with int addresses (``_BOUND``); on a 2-core CPU host with stand-in
-kernels that halved the launcher's time: route 28-32 -> 15 us, index_shuffling 26-29 -> 12 us.
+relaunch its compiled handles with int addresses (``_BOUND``). With stand-in kernels on a 2-core
+CPU host (``gpu/launch_overhead.py --stub``) that took an eager call from 31-37 to 18-19 us
+(route) and from 29-35 to 16-17 us (index_shuffling); not yet timed on the H200.
 
 ``OLD_INTERP`` (only under triton < 3.6's interpreter): kernel A's per-program histogram by
 one-hot sums instead of ``tl.histogram`` (wrong counts for program 0 there), and NaN scores
