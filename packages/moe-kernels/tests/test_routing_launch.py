@@ -142,9 +142,10 @@ def test_custom_op_path_never_binds(calls):
     assert R._BOUND == {} and {c[1] for c in calls} == {"jit", "run"}
 
 
-def test_bound_table_keeps_the_latest_plans(calls, monkeypatch):
+def test_bound_table_is_bounded(calls, monkeypatch):
     monkeypatch.setattr(R, "_MAX_BOUND", 3)
-    for T in (16, 32, 48, 64, 16):
+    for T in (16, 32, 48, 64, 80):
         R.routing_triton(torch.randn(T, 8), 2, None, 0, 8, False, True, True, False,
                          one_buffer=True)  # fmt: skip
-    assert [key[0][0] for key in R._BOUND] == [48, 64, 16]  # T of each plan, oldest first
+    # full after 48: starts over with 64, then binds 80
+    assert [key[0][0] for key in R._BOUND] == [64, 80]  # T of each bound plan

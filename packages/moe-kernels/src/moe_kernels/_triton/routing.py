@@ -1016,7 +1016,7 @@ def _launch_plan(
 # later calls with the same plan, device, strides and pointer alignments relaunch the same
 # compiled handles with int addresses into the new buffer: no per-argument keys, no views of the
 # scratch segments (``_bound_key`` pins everything Triton specialised on). Keys hold exact sizes,
-# so the table keeps the _MAX_BOUND latest (first in, first out).
+# so the table holds at most _MAX_BOUND of them and starts over when full.
 _BOUND: dict[tuple, tuple[Handle, Handle | None, Handle]] = {}
 _MAX_BOUND = 256
 
@@ -1168,6 +1168,6 @@ def routing_triton(
     hc = _place.launch(grids[2], args_c, p.c, num_warps=p.c_warps)
     if bound_key is not None and ha and hc and (hb or p.scan is None):
         if len(_BOUND) >= _MAX_BOUND:
-            del _BOUND[next(iter(_BOUND))]
+            _BOUND.clear()  # start over (one atomic call: safe beside other threads)
         _BOUND[bound_key] = (ha, hb, hc)
     return _outputs(seg.__getitem__, T, top_k, end - start, *flags)
