@@ -62,13 +62,14 @@ def calls(monkeypatch):
     return calls
 
 
-def _normalise(args, is_ptr, base, nbytes):
-    """Pointers as ("buf", byte offset) inside the one buffer or ("ext", address); ints as is."""
+def _normalise(args, is_ptr, base, nbytes, named):
+    """Pointers as ("buf", byte offset) inside the one buffer or by name (``named``: address ->
+    name, for the inputs); ints as is."""
     out = []
     for a, ptr in zip(args, is_ptr, strict=True):
         if ptr:
             addr = a.data_ptr() if isinstance(a, torch.Tensor) else a
-            out.append(("buf", addr - base) if base <= addr <= base + nbytes else ("ext", addr))
+            out.append(("buf", addr - base) if base <= addr <= base + nbytes else named[addr])
         else:
             assert not isinstance(a, torch.Tensor)
             out.append(a)
@@ -92,16 +93,18 @@ def test_bound_relaunch_matches_the_full_launch(calls, case):
     scores = torch.randn(T, E, generator=gen).to(dtype)
     vtc = torch.tensor([T - 3], dtype=torch.int32) if with_vtc else None
 
-    def call():
+    def call(scores, vtc):
         return R.routing_triton(
             scores, k, vtc, start, end, renorm, ww, wo, wt, config=config, one_buffer=True
         )
 
-    out1 = call()
+    out1 = call(scores, vtc)
     first = list(calls)
     assert [c[1] for c in first] == ["jit"] * len(first) and len(R._BOUND) == 1
     calls.clear()
-    out2 = call()
+    # new inputs of the same kind: the bound launches must read them, not the first ones
+    scores2, vtc2 = scores.clone(), None if vtc is None else vtc.clone()
+    out2 = call(scores2, vtc2)
     second = list(calls)
     assert [c[1] for c in second] == ["run"] * len(second)
     assert [(c[0], c[2]) for c in second] == [(c[0], c[2]) for c in first]
@@ -110,9 +113,15 @@ def test_bound_relaunch_matches_the_full_launch(calls, case):
     nbytes = 4 * sum(R._launch_plan(*plan).sizes)
     base1, base2 = out1[2].data_ptr(), out2[2].data_ptr()  # expert_indices opens the buffer
     assert base1 != base2  # a new buffer per call
+    named1 = {scores.data_ptr(): "scores"}
+    named2 = {scores2.data_ptr(): "scores"}
+    if vtc is not None:
+        named1[vtc.data_ptr()], named2[vtc2.data_ptr()] = "vtc", "vtc"
     for (_, _, _, a1), (_, _, _, a2) in zip(first, second, strict=True):
         is_ptr = [isinstance(a, torch.Tensor) for a in a1]
-        assert _normalise(a1, is_ptr, base1, nbytes) == _normalise(a2, is_ptr, base2, nbytes)
+        assert _normalise(a1, is_ptr, base1, nbytes, named1) == _normalise(
+            a2, is_ptr, base2, nbytes, named2
+        )
     for o1, o2 in zip(out1, out2, strict=True):  # same outputs, laid out alike in the buffer
         assert (o1 is None) == (o2 is None)
         if o1 is not None:
