@@ -7,8 +7,8 @@ On a GPU: per call, back-to-back eager calls (no L2 flush, so the host's launch 
 ``do_bench`` medians (L2 flushed between calls, as ``moe-bench kernels`` times them) and
 torch-native routing (topk + stable sort + bincount), once with the bound relaunch
 (``_triton/routing.py``'s ``_BOUND``) and once with it off.
-Without a GPU (or with ``--stub``): the launcher's own host time, with stand-in kernels whose
-launches do nothing, on CPU tensors.
+Without a GPU (or with ``--stub``): the host time of a public eager call, with stand-in kernels
+whose launches do nothing, on CPU tensors.
 """
 
 from __future__ import annotations
