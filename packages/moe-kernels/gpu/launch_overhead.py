@@ -79,6 +79,40 @@ def _stub_kernels() -> None:
     MR.use_triton = lambda device: True
 
 
+def _breakdown(T: int = 4096, E: int = 128, k: int = 8) -> None:
+    """Where an eager index_shuffling call's host time goes (GPU only): the public call, the
+    launcher alone, its pieces, and a one-kernel torch op for scale."""
+    from triton.runtime import driver
+
+    x = torch.randn(T, E, device="cuda").softmax(-1).to(torch.bfloat16)
+    R._BOUND = {}
+    args = (x, 8, None, 0, E, False, False, False, True, None, True)
+    R.routing_triton(*args)
+    key, (ha, hb, hc) = next(iter(R._BOUND.items()))
+    p = R._launch_plan(*key[0])
+    n = sum(p.sizes)
+    buf = torch.empty(n, dtype=torch.int32, device="cuda")
+    addrs = [buf.data_ptr() + 4 * s for s in p.starts]
+    a, _, c = R._kernel_args(p, addrs, x.data_ptr(), x.stride(), None, T, E, 0, E, False, False,
+                             True)  # fmt: skip
+    small = torch.zeros(16, device="cuda")
+    parts = {
+        "public index_shuffling": lambda: MR.index_shuffling(x, top_k=k),
+        "argument checks (_check)": lambda: MR._check(x, "routing_scores", k, None, None, None),
+        "routing_triton, bound": lambda: R.routing_triton(*args),
+        f"torch.empty({n}, int32)": lambda: torch.empty(n, dtype=torch.int32, device="cuda"),
+        "get_current_stream": lambda: driver.active.get_current_stream(0),
+        "kernel A relaunch (run)": lambda: launch.run(ha, (p.n_prog,), 0, a),
+        "kernel C relaunch (run)": lambda: launch.run(hc, (p.n_prog,), 0, c),
+        "split_with_sizes": lambda: buf.split_with_sizes(p.sizes),
+        "torch small.add_(1)": lambda: small.add_(1),
+    }
+    print(f"\n# host time per call, T={T} E={E} k={k} bf16 (B {'fused' if hb is None else 'own'})")
+    print("| piece | us |\n| --- | ---: |")
+    for name, fn in parts.items():
+        print(f"| {name} | {_per_call_us(fn):.1f} |", flush=True)
+
+
 def main() -> int:
     stub = "--stub" in sys.argv or not torch.cuda.is_available()
     if stub:
@@ -111,6 +145,8 @@ def main() -> int:
                                return_mode="median") * 1e3  # fmt: skip
                 row += f" {med:.1f} | {ref:.1f} |"
             print(row, flush=True)
+    if not stub:
+        _breakdown()
     return 0
 
 

@@ -4,9 +4,9 @@ pattern.
 
 PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/gpu/routing_ablation.py
 
-Variants (``routing_triton(config=...)``): C ranking each program's pairs by ``tl.sort`` or by
-byte-packed per-expert counts (``COUNT``), and C's warps (other switches: ``PACK_W``, ``FKEY``,
-``MERGE``, ``SCAN_CHUNK``, ``SCAN_WARPS``).
+Variants (``routing_triton(config=...)``): C ranking each program's pairs by prefix sums of
+one-hot rows (``CUMSUM``), by ``tl.sort`` or by byte-packed per-expert counts (``COUNT``), and
+C's warps (other switches: ``PACK_W``, ``FKEY``, ``MERGE``, ``SCAN_CHUNK``, ``SCAN_WARPS``).
 ``ROUTING_FLOORS=1`` adds the floors of kernel A's load patterns. Times: one call per CUDA graph,
 ``do_bench`` medians (L2 flushed); per kernel: ``torch.profiler`` averages over 5 eager calls.
 """
@@ -181,17 +181,18 @@ def main() -> int:
             print(f"  {diag} {cfg}: IS C {pk.get('C', 0):6.1f}  route C {pr.get('C', 0):6.1f}")
         return 0
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
-    count = [{"COUNT": True}, *({"COUNT": True, "C_WARPS": w} for w in (1, 2, 8))]
-    big = [{}, {"C_WARPS": 1}, *count]
+    sort = [{"CUMSUM": False}, {"CUMSUM": False, "C_WARPS": 1}]
+    big = [{}, *({"C_WARPS": w} for w in (1, 2, 8)), *sort]
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
     variants(1 << 20, 128, torch.bfloat16, big)
-    variants(1 << 20, 128, torch.float32, big[:4])
-    variants(1 << 20, 16, torch.bfloat16, big[:4])
-    small = big[:4]
-    variants(65536, 128, torch.bfloat16, small)
-    variants(65536, 128, torch.float16, small)
-    variants(65536, 64, torch.bfloat16, small)
+    variants(1 << 20, 256, torch.bfloat16, [{}, {"C_WARPS": 8}, sort[0]])
+    variants(1 << 20, 128, torch.float32, [{}, sort[0]])
+    variants(1 << 20, 32, torch.bfloat16, [{}, sort[0]])
+    variants(1 << 20, 16, torch.bfloat16, [{}, {"COUNT": False, "CUMSUM": True}])
+    variants(65536, 128, torch.bfloat16, [{}, {"C_WARPS": 2}, *sort])
+    variants(65536, 128, torch.float16, [{}, sort[0]])
+    variants(65536, 64, torch.bfloat16, [{}, sort[0]])
     print("FAILS:", FAILS if FAILS else "none")
     return 1 if FAILS else 0
 

@@ -572,6 +572,8 @@ def _place_kernel(
     IS_BF16: tl.constexpr,  # PACK_W: the weights' bits are bf16 (else fp16)
     COUNT: tl.constexpr,  # SORTED: rank by byte-packed per-expert counts instead of tl.sort
     NW: tl.constexpr,  # COUNT: int32 count words per token (>= L_PAD / 4)
+    CUMSUM: tl.constexpr,  # SORTED: rank by prefix sums of one-hot rows instead of tl.sort
+    TOK_BITS: tl.constexpr,  # CUMSUM: log2(TOK_PER_PROG)
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -597,8 +599,10 @@ def _place_kernel(
     excl = tl.cumsum(cnt, axis=0) - cnt
     n = tl.sum(cnt, axis=0)
     base = excl + before
+    lb = base  # SORTED: where each expert's pairs start among the program's sorted pairs
     if SORTED and not COUNT:  # position = index in the sorted pairs + base - first index of e
-        base -= tl.cumsum(mine, axis=0) - mine
+        lb = tl.cumsum(mine, axis=0) - mine
+        base -= lb
     if pid == 0:  # noqa: SIM102 (a constexpr and a runtime test stay apart)
         if OFFSETS:
             tl.store(offsets_ptr + ls, excl, mask=l_ok)
@@ -624,8 +628,9 @@ def _place_kernel(
         )  # fmt: skip
     elif SORTED:
         _place_sorted_pairs(
-            pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K,
-            n, pid, K_PAD, TOK_PER_PROG, IDX_BITS, KEY64, WEIGHTS, INVERSE, PACK_W, IS_BF16,
+            pack_ptr, scr_w_ptr, inverse_ptr, base, lb, expert_ptr, token_ptr, weight_ptr, T, K,
+            n, pid, K_PAD, L_PAD, TOK_PER_PROG, IDX_BITS, KEY64, WEIGHTS, INVERSE, PACK_W,
+            IS_BF16, CUMSUM, TOK_BITS,
         )  # fmt: skip
     else:
         _place_ranked_pairs(
@@ -701,10 +706,36 @@ def _place_ranked_pairs(
 
 
 @triton.jit
+def _scatter_in_sorted_order(le, routed, lb, scr_ptr, TP: tl.constexpr, K_PAD: tl.constexpr,
+                             L_PAD: tl.constexpr, TOK_BITS: tl.constexpr):  # fmt: skip
+    """(TP * K_PAD,) local experts of TP tokens' choices, token-major, and ``lb``, where each
+    expert's pairs start in the program's sorted order -> each routed pair's key, local expert
+    << TOK_BITS | local token, stored at ``scr_ptr[lb[e] + rank]``, rank = how many earlier tokens
+    of the program chose the same expert (a token picks an expert at most once).
+
+    The program's one-hot (token, expert) grid is packed WB experts to an int32 word per token,
+    then unpacked with one expert per thread and all TP tokens in its registers, so the prefix
+    sum over tokens and the keys' stores need no data from other threads."""
+    WB: tl.constexpr = 32 if L_PAD >= 32 else L_PAD
+    NW: tl.constexpr = L_PAD // WB
+    le2 = tl.reshape(le, [TP, K_PAD])
+    bit = tl.where(tl.reshape(routed, [TP, K_PAD]), 1 << (le2 % WB), 0)
+    hit = (le2 // WB)[:, :, None] == tl.arange(0, NW)[None, None, :]
+    words = tl.sum(tl.where(hit, bit[:, :, None], 0), axis=1)  # distinct bits: sum == or
+    onehot = (words[:, :, None] >> tl.arange(0, WB)[None, None, :]) & 1
+    onehot = tl.reshape(onehot, [TP, L_PAD])
+    before = tl.cumsum(onehot, axis=0) - onehot  # earlier tokens that chose e
+    dst = tl.where(onehot != 0, lb[None, :] + before, -1)
+    key = (tl.arange(0, L_PAD)[None, :] << TOK_BITS) | tl.arange(0, TP)[:, None]
+    tl.store(scr_ptr + dst, key, mask=onehot != 0)
+
+
+@triton.jit
 def _place_sorted_pairs(
-    pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K, n, pid,
-    K_PAD: tl.constexpr, TOK_PER_PROG: tl.constexpr, IDX_BITS: tl.constexpr, KEY64: tl.constexpr,
-    WEIGHTS: tl.constexpr, INVERSE: tl.constexpr, PACK_W: tl.constexpr, IS_BF16: tl.constexpr,
+    pack_ptr, scr_w_ptr, inverse_ptr, base, lb, expert_ptr, token_ptr, weight_ptr, T, K, n, pid,
+    K_PAD: tl.constexpr, L_PAD: tl.constexpr, TOK_PER_PROG: tl.constexpr,
+    IDX_BITS: tl.constexpr, KEY64: tl.constexpr, WEIGHTS: tl.constexpr, INVERSE: tl.constexpr,
+    PACK_W: tl.constexpr, IS_BF16: tl.constexpr, CUMSUM: tl.constexpr, TOK_BITS: tl.constexpr,
 ):  # fmt: skip
     """Bare choices from A: sort the program's pairs by (expert, token, j) in registers, then
     store them in that order, so each expert's run goes out as contiguous (coalesced) stores.
@@ -717,14 +748,40 @@ def _place_sorted_pairs(
     m = (rows < T) & (jv < K)
     offs = rows * K + jv
     word, le, routed = _load_choices(pack_ptr, offs, m, PACK_W)
-    if INVERSE:
+    if INVERSE and not CUMSUM:
         tl.store(inverse_ptr + offs, tl.full([NP], -1, tl.int32), mask=m & ~routed)
     tail = m & (offs >= n)
     tl.store(expert_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
     tl.store(token_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
     if WEIGHTS:
         tl.store(weight_ptr + offs, tl.zeros([NP], tl.float32), mask=tail)
-    if PACK_W:
+    if CUMSUM:
+        # Each pair's key to its index in the program's sorted order, through a scratch slice
+        # of NP words only this program touches: its slice of ``inverse`` (written last), or of
+        # the choices when there is no inverse (every thread has read them by the barrier).
+        scr = (inverse_ptr if INVERSE else pack_ptr) + pid * TOK_PER_PROG * K
+        tl.debug_barrier()
+        le0 = tl.where(routed, le, 0)
+        _scatter_in_sorted_order(le0, routed, lb, scr, TOK_PER_PROG, K_PAD, L_PAD, TOK_BITS)
+        tl.debug_barrier()
+        ok = idx < tl.sum(routed.to(tl.int32), axis=0)
+        key = tl.load(scr + idx, mask=ok, other=0)
+        e_s = key >> TOK_BITS
+        t_s = key & (TOK_PER_PROG - 1)
+        if INVERSE or WEIGHTS:  # which choice j of its token the pair is (and its weight bits)
+            jj = tl.arange(0, K_PAD)
+            cw = tl.load(pack_ptr + (pid * TOK_PER_PROG + t_s)[:, None] * K + jj[None, :],
+                         mask=ok[:, None] & (jj[None, :] < K), other=-1)  # fmt: skip
+            match = ((cw & 0xFFFF) if PACK_W else cw) == e_s[:, None]
+            i_s = t_s * K_PAD + tl.sum(tl.where(match, jj[None, :], 0), axis=1)
+            if PACK_W:
+                key = tl.sum(tl.where(match, (cw >> 16) & 0xFFFF, 0), axis=1)
+        else:
+            i_s = t_s * K_PAD
+        if INVERSE:
+            tl.debug_barrier()  # every thread has read the scratch before inverse is written
+            tl.store(inverse_ptr + offs, tl.full([NP], -1, tl.int32), mask=m & ~routed)
+    elif PACK_W:
         big = tl.full([NP], 0x7FFFFFFF, tl.int32)
         flip = -2147483648  # xor of the sign bit: signed order == the unsigned order of the bits
         key = ((le << (IDX_BITS + 16)) | (idx << 16) | ((word >> 16) & 0xFFFF)) ^ flip
@@ -815,6 +872,7 @@ _FUSE_SCAN_MAX = 16384  # fold the scan into C when L_PAD * NP_PAD is at most th
 _SORT_FROM = 32768
 _SORT_MAX = 512  # pairs per program when sorting
 _COUNT_MAX_L = 16  # up to this many (padded) local experts C ranks by counting, not sorting
+_CUMSUM_MIN_L, _CUMSUM_MAX_L = 32, 256  # (padded) local experts: C ranks by one-hot prefix sums
 
 
 def _config(T: int, E: int, K: int, fp32: bool) -> dict[str, int]:
@@ -977,6 +1035,11 @@ def _launch_plan(
     # kernel C of index_shuffling: E=16 89 us vs 134 us sorting; E=128 297 vs 164 us).
     count = sort and tok_per_prog <= 255 and l_pad <= 128
     count = count and bool(cfg.get("COUNT", l_pad <= _COUNT_MAX_L))
+    key64 = cfg.get("KEY64", l_bits + idx_bits > 30)  # int64 keys always work
+    # Otherwise C ranks by prefix sums over the program's one-hot (token, expert) grid instead
+    # of tl.sort where its keys fit 32 bits.
+    cumsum = sort and not count and not key64
+    cumsum = cumsum and bool(cfg.get("CUMSUM", _CUMSUM_MIN_L <= l_pad <= _CUMSUM_MAX_L))
     c = dict(
         K=K,
         K_PAD=k_pad,
@@ -993,13 +1056,15 @@ def _launch_plan(
         WHILE_LOOPS=INTERPRET,
         SORTED=sort,
         IDX_BITS=idx_bits,
-        KEY64=cfg.get("KEY64", l_bits + idx_bits > 30),  # int64 keys always work
+        KEY64=key64,
         PACK_W=pack_w,
         IS_BF16=kind == 1,
         COUNT=count,
         # At least 4 words: a (tokens, 1) count tensor trips triton 3.6-3.8's
         # TritonGPUOptimizeThreadLocality pass (unused words stay zero).
         NW=max(4, (l_pad + 3) // 4) if count else 1,
+        CUMSUM=cumsum,
+        TOK_BITS=(tok_per_prog - 1).bit_length(),
     )
     if INTERPRET:
         c_warps = 1
