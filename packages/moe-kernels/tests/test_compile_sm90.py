@@ -49,11 +49,11 @@ PLANS = [
     (4096, 16, 8, 0, 16, 1, False),  # small: ranks in A, scan fused into C
     (4096, 128, 8, 0, 128, 0, True),
     (65536, 128, 8, 0, 128, 1, False),  # sorted placement, PACK_W
-    (1 << 20, 128, 8, 0, 128, 1, False),  # scan launch, ranks by one-hot prefix sums
-    (1 << 20, 256, 8, 0, 256, 2, False),  # 256 experts: 8 one-hot words a token
-    (100000, 128, 8, 0, 128, 0, False),  # fp32 scores, 7 + 9 key bits: still 32-bit keys
-    (100000, 2048, 8, 0, 2048, 0, False),  # 64-bit keys: sort
-    (1 << 20, 16, 8, 0, 16, 1, False),  # counting placement
+    (1 << 20, 128, 8, 0, 128, 1, False),  # scan launch, sort
+    (1 << 20, 256, 8, 0, 256, 2, False),
+    (1 << 20, 32, 8, 0, 32, 1, False),  # index_shuffling: ranks by one-hot prefix sums
+    (100000, 2048, 8, 0, 2048, 0, False),  # 64-bit sort keys
+    (1 << 20, 16, 8, 0, 16, 1, False),  # counting placement (route), prefix sums (IS)
     (300000, 16, 4, 0, 16, 0, True),
     (300000, 128, 8, 32, 32, 1, False),  # empty expert range (L = 0)
     (300000, 128, 8, 32, 33, 1, False),  # L = 1

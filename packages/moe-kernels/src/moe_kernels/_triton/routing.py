@@ -936,7 +936,16 @@ def _launch_plan(
     if config:
         cfg.update(config)
     k_pad = _next_pow2(K)
-    sort = cfg.get("SORTED", T * K > _SORT_FROM)
+    sort = T * K > _SORT_FROM
+    if not sort and not INTERPRET and k_pad <= 8:
+        # Where the ranked plan would need the scan as a launch of its own, the sorted plan's
+        # 64-token programs fold it into C: one launch fewer, for eager calls that are bound by
+        # host time (T=4096, E=128, k=8 on the H200: ~6 us a launch).
+        n_ranked = triton.cdiv(T, cfg["BLOCK_T"] * cfg["SUB"])
+        l_pad = max(_next_pow2(L), 2)
+        fits = l_pad * max(_next_pow2(triton.cdiv(T, 64)), 2) <= _FUSE_SCAN_MAX
+        sort = fits and l_pad * max(_next_pow2(n_ranked), 2) > _FUSE_SCAN_MAX
+    sort = cfg.get("SORTED", sort)
     # Per-thread insertion top-k where it applies (H200, T=2^20, E=128, k=8: index_shuffling
     # 552 -> 445 us, route 676 -> 489 us; T=65536 fp32 route 99 -> 70 us).
     insert = bool(cfg.get("INSERT", True)) and sort and k_pad <= 8
@@ -1127,6 +1136,12 @@ def _kernel_args(
     return a, b, c
 
 
+def _slicer(buf: torch.Tensor, p: _Launch) -> Callable[[int], torch.Tensor]:
+    """Segment i of the one buffer (a slice per output used: cheaper than splitting all)."""
+    starts, sizes = p.starts, p.sizes
+    return lambda i: buf[starts[i] : starts[i] + sizes[i]]
+
+
 def _outputs(
     segment: Callable[[int], torch.Tensor],
     T: int,
@@ -1136,10 +1151,14 @@ def _outputs(
     with_offsets: bool,
     with_tcpe: bool,
 ) -> tuple[torch.Tensor | None, ...]:
-    """routing_triton's outputs from ``segment(i)``, the i-th buffer segment (int32 or fp32)."""
-    counts = segment(_SEG["counts"])
+    """routing_triton's outputs from ``segment(i)``, the i-th buffer segment (int32 or fp32);
+    ``counts`` only with weights or offsets (route), which is where it is used."""
+    counts = None
+    if with_weights or with_offsets:
+        counts = segment(_SEG["counts"])
+        counts = counts[:L] if L == 0 else counts
     return (
-        counts[:L] if L == 0 else counts,
+        counts,
         segment(_SEG["offsets"]) if with_offsets else None,
         segment(_SEG["expert"]),
         segment(_SEG["token"]),
@@ -1164,7 +1183,8 @@ def routing_triton(
 ) -> tuple[torch.Tensor | None, ...]:
     """Launch the kernels for T > 0 (arguments already checked). Returns ``(counts, offsets,
     expert, token, weights, inverse, tcpe)``; ``offsets`` is None unless ``with_offsets``,
-    ``weights`` and ``inverse`` unless ``with_weights``, ``tcpe`` (E+2,) unless ``with_tcpe``.
+    ``weights`` and ``inverse`` unless ``with_weights``, ``counts`` unless either, ``tcpe``
+    (E+2,) unless ``with_tcpe``.
 
     ``one_buffer`` allocates outputs and scratch at once and returns views of it (eager calls:
     one allocation instead of eight; not for custom ops, whose outputs must not alias).
@@ -1201,8 +1221,7 @@ def routing_triton(
                 for h, grid, args in zip(handles, grids, all_args, strict=True):
                     if h is not None:
                         run(h, grid, d, args)
-                out = buf[: p.starts[_N_OUT]].split_with_sizes(p.sizes[:_N_OUT])
-                return _outputs(out.__getitem__, T, top_k, end - start, *flags)
+                return _outputs(_slicer(buf, p), T, top_k, end - start, *flags)
         seg = list(buf.split_with_sizes(p.sizes))
     else:
         out = [torch.empty(n, dtype=i32, device=dev) for n in p.sizes[:_N_OUT]]
