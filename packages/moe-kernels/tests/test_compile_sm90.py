@@ -65,13 +65,16 @@ PLANS = [
 
 @pytest.mark.parametrize("plan", PLANS, ids=str)
 @pytest.mark.parametrize("weights", [False, True], ids=["index_shuffling", "route"])
-def test_routing_plans_compile(can_compile, plan, weights):
+@pytest.mark.parametrize("eager", [False, True], ids=["op", "eager"])
+def test_routing_plans_compile(can_compile, plan, weights, eager):
     from moe_kernels._triton import routing as tri
 
     T, E, k, start, end, kind, renorm = plan
     renorm = renorm and weights  # index_shuffling has no weights to renormalize
-    p = tri._launch_plan(T, E, k, start, end, kind, renorm, True, weights, weights, not weights,
-                         None)  # fmt: skip
+    args = (T, E, k, start, end, kind, renorm, True, weights, weights, not weights, None)
+    p = tri._launch_plan(*args, eager)
+    if eager and p == tri._launch_plan(*args, False):
+        pytest.skip("the same plan as the op's")
     x_t = "*fp32" if kind == 0 else "*i16"
     ints = dict.fromkeys(["T", "E", "start", "end", "n_programs"], "i32")
     a_sig = dict(x_ptr=x_t, stride_t="i32", stride_e="i32", vtc_ptr="*i32", pack_ptr="*i32",

@@ -930,6 +930,7 @@ def _launch_plan(
     with_offsets: bool,
     with_tcpe: bool,
     config: tuple | None,
+    eager: bool = False,
 ) -> _Launch:
     L = end - start
     cfg = _config(T, E, K, kind == 0)
@@ -937,10 +938,11 @@ def _launch_plan(
         cfg.update(config)
     k_pad = _next_pow2(K)
     sort = T * K > _SORT_FROM
-    if not sort and not INTERPRET and k_pad <= 8:
-        # Where the ranked plan would need the scan as a launch of its own, the sorted plan's
-        # 64-token programs fold it into C: one launch fewer, for eager calls that are bound by
-        # host time (T=4096, E=128, k=8 on the H200: ~6 us a launch).
+    if eager and not sort and not INTERPRET and k_pad <= 8:
+        # Eager calls are bound by host time at these sizes. Where the ranked plan would need the
+        # scan as a launch of its own, the sorted plan's 64-token programs fold it into C: one
+        # launch fewer (H200, T=4096, E=128, k=8: ~7 us of host time a launch; GPU time 21.6 vs
+        # 15.4 us, so calls that are compiled or graph-captured keep the ranked plan).
         n_ranked = triton.cdiv(T, cfg["BLOCK_T"] * cfg["SUB"])
         l_pad = max(_next_pow2(L), 2)
         fits = l_pad * max(_next_pow2(triton.cdiv(T, 64)), 2) <= _FUSE_SCAN_MAX
@@ -1196,7 +1198,7 @@ def routing_triton(
     vtc = valid_token_count
     plan_key = (
         T, E, top_k, start, end, kind, renormalize, vtc is not None, with_weights,
-        with_offsets, with_tcpe, tuple(sorted(config.items())) if config else None,
+        with_offsets, with_tcpe, tuple(sorted(config.items())) if config else None, one_buffer,
     )  # fmt: skip
     p = _launch_plan(*plan_key)
     dev = scores_TE.device
