@@ -31,7 +31,10 @@ C. ``_place_kernel``: one program per A-program. It turns the per-expert totals 
    (with ``PACK_W`` the weight's 16 bits are the key's low bits, so they sort along); or, for
    at most ``_COUNT_MAX_L`` local experts (``COUNT``), ranked without a sort: per token the
    counts of every expert packed a byte each into int32 words, an exclusive prefix sum of them
-   over the program's tokens, then each pair's byte of it is its rank (stores in token order).
+   over the program's tokens, then each pair's byte of it is its rank (stores in token order);
+   or, for index_shuffling with 16-32 local experts (``CUMSUM``), ranked by prefix sums over
+   the program's one-hot (token, expert) grid, one expert per thread, each pair's key sent to
+   its sorted index in a scratch slice and read back in order (``_scatter_in_sorted_order``).
    Program 0 also writes ``counts``/``offsets`` and ``token_count_per_expert``.
 
 Measured on the H200 (``gpu/routing_gpu.py``): at T=2^20, E=128, k=8 (bf16) the k rounds cost
@@ -43,7 +46,9 @@ and sort keys (``PACK_W``) and B's wider chunks to 344 and 382 us. At T=4096 the
 6-12 us and eager calls are bound by the host's launch cost. So eager calls after a plan's first
 relaunch its compiled handles with int addresses (``_BOUND``). With stand-in kernels on a 2-core
 CPU host (``gpu/launch_overhead.py --stub``) that took an eager call from 31-37 to 18-19 us
-(route) and from 29-35 to 16-17 us (index_shuffling); not yet timed on the H200.
+(route) and from 29-35 to 16-17 us (index_shuffling); on the H200 1.3-2.2x less host time per
+call. Eager calls also take the sorted plan where it saves the scan's launch (``_launch_plan``'s
+``eager``).
 
 ``OLD_INTERP`` (only under triton < 3.6's interpreter): kernel A's per-program histogram by
 one-hot sums instead of ``tl.histogram`` (wrong counts for program 0 there), and NaN scores
@@ -740,7 +745,9 @@ def _place_sorted_pairs(
     """Bare choices from A: sort the program's pairs by (expert, token, j) in registers, then
     store them in that order, so each expert's run goes out as contiguous (coalesced) stores.
     PACK_W: A packed each 16-bit weight above its expert; the sort key carries it along as its
-    low 16 bits (expert, index, weight: 32 bits, ordered as unsigned), so no gather of weights."""
+    low 16 bits (expert, index, weight: 32 bits, ordered as unsigned), so no gather of weights.
+    CUMSUM (no weights, no inverse): the same order from ``_scatter_in_sorted_order`` instead
+    of ``tl.sort``."""
     NP: tl.constexpr = TOK_PER_PROG * K_PAD
     idx = tl.arange(0, NP)  # = local token * K_PAD + j: token-major order
     rows = pid * TOK_PER_PROG + idx // K_PAD
