@@ -104,7 +104,9 @@ def _breakdown(T: int = 4096, E: int = 128, k: int = 8) -> None:
         "get_current_stream": lambda: driver.active.get_current_stream(0),
         "kernel A relaunch (run)": lambda: launch.run(ha, (p.n_prog,), 0, a),
         "kernel C relaunch (run)": lambda: launch.run(hc, (p.n_prog,), 0, c),
-        "split_with_sizes": lambda: buf.split_with_sizes(p.sizes),
+        "output views (_outputs)": lambda: R._outputs(
+            R._slicer(buf, p), T, k, E, False, False, True
+        ),
         "torch small.add_(1)": lambda: small.add_(1),
     }
     print(f"\n# host time per call, T={T} E={E} k={k} bf16 (B {'fused' if hb is None else 'own'})")

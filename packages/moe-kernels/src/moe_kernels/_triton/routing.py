@@ -944,14 +944,14 @@ def _launch_plan(
     if config:
         cfg.update(config)
     k_pad = _next_pow2(K)
+    l_pad = max(_next_pow2(L), 2)
     sort = T * K > _SORT_FROM
     if eager and not sort and not INTERPRET and k_pad <= 8:
         # Eager calls are bound by host time at these sizes. Where the ranked plan would need the
         # scan as a launch of its own, the sorted plan's 64-token programs fold it into C: one
         # launch fewer (H200, T=4096, E=128, k=8: ~7 us of host time a launch; GPU time 21.6 vs
-        # 15.4 us, so calls that are compiled or graph-captured keep the ranked plan).
+        # 15.4 us, so calls through the custom op, i.e. compiled code, keep the ranked plan).
         n_ranked = triton.cdiv(T, cfg["BLOCK_T"] * cfg["SUB"])
-        l_pad = max(_next_pow2(L), 2)
         fits = l_pad * max(_next_pow2(triton.cdiv(T, 64)), 2) <= _FUSE_SCAN_MAX
         sort = fits and l_pad * max(_next_pow2(n_ranked), 2) > _FUSE_SCAN_MAX
     sort = cfg.get("SORTED", sort)
@@ -975,7 +975,6 @@ def _launch_plan(
     tok_per_prog = block_t * sub
     n_prog = triton.cdiv(T, tok_per_prog)
     e_pad = max(_next_pow2(E), 4)
-    l_pad = max(_next_pow2(L), 2)
     np_pad = max(_next_pow2(n_prog), 2)
     chunk_t = max(1, min(tok_per_prog, 2048 // k_pad))
     fuse_scan = cfg.get("FUSE_SCAN", l_pad * np_pad <= _FUSE_SCAN_MAX)
