@@ -178,12 +178,103 @@ def _fkeys_to_keys(mk):
     return tl.where(mk == 0.0, -2147483648, (((kb >> 7) - 0x8000) << 16) | (kb & 0x7F))
 
 
+# Packed 16-bit pairs: int32 words each holding two bf16 or fp16 scores (``MODE`` of ``_ce``: 2
+# bf16x2 and 3 fp16x2 by inline PTX, 4 and 5 the same emulated in fp32 for the interpreter, which
+# runs no inline assembly). max/min need NaN gone first (``_h2_nan_to_ninf``).
 @triton.jit
-def _ce(a, b, FKEY: tl.constexpr):
-    """Compare-exchange -> (max, min). FKEY: exact-integer fp32 keys, min by two adds (the FMA
-    pipes) instead of a second min/max (the ALU pipe, half as wide)."""
+def _h2_unpack(w, IS_BF16: tl.constexpr):
+    """Words -> (low, high) halves as fp32 values."""
+    lo = w & 0xFFFF
+    hi = (w >> 16) & 0xFFFF
+    if IS_BF16:
+        return (lo << 16).to(tl.float32, bitcast=True), (hi << 16).to(tl.float32, bitcast=True)
+    else:
+        lo = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _h2_pack(lo, hi, IS_BF16: tl.constexpr):
+    """(low, high) fp32 values exactly representable in bf16 / fp16 -> words."""
+    if IS_BF16:
+        lo_b = (lo.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+        return lo_b | (hi.to(tl.int32, bitcast=True) & -65536)
+    else:
+        lo_b = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return lo_b | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _h2_asm(a, b, OP: tl.constexpr, IS_BF16: tl.constexpr):
+    """One packed PTX op per word: OP 0 max, 1 min, 2 a > b, 3 a == b (0xFFFF / 0 a half)."""
+    if IS_BF16:
+        if OP == 0:
+            asm: tl.constexpr = "max.bf16x2 $0, $1, $2;"
+        elif OP == 1:
+            asm: tl.constexpr = "min.bf16x2 $0, $1, $2;"
+        elif OP == 2:
+            asm: tl.constexpr = "set.gt.u32.bf16x2 $0, $1, $2;"
+        else:
+            asm: tl.constexpr = "set.eq.u32.bf16x2 $0, $1, $2;"
+    else:
+        if OP == 0:
+            asm: tl.constexpr = "max.f16x2 $0, $1, $2;"
+        elif OP == 1:
+            asm: tl.constexpr = "min.f16x2 $0, $1, $2;"
+        elif OP == 2:
+            asm: tl.constexpr = "set.gt.u32.f16x2 $0, $1, $2;"
+        else:
+            asm: tl.constexpr = "set.eq.u32.f16x2 $0, $1, $2;"
+    return tl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _h2_op(a, b, OP: tl.constexpr, MODE: tl.constexpr):
+    """``_h2_asm``'s ops for MODE 2-5 (see above)."""
+    if MODE <= 3:
+        return _h2_asm(a, b, OP, MODE == 2)
+    else:
+        alo, ahi = _h2_unpack(a, MODE == 4)
+        blo, bhi = _h2_unpack(b, MODE == 4)
+        if OP == 0:
+            return _h2_pack(tl.maximum(alo, blo), tl.maximum(ahi, bhi), MODE == 4)
+        elif OP == 1:
+            return _h2_pack(tl.minimum(alo, blo), tl.minimum(ahi, bhi), MODE == 4)
+        elif OP == 2:
+            return tl.where(alo > blo, 0xFFFF, 0) | tl.where(ahi > bhi, -65536, 0)
+        else:
+            return tl.where(alo == blo, 0xFFFF, 0) | tl.where(ahi == bhi, -65536, 0)
+
+
+@triton.jit
+def _h2_nan_to_ninf(w, MODE: tl.constexpr):
+    """NaN halves -> -inf (max with -inf returns the other operand on the GPU)."""
+    ninf = -8323200 if MODE % 2 == 0 else -67044352  # 0xFF80FF80 (bf16) / 0xFC00FC00 (fp16)
+    if MODE <= 3:
+        return _h2_asm(w, tl.full(w.shape, ninf, tl.int32), 0, MODE == 2)
+    else:
+        lo, hi = _h2_unpack(w, MODE == 4)
+        lo = tl.where(lo != lo, float("-inf"), lo)
+        return _h2_pack(lo, tl.where(hi != hi, float("-inf"), hi), MODE == 4)
+
+
+@triton.jit
+def _max(a, b, MODE: tl.constexpr):
+    if MODE >= 2:
+        return _h2_op(a, b, 0, MODE)
+    else:
+        return tl.maximum(a, b)
+
+
+@triton.jit
+def _ce(a, b, MODE: tl.constexpr):
+    """Compare-exchange -> (max, min). MODE 0 (False): integer keys; 1 (True, ``FKEY``):
+    exact-integer fp32 keys, min by two adds (the FMA pipes) instead of a second min/max (the
+    ALU pipe, half as wide); 2-5: both halves of packed 16-bit words (``_h2_op``)."""
+    if MODE >= 2:
+        return _h2_op(a, b, 0, MODE), _h2_op(a, b, 1, MODE)
     hi = tl.maximum(a, b)
-    if FKEY:
+    if MODE:
         return hi, a + (b - hi)
     else:
         return hi, tl.minimum(a, b)
@@ -245,14 +336,14 @@ def _sort8(c0, c1, c2, c3, c4, c5, c6, c7, FKEY: tl.constexpr):
 def _merge8(t0, t1, t2, t3, t4, t5, t6, t7, c0, c1, c2, c3, c4, c5, c6, c7, FKEY: tl.constexpr):
     """The 8 largest of two descending lists of 8, descending: elementwise maxima of t and
     reversed c form a bitonic sequence holding them, then a bitonic merge (12 exchanges)."""
-    t0 = tl.maximum(t0, c7)
-    t1 = tl.maximum(t1, c6)
-    t2 = tl.maximum(t2, c5)
-    t3 = tl.maximum(t3, c4)
-    t4 = tl.maximum(t4, c3)
-    t5 = tl.maximum(t5, c2)
-    t6 = tl.maximum(t6, c1)
-    t7 = tl.maximum(t7, c0)
+    t0 = _max(t0, c7, FKEY)
+    t1 = _max(t1, c6, FKEY)
+    t2 = _max(t2, c5, FKEY)
+    t3 = _max(t3, c4, FKEY)
+    t4 = _max(t4, c3, FKEY)
+    t5 = _max(t5, c2, FKEY)
+    t6 = _max(t6, c1, FKEY)
+    t7 = _max(t7, c0, FKEY)
     t0, t4 = _ce(t0, t4, FKEY)
     t1, t5 = _ce(t1, t5, FKEY)
     t2, t6 = _ce(t2, t6, FKEY)
@@ -349,10 +440,208 @@ def _insert_topk(x_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
 
 
 @triton.jit
+def _popc(x, ASM: tl.constexpr):
+    """Set bits of each int32: ``popc`` on the GPU, ``_popcount`` in the interpreter."""
+    if ASM:
+        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                         is_pure=True, pack=1)  # fmt: skip
+    else:
+        return _popcount(x)
+
+
+@triton.jit
+def _interleave_halves(x):
+    """Bit i of the low half to bit 2i, bit i of the high half to bit 2i + 1 (int32)."""
+    x = (x & -16776961) | ((x >> 8) & 0x0000FF00) | ((x & 0x0000FF00) << 8)  # keep 0xFF0000FF
+    x = (x & -267390961) | ((x >> 4) & 0x00F000F0) | ((x & 0x00F000F0) << 4)  # keep 0xF00FF00F
+    x = (x & -1010580541) | ((x >> 2) & 0x0C0C0C0C) | ((x & 0x0C0C0C0C) << 2)  # keep 0xC3C3C3C3
+    return (x & -1717986919) | ((x >> 1) & 0x22222222) | ((x & 0x22222222) << 1)  # 0x99999999
+
+
+@triton.jit
+def _load8w(xw_ptr, roff, row_ok, g: tl.constexpr, MODE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Words 8g .. 8g+7 of each row (16 scores, two 16-byte loads), NaN -> -inf: 8 columns."""
+    cols = g * 8 + tl.arange(0, 4)
+    a = tl.load(xw_ptr + roff[:, None] + cols[None, :], mask=row_ok[:, None], other=0)
+    b = tl.load(xw_ptr + roff[:, None] + 4 + cols[None, :], mask=row_ok[:, None], other=0)
+    a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_T, 2, 2]))  # words (0, 2), (1, 3)
+    w0, w2 = tl.split(a_even)
+    w1, w3 = tl.split(a_odd)
+    b_even, b_odd = tl.split(tl.reshape(b, [BLOCK_T, 2, 2]))
+    w4, w6 = tl.split(b_even)
+    w5, w7 = tl.split(b_odd)
+    return (
+        _h2_nan_to_ninf(w0, MODE), _h2_nan_to_ninf(w1, MODE), _h2_nan_to_ninf(w2, MODE),
+        _h2_nan_to_ninf(w3, MODE), _h2_nan_to_ninf(w4, MODE), _h2_nan_to_ninf(w5, MODE),
+        _h2_nan_to_ninf(w6, MODE), _h2_nan_to_ninf(w7, MODE),
+    )  # fmt: skip
+
+
+@triton.jit
+def _cmp8(gt, eq, w0, w1, w2, w3, w4, w5, w6, w7, v, SH: tl.constexpr, MODE: tl.constexpr):
+    """Words at positions SH .. SH+7 of a 16-word run against the threshold pair ``v``: their
+    halves' ``>`` and ``==`` bits into gt / eq (low half at bit SH + i, high half 16 higher)."""
+    m = tl.full([1], 0x00010001, tl.int32)  # shifted as int32 (bit 31 is the sign)
+    gt |= _h2_op(w0, v, 2, MODE) & (m << SH)
+    eq |= _h2_op(w0, v, 3, MODE) & (m << SH)
+    gt |= _h2_op(w1, v, 2, MODE) & (m << (SH + 1))
+    eq |= _h2_op(w1, v, 3, MODE) & (m << (SH + 1))
+    gt |= _h2_op(w2, v, 2, MODE) & (m << (SH + 2))
+    eq |= _h2_op(w2, v, 3, MODE) & (m << (SH + 2))
+    gt |= _h2_op(w3, v, 2, MODE) & (m << (SH + 3))
+    eq |= _h2_op(w3, v, 3, MODE) & (m << (SH + 3))
+    gt |= _h2_op(w4, v, 2, MODE) & (m << (SH + 4))
+    eq |= _h2_op(w4, v, 3, MODE) & (m << (SH + 4))
+    gt |= _h2_op(w5, v, 2, MODE) & (m << (SH + 5))
+    eq |= _h2_op(w5, v, 3, MODE) & (m << (SH + 5))
+    gt |= _h2_op(w6, v, 2, MODE) & (m << (SH + 6))
+    eq |= _h2_op(w6, v, 3, MODE) & (m << (SH + 6))
+    gt |= _h2_op(w7, v, 2, MODE) & (m << (SH + 7))
+    eq |= _h2_op(w7, v, 3, MODE) & (m << (SH + 7))
+    return gt, eq
+
+
+@triton.jit
+def _take_lowest(s0, s1, s2, s3, ASM: tl.constexpr):
+    """The lowest set bit of the 128-bit (s0 | s1 << 32 | ...) -> (its index, which word, bit)."""
+    w = tl.where(s0 != 0, 0, tl.where(s1 != 0, 1, tl.where(s2 != 0, 2, 3)))
+    s = tl.where(w == 0, s0, tl.where(w == 1, s1, tl.where(w == 2, s2, s3)))
+    bit = s & -s
+    return w * 32 + _popc(bit - 1, ASM), w, bit
+
+
+@triton.jit
+def _threshold_topk(
+    x_ptr, rows64, row_ok, stride_w, jj, K: tl.constexpr, K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, MODE: tl.constexpr,
+):  # fmt: skip
+    """Top-K (<= 8) experts of each row of 64 or 128 16-bit scores, read as int32 words of two
+    (``stride_w``: words per row), one row per thread, all of it in registers.
+
+    1. The K-th largest value: both halves of every word go through the packed sort-and-merge
+       network at once (``_sort8`` / ``_merge8`` on ``_h2_op``: one instruction does two
+       compare-exchange halves), keeping the 8 largest even and the 8 largest odd experts; one
+       merge of the two lists gives the row's 8 largest values.
+    2. Bitmasks of the experts above it and equal to it (packed compares); the equal ones are
+       taken lowest expert first, as many as K needs (ties to the lower expert; NaN is -inf and
+       -0.0 equals +0.0, as in the float comparisons).
+    -> (BLOCK_T, K_PAD) ``E_PAD - 1 - e`` for each chosen e, in ascending e (not score) order."""
+    ASM: tl.constexpr = MODE <= 3
+    xw = x_ptr.to(tl.pointer_type(tl.int32))
+    roff = rows64 * stride_w
+    t0 = tl.full([BLOCK_T], -8323200 if MODE % 2 == 0 else -67044352, tl.int32)  # -inf pairs
+    t1 = t0
+    t2 = t0
+    t3 = t0
+    t4 = t0
+    t5 = t0
+    t6 = t0
+    t7 = t0
+    a0, a1, a2, a3, a4, a5, a6, a7 = _load8w(xw, roff, row_ok, 0, MODE, BLOCK_T)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(a0, a1, a2, a3, a4, a5, a6, a7, MODE)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
+                                             c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+    b0, b1, b2, b3, b4, b5, b6, b7 = _load8w(xw, roff, row_ok, 1, MODE, BLOCK_T)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(b0, b1, b2, b3, b4, b5, b6, b7, MODE)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
+                                             c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+    d0, d1, d2, d3, d4, d5, d6, d7 = _load8w(xw, roff, row_ok, 2, MODE, BLOCK_T)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(d0, d1, d2, d3, d4, d5, d6, d7, MODE)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
+                                             c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+    f0, f1, f2, f3, f4, f5, f6, f7 = _load8w(xw, roff, row_ok, 3, MODE, BLOCK_T)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(f0, f1, f2, f3, f4, f5, f6, f7, MODE)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
+                                             c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+    if E_PAD == 128:
+        g0, g1, g2, g3, g4, g5, g6, g7 = _load8w(xw, roff, row_ok, 4, MODE, BLOCK_T)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(g0, g1, g2, g3, g4, g5, g6, g7, MODE)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
+                                                 c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+        h0, h1, h2, h3, h4, h5, h6, h7 = _load8w(xw, roff, row_ok, 5, MODE, BLOCK_T)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(h0, h1, h2, h3, h4, h5, h6, h7, MODE)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
+                                                 c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+        i0, i1, i2, i3, i4, i5, i6, i7 = _load8w(xw, roff, row_ok, 6, MODE, BLOCK_T)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(i0, i1, i2, i3, i4, i5, i6, i7, MODE)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
+                                                 c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+        j0, j1, j2, j3, j4, j5, j6, j7 = _load8w(xw, roff, row_ok, 7, MODE, BLOCK_T)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(j0, j1, j2, j3, j4, j5, j6, j7, MODE)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
+                                                 c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+    # Even and odd experts' lists (low / high halves) -> the row's 8 largest, in both halves.
+    c0 = ((t0 >> 16) & 0xFFFF) | (t0 << 16)
+    c1 = ((t1 >> 16) & 0xFFFF) | (t1 << 16)
+    c2 = ((t2 >> 16) & 0xFFFF) | (t2 << 16)
+    c3 = ((t3 >> 16) & 0xFFFF) | (t3 << 16)
+    c4 = ((t4 >> 16) & 0xFFFF) | (t4 << 16)
+    c5 = ((t5 >> 16) & 0xFFFF) | (t5 << 16)
+    c6 = ((t6 >> 16) & 0xFFFF) | (t6 << 16)
+    c7 = ((t7 >> 16) & 0xFFFF) | (t7 << 16)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
+                                             c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+    v = t0
+    if K == 2:
+        v = t1
+    elif K == 3:
+        v = t2
+    elif K == 4:
+        v = t3
+    elif K == 5:
+        v = t4
+    elif K == 6:
+        v = t5
+    elif K == 7:
+        v = t6
+    elif K == 8:
+        v = t7
+    zero = tl.zeros([BLOCK_T], tl.int32)
+    gt0, eq0 = _cmp8(zero, zero, a0, a1, a2, a3, a4, a5, a6, a7, v, 0, MODE)
+    gt0, eq0 = _cmp8(gt0, eq0, b0, b1, b2, b3, b4, b5, b6, b7, v, 8, MODE)
+    gt1, eq1 = _cmp8(zero, zero, d0, d1, d2, d3, d4, d5, d6, d7, v, 0, MODE)
+    gt1, eq1 = _cmp8(gt1, eq1, f0, f1, f2, f3, f4, f5, f6, f7, v, 8, MODE)
+    gt2 = zero
+    eq2 = zero
+    gt3 = zero
+    eq3 = zero
+    if E_PAD == 128:
+        gt2, eq2 = _cmp8(gt2, eq2, g0, g1, g2, g3, g4, g5, g6, g7, v, 0, MODE)
+        gt2, eq2 = _cmp8(gt2, eq2, h0, h1, h2, h3, h4, h5, h6, h7, v, 8, MODE)
+        gt3, eq3 = _cmp8(gt3, eq3, i0, i1, i2, i3, i4, i5, i6, i7, v, 0, MODE)
+        gt3, eq3 = _cmp8(gt3, eq3, j0, j1, j2, j3, j4, j5, j6, j7, v, 8, MODE)
+    gt0 = _interleave_halves(gt0)  # bit i: expert 32 * word + i
+    gt1 = _interleave_halves(gt1)
+    gt2 = _interleave_halves(gt2)
+    gt3 = _interleave_halves(gt3)
+    eq0 = _interleave_halves(eq0)
+    eq1 = _interleave_halves(eq1)
+    eq2 = _interleave_halves(eq2)
+    eq3 = _interleave_halves(eq3)
+    n_gt = _popc(gt0, ASM) + _popc(gt1, ASM) + _popc(gt2, ASM) + _popc(gt3, ASM)
+    mk = tl.zeros([BLOCK_T, K_PAD], tl.int32)
+    for j in tl.static_range(K):  # the experts above the threshold, then the lowest equal ones
+        above = j < n_gt
+        e, w, bit = _take_lowest(tl.where(above, gt0, eq0), tl.where(above, gt1, eq1),
+                                 tl.where(above, gt2, eq2), tl.where(above, gt3, eq3), ASM)  # fmt: skip
+        gt0 ^= tl.where(above & (w == 0), bit, 0)
+        gt1 ^= tl.where(above & (w == 1), bit, 0)
+        gt2 ^= tl.where(above & (w == 2), bit, 0)
+        gt3 ^= tl.where(above & (w == 3), bit, 0)
+        eq0 ^= tl.where(~above & (w == 0), bit, 0)
+        eq1 ^= tl.where(~above & (w == 1), bit, 0)
+        eq2 ^= tl.where(~above & (w == 2), bit, 0)
+        eq3 ^= tl.where(~above & (w == 3), bit, 0)
+        mk = tl.where(jj[None, :] == j, (E_PAD - 1 - e)[:, None], mk)
+    return mk
+
+
+@triton.jit
 def _topk_rank_kernel(
     x_ptr,  # (T, E) scores; int16 view for 16-bit floats, fp32 otherwise
     stride_t,
     stride_e,
+    stride_w,  # THRESH: int32 words (two scores) per row
     vtc_ptr,  # (1,) int32/int64 valid token count (unused when not HAS_VTC)
     pack_ptr,  # (T, K) int32 out: rank in expert (within program) << L_BITS | local expert, or -1
     scr_w_ptr,  # (T, K) fp32 out: weight of each choice (only when WEIGHTS)
@@ -383,6 +672,7 @@ def _topk_rank_kernel(
     FKEY: tl.constexpr,  # INSERT: exact-integer fp32 keys (16-bit scores, E_PAD <= 128)
     MERGE: tl.constexpr,  # INSERT: sort each load's 8 keys and merge (K_PAD == W == 8)
     PACK_W: tl.constexpr,  # sorted, 16-bit weights, no renormalize: weight bits in pack (no scr_w)
+    THRESH: tl.constexpr,  # 0, or the packed MODE of _threshold_topk (no weights, 16-bit words)
 ):
     pid = tl.program_id(0)
     n_valid = T
@@ -401,7 +691,12 @@ def _topk_rank_kernel(
         rows = (pid * SUB + s) * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < T
         rows64 = rows.to(tl.int64)
-        if INSERT:
+        if THRESH:
+            mk = _threshold_topk(x_ptr, rows64, row_ok, stride_w, jj, K, K_PAD, E_PAD, BLOCK_T,
+                                 THRESH)  # fmt: skip
+            if K < K_PAD:
+                mk = tl.where(k_ok, mk, SENT)
+        elif INSERT:
             mk = _insert_topk(x_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
                               BLOCK_T, K_PAD, E_PAD, W, KIND, EVEN_E, SENT, FKEY, MERGE,
                               OLD_INTERP)  # fmt: skip
@@ -712,7 +1007,8 @@ def _place_ranked_pairs(
 
 @triton.jit
 def _scatter_in_sorted_order(le, routed, lb, scr_ptr, TP: tl.constexpr, K_PAD: tl.constexpr,
-                             L_PAD: tl.constexpr, TOK_BITS: tl.constexpr):  # fmt: skip
+                             L_PAD: tl.constexpr, TOK_BITS: tl.constexpr,
+                             GATHER: tl.constexpr):  # fmt: skip
     """(TP * K_PAD,) local experts of TP tokens' choices, token-major, and ``lb``, where each
     expert's pairs start in the program's sorted order -> each routed pair's key, local expert
     << TOK_BITS | local token, stored at ``scr_ptr[lb[e] + rank]``, rank = how many earlier tokens
@@ -729,10 +1025,32 @@ def _scatter_in_sorted_order(le, routed, lb, scr_ptr, TP: tl.constexpr, K_PAD: t
     words = tl.sum(tl.where(hit, bit[:, :, None], 0), axis=1)  # distinct bits: sum == or
     onehot = (words[:, :, None] >> tl.arange(0, WB)[None, None, :]) & 1
     onehot = tl.reshape(onehot, [TP, L_PAD])
-    before = tl.cumsum(onehot, axis=0) - onehot  # earlier tokens that chose e
-    dst = tl.where(onehot != 0, lb[None, :] + before, -1)
-    key = (tl.arange(0, L_PAD)[None, :] << TOK_BITS) | tl.arange(0, TP)[:, None]
-    tl.store(scr_ptr + dst, key, mask=onehot != 0)
+    if GATHER:  # per expert, bit t of a column word: token t chose it; a pair's rank is the
+        # popcount of its column's bits below its token (K_PAD stores a token, not L_PAD)
+        HALVES: tl.constexpr = TP // 32 if TP >= 32 else 1
+        TB: tl.constexpr = TP // HALVES
+        tb = tl.arange(0, TB)
+        cols = tl.sum(tl.reshape(onehot, [HALVES, TB, L_PAD]) << tb[None, :, None], axis=1)
+        tok = tl.arange(0, TP)
+        half = (tok // TB)[:, None]
+        below = ((1 << (tok % TB)) - 1)[:, None]
+        le_f = tl.reshape(le2, [TP * K_PAD])
+        col_t = tl.zeros([TP, K_PAD], tl.int32)
+        rank = tl.zeros([TP, K_PAD], tl.int32)
+        for h in tl.static_range(HALVES):
+            col_h = tl.sum(tl.where(tl.arange(0, HALVES)[:, None] == h, cols, 0), axis=0)
+            c_h = tl.reshape(tl.gather(col_h, le_f, 0), [TP, K_PAD])
+            rank += tl.where(half > h, _popcount(c_h), 0)
+            col_t = tl.where(half == h, c_h, col_t)
+        rank += _popcount(col_t & below)
+        dst = tl.reshape(tl.gather(lb, le, 0), [TP, K_PAD]) + rank
+        key = (le2 << TOK_BITS) | tok[:, None]
+        tl.store(scr_ptr + dst, key, mask=tl.reshape(routed, [TP, K_PAD]))
+    else:
+        before = tl.cumsum(onehot, axis=0) - onehot  # earlier tokens that chose e
+        dst = tl.where(onehot != 0, lb[None, :] + before, -1)
+        key = (tl.arange(0, L_PAD)[None, :] << TOK_BITS) | tl.arange(0, TP)[:, None]
+        tl.store(scr_ptr + dst, key, mask=onehot != 0)
 
 
 @triton.jit
@@ -767,7 +1085,8 @@ def _place_sorted_pairs(
         scr = pack_ptr + pid * TOK_PER_PROG * K
         tl.debug_barrier()
         le0 = tl.where(routed, le, 0)
-        _scatter_in_sorted_order(le0, routed, lb, scr, TOK_PER_PROG, K_PAD, L_PAD, TOK_BITS)
+        _scatter_in_sorted_order(le0, routed, lb, scr, TOK_PER_PROG, K_PAD, L_PAD, TOK_BITS,
+                                 CUMSUM == 2)  # fmt: skip
         tl.debug_barrier()
         ok = idx < tl.sum(routed.to(tl.int32), axis=0)
         key = tl.load(scr + idx, mask=ok, other=0)
@@ -938,6 +1257,7 @@ def _launch_plan(
     with_tcpe: bool,
     config: tuple | None,
     eager: bool = False,
+    words: bool = False,
 ) -> _Launch:
     L = end - start
     cfg = _config(T, E, K, kind == 0)
@@ -1021,7 +1341,13 @@ def _launch_plan(
         FKEY=bool(cfg.get("FKEY", True)) and insert and kind != 0 and e_pad <= 128,
         MERGE=bool(cfg.get("MERGE", True)) and insert and k_pad == 8 and kind != 0 and e_pad >= 8,
         PACK_W=pack_w,
+        THRESH=0,
     )
+    # index_shuffling from 16-bit scores read as words (``words``: rows of 4-byte aligned pairs),
+    # 64 or 128 experts: A by threshold (``_threshold_topk``).
+    thresh = insert and words and not with_weights and kind != 0 and E in (64, 128)
+    if cfg.get("THRESH", thresh) and thresh:
+        a["THRESH"] = (2 if kind == 1 else 3) + (2 if INTERPRET else 0)
     scan = None
     if L > 0 and not fuse_scan:
         # Long hist rows in one or two chunks with 8 warps (H200, T=2^20, E=128: 16384 programs;
@@ -1044,7 +1370,7 @@ def _launch_plan(
     # predicated key per token and expert, 64 per thread there; with weights slower everywhere).
     cumsum = sort and not key64 and not with_weights
     in_range = _CUMSUM_MIN_L <= l_pad <= _CUMSUM_MAX_L and not cfg.get("COUNT")
-    cumsum = cumsum and bool(cfg.get("CUMSUM", in_range))
+    cumsum = int(cumsum and cfg.get("CUMSUM", in_range))  # 1: stores from the grid, 2: gathered
     count = count and not cumsum
     c = dict(
         K=K,
@@ -1136,8 +1462,9 @@ def _kernel_args(
     if not with_tcpe:
         tcpe = counts
     L = end - start
-    a = (x, *strides, expert if vtc is None else vtc, packed, scr_w, hist, T, E, start, end,
-         p.n_prog)  # fmt: skip
+    stride_w = strides[0] // 2 if p.a["THRESH"] else 0
+    a = (x, *strides, stride_w, expert if vtc is None else vtc, packed, scr_w, hist, T, E, start,
+         end, p.n_prog)  # fmt: skip
     b = (hist, counts, L, p.n_prog)
     c = (packed, scr_w, inverse, hist, counts, expert, token, weights, offsets, tcpe, T, E, L,
          start, p.n_prog)  # fmt: skip
@@ -1206,6 +1533,11 @@ def routing_triton(
         T, E, top_k, start, end, kind, renormalize, vtc is not None, with_weights,
         with_offsets, with_tcpe, tuple(sorted(config.items())) if config else None, one_buffer,
     )  # fmt: skip
+    words = (
+        kind != 0 and scores_TE.stride(1) == 1 and scores_TE.stride(0) % 2 == 0
+        and scores_TE.data_ptr() % 4 == 0
+    )  # fmt: skip
+    plan_key = (*plan_key, words)
     p = _launch_plan(*plan_key)
     dev = scores_TE.device
     flags = (with_weights, with_offsets, with_tcpe)
