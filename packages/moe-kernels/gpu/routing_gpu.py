@@ -67,10 +67,14 @@ def scores(T, E, dtype, kind="softmax", seed=0, layout="row"):
         x = torch.randn(T, E, device=dev, generator=g)
         x[torch.rand(T, E, device=dev, generator=g) < 0.1] = float("nan")
         x[torch.rand(T, E, device=dev, generator=g) < 0.1] = float("-inf")
+        x[torch.rand(T, E, device=dev, generator=g) < 0.05] = -0.0
         x[:: max(T // 7, 1)] = float("-inf")
     x = x.to(dtype)
     if layout == "col":
         x = x.t().contiguous().t()
+    elif layout in ("pad", "odd"):  # row stride E + 2 (pairs stay 4-byte aligned) or E + 1
+        pad = 2 if layout == "pad" else 1
+        x = torch.empty(T, E + pad, device=dev, dtype=dtype)[:, :E].copy_(x)
     return x
 
 
@@ -142,6 +146,18 @@ def correctness() -> None:
             end=16,
             kind="special",
         ),  # fmt: skip
+        # index_shuffling's threshold top-k (16-bit scores, 64 / 128 experts): ties, NaN, -inf,
+        # -0.0, k < 8, ranges, valid counts, padded rows; odd row strides take the other path
+        dict(T=40 if big else 300000, E=128, k=8, dtype=torch.bfloat16, kind="special",
+             layout="pad"),  # fmt: skip
+        dict(T=40 if big else 300000, E=128, k=8, dtype=torch.float16, kind="ties"),
+        dict(T=40 if big else 200000, E=64, k=5, dtype=torch.bfloat16, kind="special",
+             valid=150000),  # fmt: skip
+        dict(T=40 if big else 200000, E=128, k=1, dtype=torch.bfloat16, kind="ties", start=5,
+             end=100),  # fmt: skip
+        dict(T=40 if big else 100000, E=128, k=3, dtype=torch.float16, kind="special",
+             layout="odd"),  # fmt: skip
+        dict(T=40 if big else 100000, E=64, k=8, dtype=torch.float16, kind="special"),
         dict(T=1, E=8, k=2, dtype=torch.float16),
         dict(T=5, E=1, k=1, dtype=torch.bfloat16, kind="special"),
         dict(T=0, E=8, k=2, dtype=torch.bfloat16),

@@ -60,6 +60,7 @@ PLANS = [
     (300000, 128, 8, 32, 36, 2, False),  # L = 4
     (300000, 128, 8, 32, 40, 1, True),  # L = 8
     (300000, 64, 6, 16, 48, 0, False),  # L = 32
+    (300000, 64, 3, 0, 64, 2, False),  # index_shuffling: threshold top-k of 64 fp16 scores
 ]
 
 
@@ -72,12 +73,14 @@ def test_routing_plans_compile(can_compile, plan, weights, eager):
     T, E, k, start, end, kind, renorm = plan
     renorm = renorm and weights  # index_shuffling has no weights to renormalize
     args = (T, E, k, start, end, kind, renorm, True, weights, weights, not weights, None)
-    p = tri._launch_plan(*args, eager)
-    if eager and p == tri._launch_plan(*args, False):
+    # words: the scores' rows as 4-byte aligned pairs (contiguous 16-bit scores)
+    p = tri._launch_plan(*args, eager, kind != 0)
+    if eager and p == tri._launch_plan(*args, False, kind != 0):
         pytest.skip("the same plan as the op's")
     x_t = "*fp32" if kind == 0 else "*i16"
     ints = dict.fromkeys(["T", "E", "start", "end", "n_programs"], "i32")
-    a_sig = dict(x_ptr=x_t, stride_t="i32", stride_e="i32", vtc_ptr="*i32", pack_ptr="*i32",
+    a_sig = dict(x_ptr=x_t, stride_t="i32", stride_e="i32", stride_w="i32", vtc_ptr="*i32",
+                 pack_ptr="*i32",
                  scr_w_ptr="*fp32", hist_ptr="*i32", **ints)  # fmt: skip
     _compile(tri._topk_rank_kernel, a_sig, dict(p.a), p.a_warps)
     if p.scan is not None:
