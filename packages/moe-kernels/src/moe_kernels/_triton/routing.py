@@ -511,9 +511,9 @@ def _take_lowest(s0, s1, s2, s3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _threshold_topk(
-    x_ptr, rows64, row_ok, stride_w, jj, K: tl.constexpr, K_PAD: tl.constexpr,
-    E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, MODE: tl.constexpr,
+def _threshold_masks(
+    x_ptr, rows64, row_ok, stride_w, K: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, MODE: tl.constexpr,
 ):  # fmt: skip
     """Top-K (<= 8) experts of each row of 64 or 128 16-bit scores, read as int32 words of two
     (``stride_w``: words per row), one row per thread, all of it in registers.
@@ -522,10 +522,12 @@ def _threshold_topk(
        network at once (``_sort8`` / ``_merge8`` on ``_h2_op``: one instruction does two
        compare-exchange halves), keeping the 8 largest even and the 8 largest odd experts; one
        merge of the two lists gives the row's 8 largest values.
-    2. Bitmasks of the experts above it and equal to it (packed compares); the equal ones are
-       taken lowest expert first, as many as K needs (ties to the lower expert; NaN is -inf and
-       -0.0 equals +0.0, as in the float comparisons).
-    -> (BLOCK_T, K_PAD) ``E_PAD - 1 - e`` for each chosen e, in ascending e (not score) order."""
+    2. Bitmasks of the experts above it and equal to it (packed compares). Taking the equal ones
+       lowest expert first, as many as K needs, breaks ties to the lower expert; NaN is -inf and
+       -0.0 equals +0.0, as in the float comparisons.
+    -> 128-bit masks (4 int32 words, bit i of word m: expert 32m + i; words 2, 3 zero for 64
+    experts) of the experts above the threshold and of those equal to it, and the count above
+    (< K); ``_keep_lowest`` then takes the equal ones needed."""
     ASM: tl.constexpr = MODE <= 3
     xw = x_ptr.to(tl.pointer_type(tl.int32))
     roff = rows64 * stride_w
@@ -619,6 +621,53 @@ def _threshold_topk(
     eq2 = _interleave_halves(eq2)
     eq3 = _interleave_halves(eq3)
     n_gt = _popc(gt0, ASM) + _popc(gt1, ASM) + _popc(gt2, ASM) + _popc(gt3, ASM)
+    return gt0, gt1, gt2, gt3, eq0, eq1, eq2, eq3, n_gt
+
+
+@triton.jit
+def _select_bit(x, r, ASM: tl.constexpr):
+    """Position of the r-th (from 0) set bit of each int32 x (r < popcount(x))."""
+    pos = tl.zeros(x.shape, tl.int32)
+    for b in tl.static_range(5):
+        s: tl.constexpr = 16 >> b
+        c = _popc(x & ((1 << s) - 1), ASM)
+        go = r >= c
+        r = tl.where(go, r - c, r)
+        x = tl.where(go, x >> s, x)
+        pos += tl.where(go, s, 0)
+    return pos
+
+
+@triton.jit
+def _keep_lowest(q0, q1, q2, q3, need, ASM: tl.constexpr):
+    """The lowest ``need`` (>= 1, at most the count) set bits of the 128-bit (q0, .., q3)."""
+    c0 = _popc(q0, ASM)
+    c1 = _popc(q1, ASM)
+    c2 = _popc(q2, ASM)
+    r = need - 1  # index of the last bit kept
+    w = tl.where(r < c0, 0, tl.where(r < c0 + c1, 1, tl.where(r < c0 + c1 + c2, 2, 3)))
+    r -= tl.where(w > 0, c0, 0) + tl.where(w > 1, c1, 0) + tl.where(w > 2, c2, 0)
+    x = tl.where(w == 0, q0, tl.where(w == 1, q1, tl.where(w == 2, q2, q3)))
+    p = _select_bit(x, r, ASM)
+    low = tl.where(p == 31, -1, (2 << p) - 1)  # bits 0 .. p
+    q0 = tl.where(w > 0, q0, tl.where(w == 0, q0 & low, 0))
+    q1 = tl.where(w > 1, q1, tl.where(w == 1, q1 & low, 0))
+    q2 = tl.where(w > 2, q2, tl.where(w == 2, q2 & low, 0))
+    q3 = tl.where(w == 3, q3 & low, 0)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _threshold_topk(
+    x_ptr, rows64, row_ok, stride_w, jj, K: tl.constexpr, K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, MODE: tl.constexpr,
+):  # fmt: skip
+    """``_threshold_masks``' choices -> (BLOCK_T, K_PAD) ``E_PAD - 1 - e`` for each chosen e,
+    in ascending e (not score) order."""
+    ASM: tl.constexpr = MODE <= 3
+    gt0, gt1, gt2, gt3, eq0, eq1, eq2, eq3, n_gt = _threshold_masks(
+        x_ptr, rows64, row_ok, stride_w, K, E_PAD, BLOCK_T, MODE
+    )
     mk = tl.zeros([BLOCK_T, K_PAD], tl.int32)
     for j in tl.static_range(K):  # the experts above the threshold, then the lowest equal ones
         above = j < n_gt
@@ -634,6 +683,122 @@ def _threshold_topk(
         eq3 ^= tl.where(~above & (w == 3), bit, 0)
         mk = tl.where(jj[None, :] == j, (E_PAD - 1 - e)[:, None], mk)
     return mk
+
+
+def _warp_transpose_ptx() -> str:
+    """PTX for four 32 x 32 bit-matrix transposes across a warp: lane r holds row r (bit c:
+    column c) of each; after it lane c holds column c (bit r: row r). Five butterfly stages:
+    lanes r and r ^ j trade the off-diagonal j x j blocks (one shuffle, two shifts, a select and
+    a bit-select per word)."""
+    lines = ["{", ".reg .b32 l, t, m, y, s1, s2, s;", ".reg .pred p;", "mov.u32 l, %laneid;"]
+    for j, keep in ((16, 0x0000FFFF), (8, 0x00FF00FF), (4, 0x0F0F0F0F), (2, 0x33333333),
+                    (1, 0x55555555)):  # fmt: skip
+        # lanes with bit j set keep the columns with bit j set and take the partner's from j
+        # higher; the others keep the rest and take the partner's from j lower
+        lines += [f"and.b32 t, l, {j};", "setp.ne.u32 p, t, 0;",
+                  f"selp.b32 m, {keep ^ 0xFFFFFFFF}, {keep}, p;"]  # fmt: skip
+        for w in range(4):
+            lines += [f"shfl.sync.bfly.b32 y, ${w}, {j}, 0x1f, -1;", f"shr.b32 s1, y, {j};",
+                      f"shl.b32 s2, y, {j};", "selp.b32 s, s1, s2, p;",
+                      f"lop3.b32 ${w}, ${w}, s, m, 0xE4;"]  # fmt: skip  (m ? word : s)
+    return "\n".join([*lines, "}"])
+
+
+_WARP_TRANSPOSE: tl.constexpr = tl.constexpr(_warp_transpose_ptx())
+
+
+@triton.jit
+def _token_columns(s0, s1, s2, s3, ASM: tl.constexpr):
+    """(64,) 128-bit token masks (words s0..s3), token t in thread t of 2 warps -> (64,) column
+    words: element 32h + i of word m has bit u set where token 32h + u picked expert 32m + i."""
+    if ASM:  # the layout puts token t in lane t % 32 of warp t // 32: transposes inside warps
+        return tl.inline_asm_elementwise(
+            _WARP_TRANSPOSE, "=r,=r,=r,=r,0,1,2,3", [s0, s1, s2, s3],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        i = tl.arange(0, 32)
+        c0 = tl.sum(tl.reshape((s0[:, None] >> i[None, :]) & 1, [2, 32, 32]) << i[None, :, None], 1)
+        c1 = tl.sum(tl.reshape((s1[:, None] >> i[None, :]) & 1, [2, 32, 32]) << i[None, :, None], 1)
+        c2 = tl.sum(tl.reshape((s2[:, None] >> i[None, :]) & 1, [2, 32, 32]) << i[None, :, None], 1)
+        c3 = tl.sum(tl.reshape((s3[:, None] >> i[None, :]) & 1, [2, 32, 32]) << i[None, :, None], 1)
+        return (tl.reshape(c0, [64]), tl.reshape(c1, [64]), tl.reshape(c2, [64]),
+                tl.reshape(c3, [64]))  # fmt: skip
+
+
+@triton.jit
+def _range_bits(m: tl.constexpr, start, end):
+    """Bits of word m (experts 32m .. 32m+31) for the experts in [start, end)."""
+    lo = tl.minimum(tl.maximum(start - 32 * m, 0), 32)
+    hi = tl.minimum(tl.maximum(end - 32 * m, 0), 32)
+    below_hi = tl.where(hi >= 32, -1, (1 << tl.minimum(hi, 31)) - 1)
+    below_lo = tl.where(lo >= 32, -1, (1 << tl.minimum(lo, 31)) - 1)
+    return below_hi & ~below_lo
+
+
+@triton.jit
+def _store_columns(col, m: tl.constexpr, col_ptr, hist_ptr, pid, start, end, n_programs,
+                   ASM: tl.constexpr):  # fmt: skip
+    """Word m's columns to ``col_ptr[m * 64 ..]``; their counts (both halves) to ``hist``."""
+    tl.store(col_ptr + m * 64 + tl.arange(0, 64), col)
+    n = tl.sum(tl.reshape(_popc(col, ASM), [2, 32]), 0)
+    le = 32 * m + tl.arange(0, 32) - start
+    tl.store(hist_ptr + le * n_programs + pid, n, mask=(le >= 0) & (le < end - start))
+
+
+@triton.jit
+def _topk_cols_kernel(
+    x_ptr,  # (T, E) 16-bit scores as int16; rows of 4-byte aligned pairs (stride_w words)
+    stride_t,
+    stride_e,
+    stride_w,
+    vtc_ptr,
+    pack_ptr,  # (n_programs, E_PAD // 32, 2, 32) int32 out: column words (``_token_columns``)
+    scr_w_ptr,  # unused
+    hist_ptr,  # (L, n_programs) int32 out: pairs per local expert and program
+    T,
+    E,
+    start,
+    end,
+    n_programs,
+    K: tl.constexpr,
+    E_PAD: tl.constexpr,  # 64 or 128
+    HAS_VTC: tl.constexpr,
+    FULL_RANGE: tl.constexpr,
+    MODE: tl.constexpr,  # _h2_op's: 2 / 3 bf16 / fp16 by PTX, 4 / 5 emulated (interpreter)
+):
+    """Kernel A for index_shuffling (``COLS``): 64 tokens a program, one a thread (2 warps).
+    Each token's chosen experts as a 128-bit mask (``_threshold_masks``, ``_keep_lowest``),
+    masked to the expert range and the valid tokens; transposed to per-expert words of token
+    bits, which C ranks with popcounts; their popcounts are the program's histogram."""
+    ASM: tl.constexpr = MODE <= 3
+    pid = tl.program_id(0)
+    rows = pid * 64 + tl.arange(0, 64)
+    row_ok = rows < T
+    gt0, gt1, gt2, gt3, eq0, eq1, eq2, eq3, n_gt = _threshold_masks(
+        x_ptr, rows.to(tl.int64), row_ok, stride_w, K, E_PAD, 64, MODE
+    )
+    eq0, eq1, eq2, eq3 = _keep_lowest(eq0, eq1, eq2, eq3, K - n_gt, ASM)
+    routed = row_ok
+    if HAS_VTC:
+        vtc = tl.load(vtc_ptr).to(tl.int64)
+        routed = routed & (rows < tl.minimum(tl.maximum(vtc, 0), T))
+    s0 = tl.where(routed, gt0 | eq0, 0)
+    s1 = tl.where(routed, gt1 | eq1, 0)
+    s2 = tl.where(routed, gt2 | eq2, 0)
+    s3 = tl.where(routed, gt3 | eq3, 0)
+    if not FULL_RANGE:
+        s0 &= _range_bits(0, start, end)
+        s1 &= _range_bits(1, start, end)
+        s2 &= _range_bits(2, start, end)
+        s3 &= _range_bits(3, start, end)
+    c0, c1, c2, c3 = _token_columns(s0, s1, s2, s3, ASM)
+    col_ptr = pack_ptr + pid * (2 * E_PAD)
+    _store_columns(c0, 0, col_ptr, hist_ptr, pid, start, end, n_programs, ASM)
+    _store_columns(c1, 1, col_ptr, hist_ptr, pid, start, end, n_programs, ASM)
+    if E_PAD == 128:
+        _store_columns(c2, 2, col_ptr, hist_ptr, pid, start, end, n_programs, ASM)
+        _store_columns(c3, 3, col_ptr, hist_ptr, pid, start, end, n_programs, ASM)
 
 
 @triton.jit
@@ -874,6 +1039,9 @@ def _place_kernel(
     NW: tl.constexpr,  # COUNT: int32 count words per token (>= L_PAD / 4)
     CUMSUM: tl.constexpr,  # SORTED: rank by prefix sums of one-hot rows instead of tl.sort
     TOK_BITS: tl.constexpr,  # CUMSUM: log2(TOK_PER_PROG)
+    COLS: tl.constexpr,  # SORTED: A stored per-expert token columns (_topk_cols_kernel)
+    E_PAD: tl.constexpr,  # COLS: experts of A's column words
+    ASM: tl.constexpr,  # COLS: inline PTX (popc); False in the interpreter
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -921,7 +1089,12 @@ def _place_kernel(
             tl.store(tcpe_ptr + E, T)
             tl.store(tcpe_ptr + E + 1, n)
 
-    if COUNT:
+    if COLS:
+        _place_from_columns(
+            pack_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, K_PAD, L_PAD,
+            TOK_PER_PROG, E_PAD, ASM,
+        )  # fmt: skip
+    elif COUNT:
         _place_counted_pairs(
             pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K,
             n, pid, K_PAD, NW, TOK_PER_PROG, WEIGHTS, INVERSE, PACK_W, IS_BF16,
@@ -1129,6 +1302,42 @@ def _place_sorted_pairs(
 
 
 @triton.jit
+def _place_from_columns(
+    col_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, K_PAD: tl.constexpr,
+    L_PAD: tl.constexpr, TP: tl.constexpr, E_PAD: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """index_shuffling from A's token columns (``_topk_cols_kernel``), in sorted order without a
+    sort: sorted index i of the program belongs to the last local expert whose run starts at or
+    before it (a binary search of ``lb``), and is that expert's r-th token, r = i - lb[e]: the
+    r-th set bit of its 64-bit column (``_select_bit``). Stores go out in sorted order."""
+    NP: tl.constexpr = TP * K_PAD
+    idx = tl.arange(0, NP)
+    rows = pid * TP + idx // K_PAD
+    jv = idx % K_PAD
+    offs = rows * K + jv
+    tail = (rows < T) & (jv < K) & (offs >= n)
+    tl.store(expert_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
+    tl.store(token_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
+    ok = idx < tl.sum(mine, axis=0)
+    le = tl.zeros([NP], tl.int32)
+    for b in tl.static_range(7):  # L_PAD <= 128; lb is non-decreasing and lb[0] = 0
+        if (L_PAD >> (b + 1)) > 0:
+            cand = le + (L_PAD >> (b + 1))
+            le = tl.where(tl.gather(lb, cand, 0) <= idx, cand, le)
+    r = idx - tl.gather(lb, le, 0)
+    e = le + start
+    cw = col_ptr + pid * (2 * E_PAD) + (e // 32) * 64 + e % 32
+    lo = tl.load(cw, mask=ok, other=0)
+    hi = tl.load(cw + 32, mask=ok, other=0)
+    n_lo = _popc(lo, ASM)
+    use_hi = r >= n_lo
+    t = _select_bit(tl.where(use_hi, hi, lo), tl.where(use_hi, r - n_lo, r), ASM)
+    pos = idx + tl.gather(base, le, 0)
+    tl.store(expert_ptr + pos, le, mask=ok)
+    tl.store(token_ptr + pos, pid * TP + t + tl.where(use_hi, 32, 0), mask=ok)
+
+
+@triton.jit
 def _place_counted_pairs(
     pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K, n, pid,
     K_PAD: tl.constexpr, NW: tl.constexpr, TOK_PER_PROG: tl.constexpr,
@@ -1216,6 +1425,7 @@ _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # grid when the histogram accumulates in a loop; 3.8's is right, and the GPU never takes this.
 _OLD_INTERP = INTERPRET and tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6)
 _topk_rank = FastKernel(_topk_rank_kernel)
+_topk_cols = FastKernel(_topk_cols_kernel)
 _scan = FastKernel(_scan_kernel)
 _place = FastKernel(_place_kernel)
 
@@ -1346,8 +1556,16 @@ def _launch_plan(
     # index_shuffling from 16-bit scores read as words (``words``: rows of 4-byte aligned pairs),
     # 64 or 128 experts: A by threshold (``_threshold_topk``).
     thresh = insert and words and not with_weights and kind != 0 and E in (64, 128)
-    if cfg.get("THRESH", thresh) and thresh:
-        a["THRESH"] = (2 if kind == 1 else 3) + (2 if INTERPRET else 0)
+    thresh = thresh and k_pad <= 8 and block_t == 64 and sub == 1
+    thresh = thresh and (INTERPRET or cfg["num_warps"] == 2)  # a token a thread (2 warps)
+    mode = (2 if kind == 1 else 3) + (2 if INTERPRET else 0)
+    cols = thresh and bool(cfg.get("COLS", True)) and bool(cfg.get("THRESH", True))
+    if cfg.get("THRESH", thresh) and thresh and not cols:
+        a["THRESH"] = mode
+    if cols:  # A writes per-expert token columns (_topk_cols_kernel), C places from them
+        a = dict(K=K, E_PAD=e_pad, HAS_VTC=has_vtc, FULL_RANGE=start == 0 and end == E,
+                 MODE=mode)  # fmt: skip
+        sizes[_SEG["packed"]] = max(P, n_prog * 2 * e_pad)
     scan = None
     if L > 0 and not fuse_scan:
         # Long hist rows in one or two chunks with 8 warps (H200, T=2^20, E=128: 16384 programs;
@@ -1371,7 +1589,8 @@ def _launch_plan(
     cumsum = sort and not key64 and not with_weights
     in_range = _CUMSUM_MIN_L <= l_pad <= _CUMSUM_MAX_L and not cfg.get("COUNT")
     cumsum = int(cumsum and cfg.get("CUMSUM", in_range))  # 1: stores from the grid, 2: gathered
-    count = count and not cumsum
+    count = count and not cumsum and not cols
+    cumsum = 0 if cols else cumsum
     c = dict(
         K=K,
         K_PAD=k_pad,
@@ -1397,6 +1616,9 @@ def _launch_plan(
         NW=max(4, (l_pad + 3) // 4) if count else 1,
         CUMSUM=cumsum,
         TOK_BITS=(tok_per_prog - 1).bit_length(),
+        COLS=cols,
+        E_PAD=e_pad,
+        ASM=not INTERPRET,
     )
     if INTERPRET:
         c_warps = 1
@@ -1462,7 +1684,7 @@ def _kernel_args(
     if not with_tcpe:
         tcpe = counts
     L = end - start
-    stride_w = strides[0] // 2 if p.a["THRESH"] else 0
+    stride_w = strides[0] // 2 if p.a.get("THRESH", True) else 0  # _topk_cols_kernel: always
     a = (x, *strides, stride_w, expert if vtc is None else vtc, packed, scr_w, hist, T, E, start,
          end, p.n_prog)  # fmt: skip
     b = (hist, counts, L, p.n_prog)
@@ -1574,7 +1796,8 @@ def routing_triton(
     args_a, args_b, args_c = _kernel_args(
         p, seg, x, scores_TE.stride(), vtc, T, E, start, end, *flags
     )
-    ha = _topk_rank.launch(grids[0], args_a, p.a, num_warps=p.a_warps)
+    ka = _topk_cols if "MODE" in p.a else _topk_rank
+    ha = ka.launch(grids[0], args_a, p.a, num_warps=p.a_warps)
     hb = None
     if p.scan is not None:
         hb = _scan.launch(grids[1], args_b, p.scan[1], num_warps=p.scan[2])
