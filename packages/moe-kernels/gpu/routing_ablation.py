@@ -182,15 +182,13 @@ def main() -> int:
         return 0
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
     sort = {"CUMSUM": False, "THRESH": False}  # session 7's defaults at E >= 64
-    cols = [{"CUMSUM": 2}, {"CUMSUM": 2, "C_WARPS": 2}, {"CUMSUM": 2, "C_WARPS": 1}]
+    thresh = {"COLS": False, "CUMSUM": 2}  # A by threshold, C from one-hot columns
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
-    variants(1 << 20, 128, torch.bfloat16, [{}, sort, {"THRESH": False}, *cols])
-    variants(1 << 20, 128, torch.float16, [{}, {"CUMSUM": 2}])
-    variants(1 << 20, 64, torch.bfloat16, [{}, sort, {"CUMSUM": 2}])
-    variants(1 << 20, 256, torch.bfloat16, [{}, {"CUMSUM": 2}])
-    variants(1 << 20, 32, torch.bfloat16, [{}, {"CUMSUM": 2}])
-    variants(65536, 128, torch.bfloat16, [{}, sort, {"CUMSUM": 2}])
+    variants(1 << 20, 128, torch.bfloat16, [{}, sort, thresh, {"C_WARPS": 2}, {"C_WARPS": 8}])
+    variants(1 << 20, 128, torch.float16, [{}])
+    variants(1 << 20, 64, torch.bfloat16, [{}, sort, thresh])
+    variants(65536, 128, torch.bfloat16, [{}, sort])
     print("FAILS:", FAILS if FAILS else "none")
     return 1 if FAILS else 0
 

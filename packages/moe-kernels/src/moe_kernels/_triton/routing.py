@@ -629,7 +629,7 @@ def _select_bit(x, r, ASM: tl.constexpr):
     """Position of the r-th (from 0) set bit of each int32 x (r < popcount(x))."""
     pos = tl.zeros(x.shape, tl.int32)
     for b in tl.static_range(5):
-        s: tl.constexpr = 16 >> b
+        s = 16 >> b
         c = _popc(x & ((1 << s) - 1), ASM)
         go = r >= c
         r = tl.where(go, r - c, r)
