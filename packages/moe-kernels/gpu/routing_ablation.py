@@ -76,7 +76,7 @@ def per_kernel(fn) -> dict[str, float]:
         torch.cuda.synchronize()
     out = {}
     for ev in prof.key_averages():
-        for short, name in (("A", "_topk_rank"), ("B", "_scan"), ("C", "_place")):
+        for short, name in (("A", "_topk_"), ("B", "_scan"), ("C", "_place")):
             if name in ev.key:
                 out[short] = ev.device_time_total / max(ev.count, 1)
     return out
@@ -182,13 +182,12 @@ def main() -> int:
         return 0
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
     sort = {"CUMSUM": False, "THRESH": False}  # session 7's defaults at E >= 64
-    thresh = {"COLS": False, "CUMSUM": 2}  # A by threshold, C from one-hot columns
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
-    variants(1 << 20, 128, torch.bfloat16, [{}, sort, thresh, {"C_WARPS": 2}, {"C_WARPS": 8}])
-    variants(1 << 20, 128, torch.float16, [{}])
-    variants(1 << 20, 64, torch.bfloat16, [{}, sort, thresh])
-    variants(65536, 128, torch.bfloat16, [{}, sort])
+    cw = [{"C_WARPS": w, "TABLES": t} for w in (4, 8, 16) for t in (False, True)]
+    variants(1 << 20, 128, torch.bfloat16, [{}, sort, *cw])
+    variants(1 << 20, 64, torch.bfloat16, [{}, {"C_WARPS": 8, "TABLES": True}])
+    variants(65536, 128, torch.bfloat16, [{}, sort, {"C_WARPS": 8, "TABLES": True}])
     print("FAILS:", FAILS if FAILS else "none")
     return 1 if FAILS else 0
 

@@ -1042,6 +1042,7 @@ def _place_kernel(
     COLS: tl.constexpr,  # SORTED: A stored per-expert token columns (_topk_cols_kernel)
     E_PAD: tl.constexpr,  # COLS: experts of A's column words
     ASM: tl.constexpr,  # COLS: inline PTX (popc); False in the interpreter
+    TABLES: tl.constexpr,  # COLS: search tables in global scratch, not tl.gather
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -1091,8 +1092,8 @@ def _place_kernel(
 
     if COLS:
         _place_from_columns(
-            pack_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, K_PAD, L_PAD,
-            TOK_PER_PROG, E_PAD, ASM,
+            pack_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, n_programs,
+            K_PAD, L_PAD, TOK_PER_PROG, E_PAD, ASM, TABLES,
         )  # fmt: skip
     elif COUNT:
         _place_counted_pairs(
@@ -1303,8 +1304,9 @@ def _place_sorted_pairs(
 
 @triton.jit
 def _place_from_columns(
-    col_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, K_PAD: tl.constexpr,
-    L_PAD: tl.constexpr, TP: tl.constexpr, E_PAD: tl.constexpr, ASM: tl.constexpr,
+    col_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, n_programs,
+    K_PAD: tl.constexpr, L_PAD: tl.constexpr, TP: tl.constexpr, E_PAD: tl.constexpr,
+    ASM: tl.constexpr, TABLES: tl.constexpr,
 ):  # fmt: skip
     """index_shuffling from A's token columns (``_topk_cols_kernel``), in sorted order without a
     sort: sorted index i of the program belongs to the last local expert whose run starts at or
@@ -1320,11 +1322,25 @@ def _place_from_columns(
     tl.store(token_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
     ok = idx < tl.sum(mine, axis=0)
     le = tl.zeros([NP], tl.int32)
-    for b in tl.static_range(7):  # L_PAD <= 128; lb is non-decreasing and lb[0] = 0
-        if (L_PAD >> (b + 1)) > 0:
-            cand = le + (L_PAD >> (b + 1))
-            le = tl.where(tl.gather(lb, cand, 0) <= idx, cand, le)
-    r = idx - tl.gather(lb, le, 0)
+    if TABLES:  # lb and base through a global scratch slice (L1) instead of tl.gather
+        tab = col_ptr + n_programs * (2 * E_PAD) + pid * (2 * L_PAD)
+        ls = tl.arange(0, L_PAD)
+        tl.store(tab + ls, lb)
+        tl.store(tab + L_PAD + ls, base)
+        tl.debug_barrier()
+        for b in tl.static_range(7):  # L_PAD <= 128; lb is non-decreasing and lb[0] = 0
+            if (L_PAD >> (b + 1)) > 0:
+                cand = le + (L_PAD >> (b + 1))
+                le = tl.where(tl.load(tab + cand) <= idx, cand, le)
+        r = idx - tl.load(tab + le)
+        b_le = tl.load(tab + L_PAD + le)
+    else:
+        for b in tl.static_range(7):  # L_PAD <= 128; lb is non-decreasing and lb[0] = 0
+            if (L_PAD >> (b + 1)) > 0:
+                cand = le + (L_PAD >> (b + 1))
+                le = tl.where(tl.gather(lb, cand, 0) <= idx, cand, le)
+        r = idx - tl.gather(lb, le, 0)
+        b_le = tl.gather(base, le, 0)
     e = le + start
     cw = col_ptr + pid * (2 * E_PAD) + (e // 32) * 64 + e % 32
     lo = tl.load(cw, mask=ok, other=0)
@@ -1332,7 +1348,7 @@ def _place_from_columns(
     n_lo = _popc(lo, ASM)
     use_hi = r >= n_lo
     t = _select_bit(tl.where(use_hi, hi, lo), tl.where(use_hi, r - n_lo, r), ASM)
-    pos = idx + tl.gather(base, le, 0)
+    pos = idx + b_le
     tl.store(expert_ptr + pos, le, mask=ok)
     tl.store(token_ptr + pos, pid * TP + t + tl.where(use_hi, 32, 0), mask=ok)
 
@@ -1555,6 +1571,7 @@ def _launch_plan(
     )
     # index_shuffling from 16-bit scores read as words (``words``: rows of 4-byte aligned pairs),
     # 64 or 128 experts: A by threshold (``_threshold_topk``).
+    tables = False
     thresh = insert and words and not with_weights and kind != 0 and E in (64, 128)
     thresh = thresh and k_pad <= 8 and block_t == 64 and sub == 1
     thresh = thresh and (INTERPRET or cfg["num_warps"] == 2)  # a token a thread (2 warps)
@@ -1565,7 +1582,8 @@ def _launch_plan(
     if cols:  # A writes per-expert token columns (_topk_cols_kernel), C places from them
         a = dict(K=K, E_PAD=e_pad, HAS_VTC=has_vtc, FULL_RANGE=start == 0 and end == E,
                  MODE=mode)  # fmt: skip
-        sizes[_SEG["packed"]] = max(P, n_prog * 2 * e_pad)
+        tables = bool(cfg.get("TABLES", False))
+        sizes[_SEG["packed"]] = n_prog * (2 * e_pad + (2 * l_pad if tables else 0))
     scan = None
     if L > 0 and not fuse_scan:
         # Long hist rows in one or two chunks with 8 warps (H200, T=2^20, E=128: 16384 programs;
@@ -1619,6 +1637,7 @@ def _launch_plan(
         COLS=cols,
         E_PAD=e_pad,
         ASM=not INTERPRET,
+        TABLES=cols and tables,
     )
     if INTERPRET:
         c_warps = 1
