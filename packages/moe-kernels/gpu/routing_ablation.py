@@ -184,10 +184,10 @@ def main() -> int:
     sort = {"CUMSUM": False, "THRESH": False}  # session 7's defaults at E >= 64
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
-    cw = [{"C_WARPS": w, "TABLES": t} for w in (4, 8, 16) for t in (False, True)]
+    cw = [{"C_WARPS": 8}, {"WALK": False}, {"WALK": False, "C_WARPS": 8}]
     variants(1 << 20, 128, torch.bfloat16, [{}, sort, *cw])
-    variants(1 << 20, 64, torch.bfloat16, [{}, {"C_WARPS": 8, "TABLES": True}])
-    variants(65536, 128, torch.bfloat16, [{}, sort, {"C_WARPS": 8, "TABLES": True}])
+    variants(1 << 20, 64, torch.bfloat16, [{}, {"C_WARPS": 8}])
+    variants(65536, 128, torch.bfloat16, [{}, sort, {"C_WARPS": 8}])
     print("FAILS:", FAILS if FAILS else "none")
     return 1 if FAILS else 0
 

@@ -82,7 +82,8 @@ def test_routing_plans_compile(can_compile, plan, weights, eager):
     a_sig = dict(x_ptr=x_t, stride_t="i32", stride_e="i32", stride_w="i32", vtc_ptr="*i32",
                  pack_ptr="*i32",
                  scr_w_ptr="*fp32", hist_ptr="*i32", **ints)  # fmt: skip
-    _compile(tri._topk_rank_kernel, a_sig, dict(p.a), p.a_warps)
+    kern_a = tri._topk_cols_kernel if "MODE" in p.a else tri._topk_rank_kernel
+    _compile(kern_a, a_sig, dict(p.a), p.a_warps)
     if p.scan is not None:
         _, consts, warps = p.scan
         sig = dict(hist_ptr="*i32", counts_ptr="*i32", L="i32", n_programs="i32")

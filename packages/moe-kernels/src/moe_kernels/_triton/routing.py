@@ -753,7 +753,7 @@ def _topk_cols_kernel(
     stride_e,
     stride_w,
     vtc_ptr,
-    pack_ptr,  # (n_programs, E_PAD // 32, 2, 32) int32 out: column words (``_token_columns``)
+    pack_ptr,  # (n_programs, COL_STRIDE) int32 out: (E_PAD // 32, 2, 32) column words first
     scr_w_ptr,  # unused
     hist_ptr,  # (L, n_programs) int32 out: pairs per local expert and program
     T,
@@ -763,6 +763,7 @@ def _topk_cols_kernel(
     n_programs,
     K: tl.constexpr,
     E_PAD: tl.constexpr,  # 64 or 128
+    COL_STRIDE: tl.constexpr,  # int32 words of a program's slice of pack (>= 2 * E_PAD)
     HAS_VTC: tl.constexpr,
     FULL_RANGE: tl.constexpr,
     MODE: tl.constexpr,  # _h2_op's: 2 / 3 bf16 / fp16 by PTX, 4 / 5 emulated (interpreter)
@@ -793,7 +794,7 @@ def _topk_cols_kernel(
         s2 &= _range_bits(2, start, end)
         s3 &= _range_bits(3, start, end)
     c0, c1, c2, c3 = _token_columns(s0, s1, s2, s3, ASM)
-    col_ptr = pack_ptr + pid * (2 * E_PAD)
+    col_ptr = pack_ptr + pid * COL_STRIDE
     _store_columns(c0, 0, col_ptr, hist_ptr, pid, start, end, n_programs, ASM)
     _store_columns(c1, 1, col_ptr, hist_ptr, pid, start, end, n_programs, ASM)
     if E_PAD == 128:
@@ -1040,9 +1041,9 @@ def _place_kernel(
     CUMSUM: tl.constexpr,  # SORTED: rank by prefix sums of one-hot rows instead of tl.sort
     TOK_BITS: tl.constexpr,  # CUMSUM: log2(TOK_PER_PROG)
     COLS: tl.constexpr,  # SORTED: A stored per-expert token columns (_topk_cols_kernel)
-    E_PAD: tl.constexpr,  # COLS: experts of A's column words
+    COL_STRIDE: tl.constexpr,  # COLS: int32 words of a program's slice of A's columns
     ASM: tl.constexpr,  # COLS: inline PTX (popc); False in the interpreter
-    TABLES: tl.constexpr,  # COLS: search tables in global scratch, not tl.gather
+    WALK: tl.constexpr,  # COLS: each expert's tokens written in order by one thread
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -1093,7 +1094,7 @@ def _place_kernel(
     if COLS:
         _place_from_columns(
             pack_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, n_programs,
-            K_PAD, L_PAD, TOK_PER_PROG, E_PAD, ASM, TABLES,
+            K_PAD, L_PAD, TOK_PER_PROG, COL_STRIDE, ASM, WALK, WHILE_LOOPS,
         )  # fmt: skip
     elif COUNT:
         _place_counted_pairs(
@@ -1305,8 +1306,8 @@ def _place_sorted_pairs(
 @triton.jit
 def _place_from_columns(
     col_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, n_programs,
-    K_PAD: tl.constexpr, L_PAD: tl.constexpr, TP: tl.constexpr, E_PAD: tl.constexpr,
-    ASM: tl.constexpr, TABLES: tl.constexpr,
+    K_PAD: tl.constexpr, L_PAD: tl.constexpr, TP: tl.constexpr, COL_STRIDE: tl.constexpr,
+    ASM: tl.constexpr, WALK: tl.constexpr, WHILE_LOOPS: tl.constexpr,
 ):  # fmt: skip
     """index_shuffling from A's token columns (``_topk_cols_kernel``), in sorted order without a
     sort: sorted index i of the program belongs to the last local expert whose run starts at or
@@ -1321,36 +1322,61 @@ def _place_from_columns(
     tl.store(expert_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
     tl.store(token_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
     ok = idx < tl.sum(mine, axis=0)
-    le = tl.zeros([NP], tl.int32)
-    if TABLES:  # lb and base through a global scratch slice (L1) instead of tl.gather
-        tab = col_ptr + n_programs * (2 * E_PAD) + pid * (2 * L_PAD)
+    if WALK:
+        # One local expert a thread walks its column's set bits, lowest first, and writes each
+        # (expert, token) as 16 bits to its sorted index in the program's column slice (read
+        # before the barrier); read back in sorted order.
         ls = tl.arange(0, L_PAD)
-        tl.store(tab + ls, lb)
-        tl.store(tab + L_PAD + ls, base)
+        e = ls + start
+        cw = col_ptr + pid * COL_STRIDE + (e // 32) * 64 + e % 32
+        x_lo = tl.load(cw, mask=mine > 0, other=0)
+        x_hi = tl.load(cw + 32, mask=mine > 0, other=0)
+        scr = (col_ptr + pid * COL_STRIDE).to(tl.pointer_type(tl.int16))
         tl.debug_barrier()
-        for b in tl.static_range(7):  # L_PAD <= 128; lb is non-decreasing and lb[0] = 0
-            if (L_PAD >> (b + 1)) > 0:
-                cand = le + (L_PAD >> (b + 1))
-                le = tl.where(tl.load(tab + cand) <= idx, cand, le)
-        r = idx - tl.load(tab + le)
-        b_le = tl.load(tab + L_PAD + le)
+        if WHILE_LOOPS:
+            it = tl.max(mine, axis=0) * 0
+            while it < tl.max(mine, axis=0):
+                x_lo, x_hi = _walk_step(x_lo, x_hi, ls, scr + lb + it, ASM)
+                it += 1
+        else:
+            for it in range(tl.max(mine, axis=0)):
+                x_lo, x_hi = _walk_step(x_lo, x_hi, ls, scr + lb + it, ASM)
+        tl.debug_barrier()
+        key = tl.load(scr + idx, mask=ok, other=0).to(tl.int32)
+        le = key >> 6
+        tok = key & 63
+        b_le = tl.gather(base, le, 0)
     else:
+        le = tl.zeros([NP], tl.int32)
         for b in tl.static_range(7):  # L_PAD <= 128; lb is non-decreasing and lb[0] = 0
             if (L_PAD >> (b + 1)) > 0:
                 cand = le + (L_PAD >> (b + 1))
                 le = tl.where(tl.gather(lb, cand, 0) <= idx, cand, le)
         r = idx - tl.gather(lb, le, 0)
         b_le = tl.gather(base, le, 0)
-    e = le + start
-    cw = col_ptr + pid * (2 * E_PAD) + (e // 32) * 64 + e % 32
-    lo = tl.load(cw, mask=ok, other=0)
-    hi = tl.load(cw + 32, mask=ok, other=0)
-    n_lo = _popc(lo, ASM)
-    use_hi = r >= n_lo
-    t = _select_bit(tl.where(use_hi, hi, lo), tl.where(use_hi, r - n_lo, r), ASM)
+        e = le + start
+        cw = col_ptr + pid * COL_STRIDE + (e // 32) * 64 + e % 32
+        lo = tl.load(cw, mask=ok, other=0)
+        hi = tl.load(cw + 32, mask=ok, other=0)
+        n_lo = _popc(lo, ASM)
+        use_hi = r >= n_lo
+        tok = _select_bit(tl.where(use_hi, hi, lo), tl.where(use_hi, r - n_lo, r), ASM)
+        tok += tl.where(use_hi, 32, 0)
     pos = idx + b_le
     tl.store(expert_ptr + pos, le, mask=ok)
-    tl.store(token_ptr + pos, pid * TP + t + tl.where(use_hi, 32, 0), mask=ok)
+    tl.store(token_ptr + pos, pid * TP + tok, mask=ok)
+
+
+@triton.jit
+def _walk_step(x_lo, x_hi, ls, dst, ASM: tl.constexpr):
+    """Each expert's lowest remaining token bit of its 64-bit column (x_lo, x_hi): the 16-bit
+    key ``local expert << 6 | token`` to ``dst`` (where any is left); returns the rest."""
+    use_lo = x_lo != 0
+    x = tl.where(use_lo, x_lo, x_hi)
+    bit = x & -x
+    tok = _popc(bit - 1, ASM) + tl.where(use_lo, 0, 32)
+    tl.store(dst, ((ls << 6) | tok).to(tl.int16), mask=x != 0)
+    return tl.where(use_lo, x_lo ^ bit, x_lo), tl.where(use_lo, x_hi, x_hi ^ bit)
 
 
 @triton.jit
@@ -1571,7 +1597,6 @@ def _launch_plan(
     )
     # index_shuffling from 16-bit scores read as words (``words``: rows of 4-byte aligned pairs),
     # 64 or 128 experts: A by threshold (``_threshold_topk``).
-    tables = False
     thresh = insert and words and not with_weights and kind != 0 and E in (64, 128)
     thresh = thresh and k_pad <= 8 and block_t == 64 and sub == 1
     thresh = thresh and (INTERPRET or cfg["num_warps"] == 2)  # a token a thread (2 warps)
@@ -1580,10 +1605,11 @@ def _launch_plan(
     if cfg.get("THRESH", thresh) and thresh and not cols:
         a["THRESH"] = mode
     if cols:  # A writes per-expert token columns (_topk_cols_kernel), C places from them
-        a = dict(K=K, E_PAD=e_pad, HAS_VTC=has_vtc, FULL_RANGE=start == 0 and end == E,
-                 MODE=mode)  # fmt: skip
-        tables = bool(cfg.get("TABLES", False))
-        sizes[_SEG["packed"]] = n_prog * (2 * e_pad + (2 * l_pad if tables else 0))
+        # a program's slice: its column words, then (C, WALK) its sorted 16-bit keys
+        col_stride = max(2 * e_pad, tok_per_prog * k_pad // 2)
+        a = dict(K=K, E_PAD=e_pad, COL_STRIDE=col_stride, HAS_VTC=has_vtc,
+                 FULL_RANGE=start == 0 and end == E, MODE=mode)  # fmt: skip
+        sizes[_SEG["packed"]] = n_prog * col_stride
     scan = None
     if L > 0 and not fuse_scan:
         # Long hist rows in one or two chunks with 8 warps (H200, T=2^20, E=128: 16384 programs;
@@ -1635,9 +1661,9 @@ def _launch_plan(
         CUMSUM=cumsum,
         TOK_BITS=(tok_per_prog - 1).bit_length(),
         COLS=cols,
-        E_PAD=e_pad,
+        COL_STRIDE=a["COL_STRIDE"] if cols else 1,
         ASM=not INTERPRET,
-        TABLES=cols and tables,
+        WALK=cols and bool(cfg.get("WALK", True)),
     )
     if INTERPRET:
         c_warps = 1
