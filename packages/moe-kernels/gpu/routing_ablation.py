@@ -184,10 +184,11 @@ def main() -> int:
     sort = {"CUMSUM": False, "THRESH": False}  # session 7's defaults at E >= 64
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
-    cw = [{"C_WARPS": 8}, {"WALK": False}, {"WALK": False, "C_WARPS": 8}]
+    t128 = {"COLS_T": 128}
+    cw = [{"C_WARPS": 16}, t128, {**t128, "C_WARPS": 16}, {**t128, "C_WARPS": 4}]
     variants(1 << 20, 128, torch.bfloat16, [{}, sort, *cw])
-    variants(1 << 20, 64, torch.bfloat16, [{}, {"C_WARPS": 8}])
-    variants(65536, 128, torch.bfloat16, [{}, sort, {"C_WARPS": 8}])
+    variants(1 << 20, 64, torch.bfloat16, [{}, t128])
+    variants(65536, 128, torch.bfloat16, [{}, sort, t128])
     print("FAILS:", FAILS if FAILS else "none")
     return 1 if FAILS else 0
 

@@ -148,15 +148,19 @@ def correctness() -> None:
         ),  # fmt: skip
         # index_shuffling's threshold top-k (16-bit scores, 64 / 128 experts): ties, NaN, -inf,
         # -0.0, k < 8, ranges, valid counts, padded rows; odd row strides take the other path
-        dict(T=40 if big else 300000, E=128, k=8, dtype=torch.bfloat16, kind="special",
-             layout="pad"),  # fmt: skip
+        dict(
+            T=40 if big else 300000, E=128, k=8, dtype=torch.bfloat16, kind="special", layout="pad"
+        ),  # fmt: skip
         dict(T=40 if big else 300000, E=128, k=8, dtype=torch.float16, kind="ties"),
-        dict(T=40 if big else 200000, E=64, k=5, dtype=torch.bfloat16, kind="special",
-             valid=150000),  # fmt: skip
-        dict(T=40 if big else 200000, E=128, k=1, dtype=torch.bfloat16, kind="ties", start=5,
-             end=100),  # fmt: skip
-        dict(T=40 if big else 100000, E=128, k=3, dtype=torch.float16, kind="special",
-             layout="odd"),  # fmt: skip
+        dict(
+            T=40 if big else 200000, E=64, k=5, dtype=torch.bfloat16, kind="special", valid=150000
+        ),  # fmt: skip
+        dict(
+            T=40 if big else 200000, E=128, k=1, dtype=torch.bfloat16, kind="ties", start=5, end=100
+        ),  # fmt: skip
+        dict(
+            T=40 if big else 100000, E=128, k=3, dtype=torch.float16, kind="special", layout="odd"
+        ),  # fmt: skip
         dict(T=40 if big else 100000, E=64, k=8, dtype=torch.float16, kind="special"),
         dict(T=1, E=8, k=2, dtype=torch.float16),
         dict(T=5, E=1, k=1, dtype=torch.bfloat16, kind="special"),

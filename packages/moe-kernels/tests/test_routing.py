@@ -131,6 +131,8 @@ def make_scores(T, E, dtype, kind="randn", seed=0, layout="row"):
         assert x.stride(0) == 1 or T <= 1
     elif layout == "strided":
         x = torch.cat([x, x], dim=1)[:, ::2]
+    elif layout in ("pad", "odd"):  # row stride E + 2 (pairs stay 4-byte aligned) or E + 1
+        x = torch.cat([x, x[:, : 2 if layout == "pad" else 1]], dim=1)[:, :E]
     return x
 
 
@@ -503,6 +505,44 @@ def test_cumsum_ranks(T, E, k, start, end, valid, config, dtype):
                         True, tuple(sorted(config.items())))  # fmt: skip
     assert plan.c["CUMSUM"] and not plan.c["COUNT"]
     x = make_scores(T, E, dtype, "special", seed=T + E, layout="row")
+    want = naive_plan(x, k, start, end, valid)
+    for one_buffer in (False, True):
+        got = routing_triton(
+            x, k, _vtc(valid), start, end, False, False, False, True, config, one_buffer
+        )
+        check_shuffling((got[6], got[2], got[3]), want)
+
+
+@pytest.mark.parametrize(
+    "T,E,k,start,end,valid,kind,layout,config",
+    [
+        (130, 128, 8, 0, 128, None, "ties", "row", {}),  # 3 programs of 64 tokens
+        (130, 128, 8, 0, 128, None, "special", "pad", {"COLS_T": 128}),  # 128-token programs
+        (100, 64, 5, 3, 59, 70, "special", "row", {}),  # 64 experts, range, valid count
+        (100, 128, 1, 40, 41, None, "randn", "pad", {"COLS_T": 128}),  # k = 1, one expert
+        (70, 128, 3, 10, 100, 0, "ties", "row", {}),  # nothing routed
+        (70, 64, 8, 0, 64, None, "ties", "odd", {}),  # odd row stride: not as pairs
+    ],
+)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_token_columns(T, E, k, start, end, valid, kind, layout, config, dtype):
+    """index_shuffling's token-column plan (``COLS``: kernel A takes each row's top-k by a
+    threshold over packed 16-bit pairs and transposes the choices into per-expert token words; C
+    places from them; the default for 16-bit scores, 64 or 128 experts, k <= 8) against the
+    oracle: ties (and -0.0 beside +0.0), NaN / inf / -inf rows, k < 8, expert ranges, valid
+    counts, padded rows. Rows with an odd stride are not read as pairs and take the other plan."""
+    from moe_kernels._dispatch import use_triton
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("the Triton launcher runs on CPU only under TRITON_INTERPRET=1")
+    from moe_kernels._triton.routing import _KIND, _launch_plan, routing_triton
+
+    config = {"SORTED": True, **config}
+    x = make_scores(T, E, dtype, kind, seed=T + E + k, layout=layout)
+    words = layout != "odd"
+    plan = _launch_plan(T, E, k, start, end, _KIND[dtype], False, valid is not None, False, False,
+                        True, tuple(sorted(config.items())), False, words)  # fmt: skip
+    assert ("MODE" in plan.a) == words and plan.c["COLS"] == words
     want = naive_plan(x, k, start, end, valid)
     for one_buffer in (False, True):
         got = routing_triton(

@@ -657,34 +657,6 @@ def _keep_lowest(q0, q1, q2, q3, need, ASM: tl.constexpr):
     return q0, q1, q2, q3
 
 
-@triton.jit
-def _threshold_topk(
-    x_ptr, rows64, row_ok, stride_w, jj, K: tl.constexpr, K_PAD: tl.constexpr,
-    E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, MODE: tl.constexpr,
-):  # fmt: skip
-    """``_threshold_masks``' choices -> (BLOCK_T, K_PAD) ``E_PAD - 1 - e`` for each chosen e,
-    in ascending e (not score) order."""
-    ASM: tl.constexpr = MODE <= 3
-    gt0, gt1, gt2, gt3, eq0, eq1, eq2, eq3, n_gt = _threshold_masks(
-        x_ptr, rows64, row_ok, stride_w, K, E_PAD, BLOCK_T, MODE
-    )
-    mk = tl.zeros([BLOCK_T, K_PAD], tl.int32)
-    for j in tl.static_range(K):  # the experts above the threshold, then the lowest equal ones
-        above = j < n_gt
-        e, w, bit = _take_lowest(tl.where(above, gt0, eq0), tl.where(above, gt1, eq1),
-                                 tl.where(above, gt2, eq2), tl.where(above, gt3, eq3), ASM)  # fmt: skip
-        gt0 ^= tl.where(above & (w == 0), bit, 0)
-        gt1 ^= tl.where(above & (w == 1), bit, 0)
-        gt2 ^= tl.where(above & (w == 2), bit, 0)
-        gt3 ^= tl.where(above & (w == 3), bit, 0)
-        eq0 ^= tl.where(~above & (w == 0), bit, 0)
-        eq1 ^= tl.where(~above & (w == 1), bit, 0)
-        eq2 ^= tl.where(~above & (w == 2), bit, 0)
-        eq3 ^= tl.where(~above & (w == 3), bit, 0)
-        mk = tl.where(jj[None, :] == j, (E_PAD - 1 - e)[:, None], mk)
-    return mk
-
-
 def _warp_transpose_ptx() -> str:
     """PTX for four 32 x 32 bit-matrix transposes across a warp: lane r holds row r (bit c:
     column c) of each; after it lane c holds column c (bit r: row r). Five butterfly stages:
@@ -698,9 +670,13 @@ def _warp_transpose_ptx() -> str:
         lines += [f"and.b32 t, l, {j};", "setp.ne.u32 p, t, 0;",
                   f"selp.b32 m, {keep ^ 0xFFFFFFFF}, {keep}, p;"]  # fmt: skip
         for w in range(4):
-            lines += [f"shfl.sync.bfly.b32 y, ${w}, {j}, 0x1f, -1;", f"shr.b32 s1, y, {j};",
-                      f"shl.b32 s2, y, {j};", "selp.b32 s, s1, s2, p;",
-                      f"lop3.b32 ${w}, ${w}, s, m, 0xE4;"]  # fmt: skip  (m ? word : s)
+            lines += [
+                f"shfl.sync.bfly.b32 y, ${w}, {j}, 0x1f, -1;",
+                f"shr.b32 s1, y, {j};",
+                f"shl.b32 s2, y, {j};",
+                "selp.b32 s, s1, s2, p;",
+                f"lop3.b32 ${w}, ${w}, s, m, 0xE4;",
+            ]  # lop3 0xE4: m ? word : s, bit by bit
     return "\n".join([*lines, "}"])
 
 
@@ -708,22 +684,26 @@ _WARP_TRANSPOSE: tl.constexpr = tl.constexpr(_warp_transpose_ptx())
 
 
 @triton.jit
-def _token_columns(s0, s1, s2, s3, ASM: tl.constexpr):
-    """(64,) 128-bit token masks (words s0..s3), token t in thread t of 2 warps -> (64,) column
-    words: element 32h + i of word m has bit u set where token 32h + u picked expert 32m + i."""
+def _emulated_columns(s, TP: tl.constexpr):
+    """``_token_columns`` for one word in tensor ops (the interpreter runs no PTX)."""
+    i = tl.arange(0, 32)
+    bits = tl.reshape((s[:, None] >> i[None, :]) & 1, [TP // 32, 32, 32])
+    return tl.reshape(tl.sum(bits << i[None, :, None], 1), [TP])  # distinct bits: sum == or
+
+
+@triton.jit
+def _token_columns(s0, s1, s2, s3, TP: tl.constexpr, ASM: tl.constexpr):
+    """(TP,) 128-bit token masks (words s0..s3), token t in thread t (TP / 32 warps) -> (TP,)
+    column words: element 32h + i of word m has bit u set where token 32h + u picked expert
+    32m + i."""
     if ASM:  # the layout puts token t in lane t % 32 of warp t // 32: transposes inside warps
         return tl.inline_asm_elementwise(
             _WARP_TRANSPOSE, "=r,=r,=r,=r,0,1,2,3", [s0, s1, s2, s3],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
         )  # fmt: skip
     else:
-        i = tl.arange(0, 32)
-        c0 = tl.sum(tl.reshape((s0[:, None] >> i[None, :]) & 1, [2, 32, 32]) << i[None, :, None], 1)
-        c1 = tl.sum(tl.reshape((s1[:, None] >> i[None, :]) & 1, [2, 32, 32]) << i[None, :, None], 1)
-        c2 = tl.sum(tl.reshape((s2[:, None] >> i[None, :]) & 1, [2, 32, 32]) << i[None, :, None], 1)
-        c3 = tl.sum(tl.reshape((s3[:, None] >> i[None, :]) & 1, [2, 32, 32]) << i[None, :, None], 1)
-        return (tl.reshape(c0, [64]), tl.reshape(c1, [64]), tl.reshape(c2, [64]),
-                tl.reshape(c3, [64]))  # fmt: skip
+        return (_emulated_columns(s0, TP), _emulated_columns(s1, TP), _emulated_columns(s2, TP),
+                _emulated_columns(s3, TP))  # fmt: skip
 
 
 @triton.jit
@@ -738,10 +718,10 @@ def _range_bits(m: tl.constexpr, start, end):
 
 @triton.jit
 def _store_columns(col, m: tl.constexpr, col_ptr, hist_ptr, pid, start, end, n_programs,
-                   ASM: tl.constexpr):  # fmt: skip
-    """Word m's columns to ``col_ptr[m * 64 ..]``; their counts (both halves) to ``hist``."""
-    tl.store(col_ptr + m * 64 + tl.arange(0, 64), col)
-    n = tl.sum(tl.reshape(_popc(col, ASM), [2, 32]), 0)
+                   TP: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """Word m's columns to ``col_ptr[m * TP ..]``; their counts (all warps') to ``hist``."""
+    tl.store(col_ptr + m * TP + tl.arange(0, TP), col)
+    n = tl.sum(tl.reshape(_popc(col, ASM), [TP // 32, 32]), 0)
     le = 32 * m + tl.arange(0, 32) - start
     tl.store(hist_ptr + le * n_programs + pid, n, mask=(le >= 0) & (le < end - start))
 
@@ -753,7 +733,7 @@ def _topk_cols_kernel(
     stride_e,
     stride_w,
     vtc_ptr,
-    pack_ptr,  # (n_programs, COL_STRIDE) int32 out: (E_PAD // 32, 2, 32) column words first
+    pack_ptr,  # (n_programs, E_PAD // 32, TP // 32, 32) int32 out: ``_token_columns`` words
     scr_w_ptr,  # unused
     hist_ptr,  # (L, n_programs) int32 out: pairs per local expert and program
     T,
@@ -763,21 +743,21 @@ def _topk_cols_kernel(
     n_programs,
     K: tl.constexpr,
     E_PAD: tl.constexpr,  # 64 or 128
-    COL_STRIDE: tl.constexpr,  # int32 words of a program's slice of pack (>= 2 * E_PAD)
+    TP: tl.constexpr,  # tokens a program, one a thread: 32 a warp
     HAS_VTC: tl.constexpr,
     FULL_RANGE: tl.constexpr,
     MODE: tl.constexpr,  # _h2_op's: 2 / 3 bf16 / fp16 by PTX, 4 / 5 emulated (interpreter)
 ):
-    """Kernel A for index_shuffling (``COLS``): 64 tokens a program, one a thread (2 warps).
+    """Kernel A for index_shuffling (``COLS``): TP tokens a program, one a thread.
     Each token's chosen experts as a 128-bit mask (``_threshold_masks``, ``_keep_lowest``),
     masked to the expert range and the valid tokens; transposed to per-expert words of token
     bits, which C ranks with popcounts; their popcounts are the program's histogram."""
     ASM: tl.constexpr = MODE <= 3
     pid = tl.program_id(0)
-    rows = pid * 64 + tl.arange(0, 64)
+    rows = pid * TP + tl.arange(0, TP)
     row_ok = rows < T
     gt0, gt1, gt2, gt3, eq0, eq1, eq2, eq3, n_gt = _threshold_masks(
-        x_ptr, rows.to(tl.int64), row_ok, stride_w, K, E_PAD, 64, MODE
+        x_ptr, rows.to(tl.int64), row_ok, stride_w, K, E_PAD, TP, MODE
     )
     eq0, eq1, eq2, eq3 = _keep_lowest(eq0, eq1, eq2, eq3, K - n_gt, ASM)
     routed = row_ok
@@ -793,13 +773,13 @@ def _topk_cols_kernel(
         s1 &= _range_bits(1, start, end)
         s2 &= _range_bits(2, start, end)
         s3 &= _range_bits(3, start, end)
-    c0, c1, c2, c3 = _token_columns(s0, s1, s2, s3, ASM)
-    col_ptr = pack_ptr + pid * COL_STRIDE
-    _store_columns(c0, 0, col_ptr, hist_ptr, pid, start, end, n_programs, ASM)
-    _store_columns(c1, 1, col_ptr, hist_ptr, pid, start, end, n_programs, ASM)
+    c0, c1, c2, c3 = _token_columns(s0, s1, s2, s3, TP, ASM)
+    col_ptr = pack_ptr + pid * (E_PAD // 32 * TP)
+    _store_columns(c0, 0, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM)
+    _store_columns(c1, 1, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM)
     if E_PAD == 128:
-        _store_columns(c2, 2, col_ptr, hist_ptr, pid, start, end, n_programs, ASM)
-        _store_columns(c3, 3, col_ptr, hist_ptr, pid, start, end, n_programs, ASM)
+        _store_columns(c2, 2, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM)
+        _store_columns(c3, 3, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM)
 
 
 @triton.jit
@@ -807,7 +787,7 @@ def _topk_rank_kernel(
     x_ptr,  # (T, E) scores; int16 view for 16-bit floats, fp32 otherwise
     stride_t,
     stride_e,
-    stride_w,  # THRESH: int32 words (two scores) per row
+    stride_w,  # unused (the signature is _topk_cols_kernel's)
     vtc_ptr,  # (1,) int32/int64 valid token count (unused when not HAS_VTC)
     pack_ptr,  # (T, K) int32 out: rank in expert (within program) << L_BITS | local expert, or -1
     scr_w_ptr,  # (T, K) fp32 out: weight of each choice (only when WEIGHTS)
@@ -838,7 +818,6 @@ def _topk_rank_kernel(
     FKEY: tl.constexpr,  # INSERT: exact-integer fp32 keys (16-bit scores, E_PAD <= 128)
     MERGE: tl.constexpr,  # INSERT: sort each load's 8 keys and merge (K_PAD == W == 8)
     PACK_W: tl.constexpr,  # sorted, 16-bit weights, no renormalize: weight bits in pack (no scr_w)
-    THRESH: tl.constexpr,  # 0, or the packed MODE of _threshold_topk (no weights, 16-bit words)
 ):
     pid = tl.program_id(0)
     n_valid = T
@@ -857,12 +836,7 @@ def _topk_rank_kernel(
         rows = (pid * SUB + s) * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < T
         rows64 = rows.to(tl.int64)
-        if THRESH:
-            mk = _threshold_topk(x_ptr, rows64, row_ok, stride_w, jj, K, K_PAD, E_PAD, BLOCK_T,
-                                 THRESH)  # fmt: skip
-            if K < K_PAD:
-                mk = tl.where(k_ok, mk, SENT)
-        elif INSERT:
+        if INSERT:
             mk = _insert_topk(x_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
                               BLOCK_T, K_PAD, E_PAD, W, KIND, EVEN_E, SENT, FKEY, MERGE,
                               OLD_INTERP)  # fmt: skip
@@ -1041,9 +1015,8 @@ def _place_kernel(
     CUMSUM: tl.constexpr,  # SORTED: rank by prefix sums of one-hot rows instead of tl.sort
     TOK_BITS: tl.constexpr,  # CUMSUM: log2(TOK_PER_PROG)
     COLS: tl.constexpr,  # SORTED: A stored per-expert token columns (_topk_cols_kernel)
-    COL_STRIDE: tl.constexpr,  # COLS: int32 words of a program's slice of A's columns
+    E_PAD: tl.constexpr,  # COLS: experts in A's column words (E_PAD / 32 * TOK_PER_PROG a program)
     ASM: tl.constexpr,  # COLS: inline PTX (popc); False in the interpreter
-    WALK: tl.constexpr,  # COLS: each expert's tokens written in order by one thread
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -1093,8 +1066,8 @@ def _place_kernel(
 
     if COLS:
         _place_from_columns(
-            pack_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, n_programs,
-            K_PAD, L_PAD, TOK_PER_PROG, COL_STRIDE, ASM, WALK, WHILE_LOOPS,
+            pack_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, K_PAD, L_PAD,
+            TOK_PER_PROG, E_PAD, ASM,
         )  # fmt: skip
     elif COUNT:
         _place_counted_pairs(
@@ -1182,8 +1155,7 @@ def _place_ranked_pairs(
 
 @triton.jit
 def _scatter_in_sorted_order(le, routed, lb, scr_ptr, TP: tl.constexpr, K_PAD: tl.constexpr,
-                             L_PAD: tl.constexpr, TOK_BITS: tl.constexpr,
-                             GATHER: tl.constexpr):  # fmt: skip
+                             L_PAD: tl.constexpr, TOK_BITS: tl.constexpr):  # fmt: skip
     """(TP * K_PAD,) local experts of TP tokens' choices, token-major, and ``lb``, where each
     expert's pairs start in the program's sorted order -> each routed pair's key, local expert
     << TOK_BITS | local token, stored at ``scr_ptr[lb[e] + rank]``, rank = how many earlier tokens
@@ -1200,32 +1172,10 @@ def _scatter_in_sorted_order(le, routed, lb, scr_ptr, TP: tl.constexpr, K_PAD: t
     words = tl.sum(tl.where(hit, bit[:, :, None], 0), axis=1)  # distinct bits: sum == or
     onehot = (words[:, :, None] >> tl.arange(0, WB)[None, None, :]) & 1
     onehot = tl.reshape(onehot, [TP, L_PAD])
-    if GATHER:  # per expert, bit t of a column word: token t chose it; a pair's rank is the
-        # popcount of its column's bits below its token (K_PAD stores a token, not L_PAD)
-        HALVES: tl.constexpr = TP // 32 if TP >= 32 else 1
-        TB: tl.constexpr = TP // HALVES
-        tb = tl.arange(0, TB)
-        cols = tl.sum(tl.reshape(onehot, [HALVES, TB, L_PAD]) << tb[None, :, None], axis=1)
-        tok = tl.arange(0, TP)
-        half = (tok // TB)[:, None]
-        below = ((1 << (tok % TB)) - 1)[:, None]
-        le_f = tl.reshape(le2, [TP * K_PAD])
-        col_t = tl.zeros([TP, K_PAD], tl.int32)
-        rank = tl.zeros([TP, K_PAD], tl.int32)
-        for h in tl.static_range(HALVES):
-            col_h = tl.sum(tl.where(tl.arange(0, HALVES)[:, None] == h, cols, 0), axis=0)
-            c_h = tl.reshape(tl.gather(col_h, le_f, 0), [TP, K_PAD])
-            rank += tl.where(half > h, _popcount(c_h), 0)
-            col_t = tl.where(half == h, c_h, col_t)
-        rank += _popcount(col_t & below)
-        dst = tl.reshape(tl.gather(lb, le, 0), [TP, K_PAD]) + rank
-        key = (le2 << TOK_BITS) | tok[:, None]
-        tl.store(scr_ptr + dst, key, mask=tl.reshape(routed, [TP, K_PAD]))
-    else:
-        before = tl.cumsum(onehot, axis=0) - onehot  # earlier tokens that chose e
-        dst = tl.where(onehot != 0, lb[None, :] + before, -1)
-        key = (tl.arange(0, L_PAD)[None, :] << TOK_BITS) | tl.arange(0, TP)[:, None]
-        tl.store(scr_ptr + dst, key, mask=onehot != 0)
+    before = tl.cumsum(onehot, axis=0) - onehot  # earlier tokens that chose e
+    dst = tl.where(onehot != 0, lb[None, :] + before, -1)
+    key = (tl.arange(0, L_PAD)[None, :] << TOK_BITS) | tl.arange(0, TP)[:, None]
+    tl.store(scr_ptr + dst, key, mask=onehot != 0)
 
 
 @triton.jit
@@ -1260,8 +1210,7 @@ def _place_sorted_pairs(
         scr = pack_ptr + pid * TOK_PER_PROG * K
         tl.debug_barrier()
         le0 = tl.where(routed, le, 0)
-        _scatter_in_sorted_order(le0, routed, lb, scr, TOK_PER_PROG, K_PAD, L_PAD, TOK_BITS,
-                                 CUMSUM == 2)  # fmt: skip
+        _scatter_in_sorted_order(le0, routed, lb, scr, TOK_PER_PROG, K_PAD, L_PAD, TOK_BITS)
         tl.debug_barrier()
         ok = idx < tl.sum(routed.to(tl.int32), axis=0)
         key = tl.load(scr + idx, mask=ok, other=0)
@@ -1305,14 +1254,13 @@ def _place_sorted_pairs(
 
 @triton.jit
 def _place_from_columns(
-    col_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, n_programs,
-    K_PAD: tl.constexpr, L_PAD: tl.constexpr, TP: tl.constexpr, COL_STRIDE: tl.constexpr,
-    ASM: tl.constexpr, WALK: tl.constexpr, WHILE_LOOPS: tl.constexpr,
+    col_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, K_PAD: tl.constexpr,
+    L_PAD: tl.constexpr, TP: tl.constexpr, E_PAD: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """index_shuffling from A's token columns (``_topk_cols_kernel``), in sorted order without a
     sort: sorted index i of the program belongs to the last local expert whose run starts at or
     before it (a binary search of ``lb``), and is that expert's r-th token, r = i - lb[e]: the
-    r-th set bit of its 64-bit column (``_select_bit``). Stores go out in sorted order."""
+    r-th set bit of its TP-bit column (``_select_bit``). Stores go out in sorted order."""
     NP: tl.constexpr = TP * K_PAD
     idx = tl.arange(0, NP)
     rows = pid * TP + idx // K_PAD
@@ -1322,61 +1270,30 @@ def _place_from_columns(
     tl.store(expert_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
     tl.store(token_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
     ok = idx < tl.sum(mine, axis=0)
-    if WALK:
-        # One local expert a thread walks its column's set bits, lowest first, and writes each
-        # (expert, token) as 16 bits to its sorted index in the program's column slice (read
-        # before the barrier); read back in sorted order.
-        ls = tl.arange(0, L_PAD)
-        e = ls + start
-        cw = col_ptr + pid * COL_STRIDE + (e // 32) * 64 + e % 32
-        x_lo = tl.load(cw, mask=mine > 0, other=0)
-        x_hi = tl.load(cw + 32, mask=mine > 0, other=0)
-        scr = (col_ptr + pid * COL_STRIDE).to(tl.pointer_type(tl.int16))
-        tl.debug_barrier()
-        if WHILE_LOOPS:
-            it = tl.max(mine, axis=0) * 0
-            while it < tl.max(mine, axis=0):
-                x_lo, x_hi = _walk_step(x_lo, x_hi, ls, scr + lb + it, ASM)
-                it += 1
-        else:
-            for it in range(tl.max(mine, axis=0)):
-                x_lo, x_hi = _walk_step(x_lo, x_hi, ls, scr + lb + it, ASM)
-        tl.debug_barrier()
-        key = tl.load(scr + idx, mask=ok, other=0).to(tl.int32)
-        le = key >> 6
-        tok = key & 63
-        b_le = tl.gather(base, le, 0)
-    else:
-        le = tl.zeros([NP], tl.int32)
-        for b in tl.static_range(7):  # L_PAD <= 128; lb is non-decreasing and lb[0] = 0
-            if (L_PAD >> (b + 1)) > 0:
-                cand = le + (L_PAD >> (b + 1))
-                le = tl.where(tl.gather(lb, cand, 0) <= idx, cand, le)
-        r = idx - tl.gather(lb, le, 0)
-        b_le = tl.gather(base, le, 0)
-        e = le + start
-        cw = col_ptr + pid * COL_STRIDE + (e // 32) * 64 + e % 32
-        lo = tl.load(cw, mask=ok, other=0)
-        hi = tl.load(cw + 32, mask=ok, other=0)
-        n_lo = _popc(lo, ASM)
-        use_hi = r >= n_lo
-        tok = _select_bit(tl.where(use_hi, hi, lo), tl.where(use_hi, r - n_lo, r), ASM)
-        tok += tl.where(use_hi, 32, 0)
+    le = tl.zeros([NP], tl.int32)
+    for b in tl.static_range(7):  # L_PAD <= 128; lb is non-decreasing and lb[0] = 0
+        if (L_PAD >> (b + 1)) > 0:
+            cand = le + (L_PAD >> (b + 1))
+            le = tl.where(tl.gather(lb, cand, 0) <= idx, cand, le)
+    r = idx - tl.gather(lb, le, 0)
+    b_le = tl.gather(base, le, 0)
+    e = le + start
+    cw = col_ptr + pid * (E_PAD // 32 * TP) + (e // 32) * TP + e % 32
+    word = tl.zeros([NP], tl.int32)
+    tok = tl.zeros([NP], tl.int32)
+    found = idx < 0
+    for h in tl.static_range(TP // 32):  # the column word (32 tokens) holding the r-th bit
+        w = tl.load(cw + 32 * h, mask=ok & ~found, other=0)
+        c = _popc(w, ASM)
+        here = ~found & (r < c)
+        word = tl.where(here, w, word)
+        tok = tl.where(here, 32 * h, tok)
+        r = tl.where(found | here, r, r - c)
+        found = found | here
+    tok += _select_bit(word, r, ASM)
     pos = idx + b_le
     tl.store(expert_ptr + pos, le, mask=ok)
     tl.store(token_ptr + pos, pid * TP + tok, mask=ok)
-
-
-@triton.jit
-def _walk_step(x_lo, x_hi, ls, dst, ASM: tl.constexpr):
-    """Each expert's lowest remaining token bit of its 64-bit column (x_lo, x_hi): the 16-bit
-    key ``local expert << 6 | token`` to ``dst`` (where any is left); returns the rest."""
-    use_lo = x_lo != 0
-    x = tl.where(use_lo, x_lo, x_hi)
-    bit = x & -x
-    tok = _popc(bit - 1, ASM) + tl.where(use_lo, 0, 32)
-    tl.store(dst, ((ls << 6) | tok).to(tl.int16), mask=x != 0)
-    return tl.where(use_lo, x_lo ^ bit, x_lo), tl.where(use_lo, x_hi, x_hi ^ bit)
 
 
 @triton.jit
@@ -1531,7 +1448,15 @@ def _launch_plan(
     # 552 -> 445 us, route 676 -> 489 us; T=65536 fp32 route 99 -> 70 us).
     insert = bool(cfg.get("INSERT", True)) and sort and k_pad <= 8
     user = dict(config) if config else {}
-    if insert and "BLOCK_T" not in user:  # one row per thread, ~512 pairs per program
+    # index_shuffling from 16-bit scores read as int32 pairs (``words``: 4-byte aligned rows),
+    # 64 or 128 experts, k <= 8: A by threshold into per-expert token columns, C from them
+    # (H200, T=2^20, E=128, k=8, bf16: 250 vs 349 us; A 118 vs 173, C 115 vs 163).
+    cols = insert and words and not with_weights and kind != 0 and E in (64, 128)
+    cols = cols and k_pad <= 8 and "BLOCK_T" not in user and bool(cfg.get("COLS", True))
+    cols_t = int(cfg.get("COLS_T", 64))  # tokens a program: 32 a warp
+    if cols:  # one token a thread
+        cfg.update(BLOCK_T=cols_t, SUB=1, num_warps=1 if INTERPRET else cols_t // 32)
+    elif insert and "BLOCK_T" not in user:  # one row per thread, ~512 pairs per program
         cfg.update(BLOCK_T=64, SUB=1, num_warps=1 if INTERPRET else 2)
     block_t, sub = cfg["BLOCK_T"], cfg["SUB"]
     if block_t > (256 if insert else 32) or block_t & (block_t - 1) or sub & (sub - 1):
@@ -1593,23 +1518,12 @@ def _launch_plan(
         FKEY=bool(cfg.get("FKEY", True)) and insert and kind != 0 and e_pad <= 128,
         MERGE=bool(cfg.get("MERGE", True)) and insert and k_pad == 8 and kind != 0 and e_pad >= 8,
         PACK_W=pack_w,
-        THRESH=0,
     )
-    # index_shuffling from 16-bit scores read as words (``words``: rows of 4-byte aligned pairs),
-    # 64 or 128 experts: A by threshold (``_threshold_topk``).
-    thresh = insert and words and not with_weights and kind != 0 and E in (64, 128)
-    thresh = thresh and k_pad <= 8 and block_t == 64 and sub == 1
-    thresh = thresh and (INTERPRET or cfg["num_warps"] == 2)  # a token a thread (2 warps)
-    mode = (2 if kind == 1 else 3) + (2 if INTERPRET else 0)
-    cols = thresh and bool(cfg.get("COLS", True)) and bool(cfg.get("THRESH", True))
-    if cfg.get("THRESH", thresh) and thresh and not cols:
-        a["THRESH"] = mode
-    if cols:  # A writes per-expert token columns (_topk_cols_kernel), C places from them
-        # a program's slice: its column words, then (C, WALK) its sorted 16-bit keys
-        col_stride = max(2 * e_pad, tok_per_prog * k_pad // 2)
-        a = dict(K=K, E_PAD=e_pad, COL_STRIDE=col_stride, HAS_VTC=has_vtc,
+    if cols:
+        mode = (2 if kind == 1 else 3) + (2 if INTERPRET else 0)
+        a = dict(K=K, E_PAD=e_pad, TP=cols_t, HAS_VTC=has_vtc,
                  FULL_RANGE=start == 0 and end == E, MODE=mode)  # fmt: skip
-        sizes[_SEG["packed"]] = n_prog * col_stride
+        sizes[_SEG["packed"]] = n_prog * e_pad * cols_t // 32
     scan = None
     if L > 0 and not fuse_scan:
         # Long hist rows in one or two chunks with 8 warps (H200, T=2^20, E=128: 16384 programs;
@@ -1632,7 +1546,7 @@ def _launch_plan(
     # predicated key per token and expert, 64 per thread there; with weights slower everywhere).
     cumsum = sort and not key64 and not with_weights
     in_range = _CUMSUM_MIN_L <= l_pad <= _CUMSUM_MAX_L and not cfg.get("COUNT")
-    cumsum = int(cumsum and cfg.get("CUMSUM", in_range))  # 1: stores from the grid, 2: gathered
+    cumsum = bool(cumsum and cfg.get("CUMSUM", in_range))
     count = count and not cumsum and not cols
     cumsum = 0 if cols else cumsum
     c = dict(
@@ -1661,12 +1575,13 @@ def _launch_plan(
         CUMSUM=cumsum,
         TOK_BITS=(tok_per_prog - 1).bit_length(),
         COLS=cols,
-        COL_STRIDE=a["COL_STRIDE"] if cols else 1,
+        E_PAD=e_pad,
         ASM=not INTERPRET,
-        WALK=cols and bool(cfg.get("WALK", True)),
     )
     if INTERPRET:
         c_warps = 1
+    elif cols:  # H200, T=2^20, k=8: C 115 us with 8 warps, 129 with 4 at E=128; 4 at E=64
+        c_warps = cfg.get("C_WARPS", 8 if e_pad == 128 and k_pad == 8 else 4)
     elif sort:
         c_warps = cfg.get("C_WARPS", max(1, min(4, tok_per_prog * k_pad // 128)))
     else:
@@ -1729,7 +1644,7 @@ def _kernel_args(
     if not with_tcpe:
         tcpe = counts
     L = end - start
-    stride_w = strides[0] // 2 if p.a.get("THRESH", True) else 0  # _topk_cols_kernel: always
+    stride_w = strides[0] // 2 if "MODE" in p.a else 0  # _topk_cols_kernel's
     a = (x, *strides, stride_w, expert if vtc is None else vtc, packed, scr_w, hist, T, E, start,
          end, p.n_prog)  # fmt: skip
     b = (hist, counts, L, p.n_prog)
