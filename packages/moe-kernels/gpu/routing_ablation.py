@@ -181,7 +181,7 @@ def main() -> int:
             print(f"  {diag} {cfg}: IS C {pk.get('C', 0):6.1f}  route C {pr.get('C', 0):6.1f}")
         return 0
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
-    sort = {"CUMSUM": False, "THRESH": False}  # session 7's defaults at E >= 64
+    sort = {"COLS": False, "CUMSUM": False}  # session 7's plan at E >= 64
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
     t128 = {"COLS_T": 128}

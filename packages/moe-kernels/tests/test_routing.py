@@ -516,12 +516,13 @@ def test_cumsum_ranks(T, E, k, start, end, valid, config, dtype):
 @pytest.mark.parametrize(
     "T,E,k,start,end,valid,kind,layout,config",
     [
-        (130, 128, 8, 0, 128, None, "ties", "row", {}),  # 3 programs of 64 tokens
-        (130, 128, 8, 0, 128, None, "special", "pad", {"COLS_T": 128}),  # 128-token programs
+        (130, 128, 8, 0, 128, None, "ties", "row", {"COLS_T": 64}),  # 3 programs of 64 tokens
+        (130, 128, 8, 0, 128, None, "special", "pad", {}),  # 128-token programs
         (100, 64, 5, 3, 59, 70, "special", "row", {}),  # 64 experts, range, valid count
-        (100, 128, 1, 40, 41, None, "randn", "pad", {"COLS_T": 128}),  # k = 1, one expert
+        (100, 128, 1, 40, 41, None, "randn", "pad", {}),  # k = 1, one expert
         (70, 128, 3, 10, 100, 0, "ties", "row", {}),  # nothing routed
-        (70, 64, 8, 0, 64, None, "ties", "odd", {}),  # odd row stride: not as pairs
+        (90, 64, 8, 0, 64, None, "special", "pad", {"COLS_T": 128}),
+        (70, 64, 8, 0, 64, None, "ties", "odd", {"COLS_T": 128}),  # odd stride: not as pairs
     ],
 )
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)

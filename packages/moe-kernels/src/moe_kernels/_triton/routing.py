@@ -1450,10 +1450,12 @@ def _launch_plan(
     user = dict(config) if config else {}
     # index_shuffling from 16-bit scores read as int32 pairs (``words``: 4-byte aligned rows),
     # 64 or 128 experts, k <= 8: A by threshold into per-expert token columns, C from them
-    # (H200, T=2^20, E=128, k=8, bf16: 250 vs 349 us; A 118 vs 173, C 115 vs 163).
+    # (H200, T=2^20, k=8, bf16, gpu/routing_ablation.py: E=128 221 us against 349 us sorting,
+    # A 112 vs 173 and C 101 vs 163 with 128-token programs, 253 us with 64; E=64 155 us with
+    # 64-token programs, 182 with 128, 265 sorting).
     cols = insert and words and not with_weights and kind != 0 and E in (64, 128)
     cols = cols and k_pad <= 8 and "BLOCK_T" not in user and bool(cfg.get("COLS", True))
-    cols_t = int(cfg.get("COLS_T", 64))  # tokens a program: 32 a warp
+    cols_t = int(cfg.get("COLS_T", 128 if E == 128 else 64))  # tokens a program: 32 a warp
     if cols:  # one token a thread
         cfg.update(BLOCK_T=cols_t, SUB=1, num_warps=1 if INTERPRET else cols_t // 32)
     elif insert and "BLOCK_T" not in user:  # one row per thread, ~512 pairs per program
@@ -1580,8 +1582,8 @@ def _launch_plan(
     )
     if INTERPRET:
         c_warps = 1
-    elif cols:  # H200, T=2^20, k=8: C 115 us with 8 warps, 129 with 4 at E=128; 4 at E=64
-        c_warps = cfg.get("C_WARPS", 8 if e_pad == 128 and k_pad == 8 else 4)
+    elif cols:  # H200, T=2^20, k=8, E=128: C 101 us with 8 warps, 125 with 4, 127 with 16
+        c_warps = cfg.get("C_WARPS", max(1, min(8, tok_per_prog * k_pad // 128)))
     elif sort:
         c_warps = cfg.get("C_WARPS", max(1, min(4, tok_per_prog * k_pad // 128)))
     else:
