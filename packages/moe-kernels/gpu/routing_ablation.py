@@ -4,9 +4,11 @@ pattern.
 
 PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/gpu/routing_ablation.py
 
-Variants (``routing_triton(config=...)``): C ranking each program's pairs by prefix sums of
-one-hot rows (``CUMSUM``), by ``tl.sort`` or by byte-packed per-expert counts (``COUNT``), and
-C's warps (other switches: ``PACK_W``, ``FKEY``, ``MERGE``, ``SCAN_CHUNK``, ``SCAN_WARPS``).
+Variants (``routing_triton(config=...)``): index_shuffling's token-column plan (``COLS``, its
+tokens per program ``COLS_T``) against the sorted plan; C ranking each program's pairs by prefix
+sums of one-hot rows (``CUMSUM``), by ``tl.sort`` or by byte-packed per-expert counts
+(``COUNT``), and C's warps (other switches: ``PACK_W``, ``FKEY``, ``MERGE``, ``SCAN_CHUNK``,
+``SCAN_WARPS``).
 ``ROUTING_FLOORS=1`` adds the floors of kernel A's load patterns. Times: one call per CUDA graph,
 ``do_bench`` medians (L2 flushed); per kernel: ``torch.profiler`` averages over 5 eager calls.
 """

@@ -146,8 +146,8 @@ def correctness() -> None:
             end=16,
             kind="special",
         ),  # fmt: skip
-        # index_shuffling's threshold top-k (16-bit scores, 64 / 128 experts): ties, NaN, -inf,
-        # -0.0, k < 8, ranges, valid counts, padded rows; odd row strides take the other path
+        # index_shuffling's token-column plan (16-bit scores, 64 / 128 experts): ties, NaN,
+        # -inf, -0.0, k < 8, ranges, valid counts, padded rows; odd row strides take another
         dict(
             T=40 if big else 300000, E=128, k=8, dtype=torch.bfloat16, kind="special", layout="pad"
         ),  # fmt: skip

@@ -21,6 +21,12 @@ A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` (
    * sorted (``SORTED=True``, above ``_SORT_FROM`` pairs): the bare local expert (or -1) to
      scratch and a histogram of them.
    The program's per-expert count goes to ``hist[l, program]``.
+A'. ``_topk_cols_kernel`` (``COLS``: index_shuffling, 16-bit scores read as int32 pairs, 64 or
+   128 experts, k <= 8): one token a thread. The k-th largest value by the sort-and-merge network
+   on packed pairs (one PTX instruction per compare-exchange of two experts), masks of the experts
+   above and equal to it (ties trimmed to the lowest experts), then, per warp, 32 x 32 bit
+   transposes by shuffles into per-expert words of token bits (the program's columns; their
+   popcounts are ``hist``).
 B. ``_scan_kernel``: exclusive scans of the ``hist`` rows over programs, a few experts per program
    (skipped for small problems: every C program then reduces the whole, small, ``hist`` itself).
 C. ``_place_kernel``: one program per A-program. It turns the per-expert totals into expert offsets
@@ -35,14 +41,17 @@ C. ``_place_kernel``: one program per A-program. It turns the per-expert totals 
    or, for index_shuffling with 16-32 local experts (``CUMSUM``), ranked by prefix sums over
    the program's one-hot (token, expert) grid, one expert per thread, each pair's key sent to
    its sorted index in a scratch slice and read back in order (``_scatter_in_sorted_order``).
-   Program 0 also writes ``counts``/``offsets`` and ``token_count_per_expert``.
+   After A', C places each sorted index from the columns (``_place_from_columns``: a binary
+   search of the experts' run starts, then a select of the token's bit). Program 0 also writes
+   ``counts``/``offsets`` and ``token_count_per_expert``.
 
 Measured on the H200 (``gpu/routing_gpu.py``): at T=2^20, E=128, k=8 (bf16) the k rounds cost
 ~34 us each and the bitmask ranks ~210 us; sorted placement (512 pairs per program) brought
 index_shuffling from 711 to 550 us and route from 992 to 697 us, insertion top-k then to 445 and
 490 us, fp32 keys and the merge network to 353 and 402 us (kernel A 174 us, its load pattern's
 floor 110 us; C 164 / 204 us, mostly ``tl.sort``), route's weights carried in the packed choices
-and sort keys (``PACK_W``) and B's wider chunks to 344 and 382 us. At T=4096 the kernels take
+and sort keys (``PACK_W``) and B's wider chunks to 344 and 382 us, index_shuffling's token
+columns (A', 128-token programs) to 222 us (A 112, C 101). At T=4096 the kernels take
 6-12 us and eager calls are bound by the host's launch cost. So eager calls after a plan's first
 relaunch its compiled handles with int addresses (``_BOUND``). With stand-in kernels on a 2-core
 CPU host (``gpu/launch_overhead.py --stub``) that took an eager call from 31-37 to 18-19 us
