@@ -369,6 +369,13 @@ def _merge8(t0, t1, t2, t3, t4, t5, t6, t7, c0, c1, c2, c3, c4, c5, c6, c7, FKEY
 
 
 @triton.jit
+def _take8(t0, t1, t2, t3, t4, t5, t6, t7, c0, c1, c2, c3, c4, c5, c6, c7, MODE: tl.constexpr):
+    """The 8 largest of the running descending list t and 8 new keys c (``_sort8``, ``_merge8``)."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(c0, c1, c2, c3, c4, c5, c6, c7, MODE)
+    return _merge8(t0, t1, t2, t3, t4, t5, t6, t7, c0, c1, c2, c3, c4, c5, c6, c7, MODE)
+
+
+@triton.jit
 def _split8(key, BLOCK_T: tl.constexpr):
     """(BLOCK_T, 8) -> its 8 columns."""
     a, b = tl.split(tl.reshape(key, [BLOCK_T, 4, 2]))
@@ -413,8 +420,7 @@ def _insert_topk(x_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
         if W == 8:
             k0, k1, k2, k3, k4, k5, k6, k7 = _split8(key, BLOCK_T)
             if MERGE:
-                k0, k1, k2, k3, k4, k5, k6, k7 = _sort8(k0, k1, k2, k3, k4, k5, k6, k7, FKEY)
-                t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(
+                t0, t1, t2, t3, t4, t5, t6, t7 = _take8(
                     t0, t1, t2, t3, t4, t5, t6, t7, k0, k1, k2, k3, k4, k5, k6, k7, FKEY
                 )
             else:
@@ -549,38 +555,38 @@ def _threshold_masks(
     t6 = t0
     t7 = t0
     a0, a1, a2, a3, a4, a5, a6, a7 = _load8w(xw, roff, row_ok, 0, MODE, BLOCK_T)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(a0, a1, a2, a3, a4, a5, a6, a7, MODE)
-    t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
-                                             c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+    t0, t1, t2, t3, t4, t5, t6, t7 = _take8(
+        t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, a4, a5, a6, a7, MODE
+    )
     b0, b1, b2, b3, b4, b5, b6, b7 = _load8w(xw, roff, row_ok, 1, MODE, BLOCK_T)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(b0, b1, b2, b3, b4, b5, b6, b7, MODE)
-    t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
-                                             c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+    t0, t1, t2, t3, t4, t5, t6, t7 = _take8(
+        t0, t1, t2, t3, t4, t5, t6, t7, b0, b1, b2, b3, b4, b5, b6, b7, MODE
+    )
     d0, d1, d2, d3, d4, d5, d6, d7 = _load8w(xw, roff, row_ok, 2, MODE, BLOCK_T)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(d0, d1, d2, d3, d4, d5, d6, d7, MODE)
-    t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
-                                             c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+    t0, t1, t2, t3, t4, t5, t6, t7 = _take8(
+        t0, t1, t2, t3, t4, t5, t6, t7, d0, d1, d2, d3, d4, d5, d6, d7, MODE
+    )
     f0, f1, f2, f3, f4, f5, f6, f7 = _load8w(xw, roff, row_ok, 3, MODE, BLOCK_T)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(f0, f1, f2, f3, f4, f5, f6, f7, MODE)
-    t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
-                                             c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+    t0, t1, t2, t3, t4, t5, t6, t7 = _take8(
+        t0, t1, t2, t3, t4, t5, t6, t7, f0, f1, f2, f3, f4, f5, f6, f7, MODE
+    )
     if E_PAD == 128:
         g0, g1, g2, g3, g4, g5, g6, g7 = _load8w(xw, roff, row_ok, 4, MODE, BLOCK_T)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(g0, g1, g2, g3, g4, g5, g6, g7, MODE)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
-                                                 c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+        t0, t1, t2, t3, t4, t5, t6, t7 = _take8(
+            t0, t1, t2, t3, t4, t5, t6, t7, g0, g1, g2, g3, g4, g5, g6, g7, MODE
+        )
         h0, h1, h2, h3, h4, h5, h6, h7 = _load8w(xw, roff, row_ok, 5, MODE, BLOCK_T)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(h0, h1, h2, h3, h4, h5, h6, h7, MODE)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
-                                                 c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+        t0, t1, t2, t3, t4, t5, t6, t7 = _take8(
+            t0, t1, t2, t3, t4, t5, t6, t7, h0, h1, h2, h3, h4, h5, h6, h7, MODE
+        )
         i0, i1, i2, i3, i4, i5, i6, i7 = _load8w(xw, roff, row_ok, 6, MODE, BLOCK_T)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(i0, i1, i2, i3, i4, i5, i6, i7, MODE)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
-                                                 c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+        t0, t1, t2, t3, t4, t5, t6, t7 = _take8(
+            t0, t1, t2, t3, t4, t5, t6, t7, i0, i1, i2, i3, i4, i5, i6, i7, MODE
+        )
         j0, j1, j2, j3, j4, j5, j6, j7 = _load8w(xw, roff, row_ok, 7, MODE, BLOCK_T)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _sort8(j0, j1, j2, j3, j4, j5, j6, j7, MODE)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7,
-                                                 c0, c1, c2, c3, c4, c5, c6, c7, MODE)  # fmt: skip
+        t0, t1, t2, t3, t4, t5, t6, t7 = _take8(
+            t0, t1, t2, t3, t4, t5, t6, t7, j0, j1, j2, j3, j4, j5, j6, j7, MODE
+        )
     # Even and odd experts' lists (low / high halves) -> the row's 8 largest, in both halves.
     c0 = ((t0 >> 16) & 0xFFFF) | (t0 << 16)
     c1 = ((t1 >> 16) & 0xFFFF) | (t1 << 16)
