@@ -517,15 +517,6 @@ def _cmp8(gt, eq, w0, w1, w2, w3, w4, w5, w6, w7, v, SH: tl.constexpr, MODE: tl.
 
 
 @triton.jit
-def _take_lowest(s0, s1, s2, s3, ASM: tl.constexpr):
-    """The lowest set bit of the 128-bit (s0 | s1 << 32 | ...) -> (its index, which word, bit)."""
-    w = tl.where(s0 != 0, 0, tl.where(s1 != 0, 1, tl.where(s2 != 0, 2, 3)))
-    s = tl.where(w == 0, s0, tl.where(w == 1, s1, tl.where(w == 2, s2, s3)))
-    bit = s & -s
-    return w * 32 + _popc(bit - 1, ASM), w, bit
-
-
-@triton.jit
 def _threshold_masks(
     x_ptr, rows64, row_ok, stride_w, K: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, MODE: tl.constexpr,
@@ -1471,6 +1462,8 @@ def _launch_plan(
     cols = insert and words and not with_weights and kind != 0 and E in (64, 128)
     cols = cols and k_pad <= 8 and "BLOCK_T" not in user and bool(cfg.get("COLS", True))
     cols_t = int(cfg.get("COLS_T", 128 if E == 128 else 64))  # tokens a program: 32 a warp
+    if cols_t not in (64, 128):  # the sizes checked on the GPU
+        raise ValueError(f"COLS_T must be 64 or 128: {cols_t}")
     if cols:  # one token a thread
         cfg.update(BLOCK_T=cols_t, SUB=1, num_warps=1 if INTERPRET else cols_t // 32)
     elif insert and "BLOCK_T" not in user:  # one row per thread, ~512 pairs per program
@@ -1565,7 +1558,7 @@ def _launch_plan(
     in_range = _CUMSUM_MIN_L <= l_pad <= _CUMSUM_MAX_L and not cfg.get("COUNT")
     cumsum = bool(cumsum and cfg.get("CUMSUM", in_range))
     count = count and not cumsum and not cols
-    cumsum = 0 if cols else cumsum
+    cumsum = cumsum and not cols
     c = dict(
         K=K,
         K_PAD=k_pad,
