@@ -53,7 +53,7 @@ class _Stream:
 @pytest.fixture
 def calls(monkeypatch):
     calls: list = []
-    for attr, name in (("_topk_rank", "A"), ("_scan", "B"), ("_place", "C")):
+    for attr, name in (("_topk_rank", "A"), ("_topk_cols", "A"), ("_scan", "B"), ("_place", "C")):
         real = getattr(R, attr).fn
         monkeypatch.setattr(R, attr, launch.FastKernel(_Jit(real, name, calls)))
     monkeypatch.setattr(launch.FastKernel, "enabled", True)
@@ -83,6 +83,9 @@ CASES = [
     (64, 16, 8, 0, 16, torch.bfloat16, False, False, False, False, True, None),  # shuffling
     (300, 128, 8, 5, 77, torch.float32, True, True, True, True, False, {"FUSE_SCAN": 0}),
     (4096, 16, 8, 0, 16, torch.float16, False, True, False, False, True, None),  # sorted C
+    # index_shuffling's token-column plan (A writes per-expert token words), scan folded into C
+    (4096, 128, 8, 3, 120, torch.bfloat16, False, True, False, False, True, {"SORTED": True}),
+    (70000, 128, 8, 0, 128, torch.bfloat16, False, False, False, False, True, None),  # + scan
 ]
 
 
@@ -110,7 +113,9 @@ def test_bound_relaunch_matches_the_full_launch(calls, case):
     assert [(c[0], c[2]) for c in second] == [(c[0], c[2]) for c in first]
 
     plan = next(iter(R._BOUND))[0]
-    nbytes = 4 * sum(R._launch_plan(*plan).sizes)
+    p = R._launch_plan(*plan)
+    assert ("MODE" in p.a) == (E == 128 and dtype == torch.bfloat16)  # the token-column plan
+    nbytes = 4 * sum(p.sizes)
     base1, base2 = out1[2].data_ptr(), out2[2].data_ptr()  # expert_indices opens the buffer
     assert base1 != base2  # a new buffer per call
     named1 = {scores.data_ptr(): "scores"}
