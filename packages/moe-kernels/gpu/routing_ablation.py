@@ -186,11 +186,12 @@ def main() -> int:
     sort = {"COLS": False, "CUMSUM": False}  # session 7's plan at E >= 64
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
-    t128 = {"COLS_T": 128}
-    cw = [{"C_WARPS": 16}, t128, {**t128, "C_WARPS": 16}, {**t128, "C_WARPS": 4}]
-    variants(1 << 20, 128, torch.bfloat16, [{}, sort, *cw])
-    variants(1 << 20, 64, torch.bfloat16, [{}, t128])
-    variants(65536, 128, torch.bfloat16, [{}, sort, t128])
+    # route by token columns (COLS_ROUTE, off by default: not yet run on a GPU), both sizes
+    rc = [{"COLS_ROUTE": True, "COLS_T": t} for t in (64, 128)]
+    variants(1 << 20, 128, torch.bfloat16, [{}, sort, *rc, {**rc[1], "C_WARPS": 4}])
+    variants(1 << 20, 64, torch.bfloat16, [{}, *rc])
+    variants(65536, 128, torch.bfloat16, [{}, sort, *rc])  # NaN, -inf, -0.0 in the scores
+    variants(65536, 64, torch.float16, [{}, *rc])
     print("FAILS:", FAILS if FAILS else "none")
     return 1 if FAILS else 0
 

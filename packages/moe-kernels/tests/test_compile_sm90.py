@@ -64,15 +64,29 @@ PLANS = [
 ]
 
 
+# route's token-column plan (off by default): (T, E, top_k, start, end, kind)
+COLS_ROUTE = [(1 << 20, 128, 8, 0, 128, 1), (300000, 64, 5, 8, 40, 2)]
+
+
 @pytest.mark.parametrize("plan", PLANS, ids=str)
 @pytest.mark.parametrize("weights", [False, True], ids=["index_shuffling", "route"])
 @pytest.mark.parametrize("eager", [False, True], ids=["op", "eager"])
 def test_routing_plans_compile(can_compile, plan, weights, eager):
+    _compile_plan(plan, weights, eager, None)
+
+
+@pytest.mark.parametrize("plan", COLS_ROUTE, ids=str)
+def test_route_token_column_plans_compile(can_compile, plan):
+    p = _compile_plan((*plan, False), True, False, (("COLS_ROUTE", True),))
+    assert p.a["WEIGHTS"] and p.c["COLS"]
+
+
+def _compile_plan(plan, weights, eager, config):
     from moe_kernels._triton import routing as tri
 
     T, E, k, start, end, kind, renorm = plan
     renorm = renorm and weights  # index_shuffling has no weights to renormalize
-    args = (T, E, k, start, end, kind, renorm, True, weights, weights, not weights, None)
+    args = (T, E, k, start, end, kind, renorm, True, weights, weights, not weights, config)
     # words: the scores' rows as 4-byte aligned pairs (contiguous 16-bit scores)
     p = tri._launch_plan(*args, eager, kind != 0)
     if eager and p == tri._launch_plan(*args, False, kind != 0):
@@ -80,8 +94,7 @@ def test_routing_plans_compile(can_compile, plan, weights, eager):
     x_t = "*fp32" if kind == 0 else "*i16"
     ints = dict.fromkeys(["T", "E", "start", "end", "n_programs"], "i32")
     a_sig = dict(x_ptr=x_t, stride_t="i32", stride_e="i32", stride_w="i32", vtc_ptr="*i32",
-                 pack_ptr="*i32",
-                 scr_w_ptr="*fp32", hist_ptr="*i32", **ints)  # fmt: skip
+                 pack_ptr="*i32", scr_w_ptr="*fp32", hist_ptr="*i32", **ints)  # fmt: skip
     kern_a = tri._topk_cols_kernel if "MODE" in p.a else tri._topk_rank_kernel
     _compile(kern_a, a_sig, dict(p.a), p.a_warps)
     if p.scan is not None:
@@ -93,6 +106,7 @@ def test_routing_plans_compile(can_compile, plan, weights, eager):
                  offsets_ptr="*i32", tcpe_ptr="*i32", T="i32", E="i32", L="i32", start="i32",
                  n_programs="i32")  # fmt: skip
     _compile(tri._place_kernel, c_sig, dict(p.c), p.c_warps)
+    return p
 
 
 @pytest.mark.parametrize("num_tokens", [512, 2048, 16384])

@@ -26,7 +26,8 @@ A'. ``_topk_cols_kernel`` (``COLS``: index_shuffling, 16-bit scores read as int3
    on packed pairs (one PTX instruction per compare-exchange of two experts), masks of the experts
    above and equal to it (ties trimmed to the lowest experts), then, per warp, 32 x 32 bit
    transposes by shuffles into per-expert words of token bits (the program's columns; their
-   popcounts are ``hist``).
+   popcounts are ``hist``). With ``COLS_ROUTE`` (route; off by default, not yet timed on a GPU)
+   it also stores each token's choices, with their weights and ranks (``_store_choices``).
 B. ``_scan_kernel``: exclusive scans of the ``hist`` rows over programs, a few experts per program
    (skipped for small problems: every C program then reduces the whole, small, ``hist`` itself).
 C. ``_place_kernel``: one program per A-program. It turns the per-expert totals into expert offsets
@@ -733,6 +734,111 @@ def _store_columns(col, m: tl.constexpr, col_ptr, hist_ptr, pid, start, end, n_p
 
 
 @triton.jit
+def _pop_lowest(s0, s1, s2, s3, ASM: tl.constexpr):
+    """The lowest set bit of the 128-bit (s0, .., s3) -> (its index, the words without it)."""
+    w = tl.where(s0 != 0, 0, tl.where(s1 != 0, 1, tl.where(s2 != 0, 2, 3)))
+    s = tl.where(w == 0, s0, tl.where(w == 1, s1, tl.where(w == 2, s2, s3)))
+    bit = s & -s
+    e = w * 32 + _popc(bit - 1, ASM)
+    s0 ^= tl.where(w == 0, bit, 0)
+    s1 ^= tl.where(w == 1, bit, 0)
+    s2 ^= tl.where(w == 2, bit, 0)
+    s3 ^= tl.where(w == 3, bit, 0)
+    return e, s0, s1, s2, s3
+
+
+@triton.jit
+def _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3, in_row, start, end,
+                  KIND: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """The next (lowest) chosen expert of each row: (its entry without the rank: expert | routed
+    << 11 | the score's 16 bits << 16, its key: canonical score code << 8 | (255 - e), the
+    remaining words). ``in_row``: valid rows (routed tokens)."""
+    e, s0, s1, s2, s3 = _pop_lowest(s0, s1, s2, s3, ASM)
+    bits = tl.load(x_ptr + rows64 * stride_t + e, mask=row_ok, other=0).to(tl.int32)
+    mag = bits & 0x7FFF
+    if KIND == 1:
+        canon = tl.where(mag > 0x7F80, -128, bits)  # NaN -> -inf (0xFF80)
+    else:
+        canon = tl.where(mag > 0x7C00, -1024, bits)  # NaN -> -inf (0xFC00)
+    code = tl.where(mag == 0, 0, canon ^ ((canon >> 15) & 0x7FFF))  # -0.0 -> +0.0
+    routed = in_row & (e >= start) & (e < end)
+    entry = e | tl.where(routed, 1 << 11, 0) | (bits << 16)
+    return entry, (code << 8) | (255 - e), s0, s1, s2, s3
+
+
+@triton.jit
+def _rank_of(k, k0, k1, k2, k3, k4, k5, k6, k7):
+    """How many of k0..k7 are larger than k (its rank by descending key)."""
+    r = (k0 > k).to(tl.int32) + (k1 > k).to(tl.int32) + (k2 > k).to(tl.int32)
+    r += (k3 > k).to(tl.int32) + (k4 > k).to(tl.int32) + (k5 > k).to(tl.int32)
+    return r + (k6 > k).to(tl.int32) + (k7 > k).to(tl.int32)
+
+
+@triton.jit
+def _store_choices(
+    lst_ptr, x_ptr, rows, row_ok, in_row, stride_t, s0, s1, s2, s3, start, end,
+    K: tl.constexpr, K_PAD: tl.constexpr, KIND: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """route's per-token list for C (``_place_from_columns``): the K chosen experts in ascending
+    order, each as ``expert | rank << 8 | routed << 11 | score bits << 16`` (rank: its place by
+    descending score, ties to the lower expert), at ``lst_ptr[row * K_PAD + slot]``."""
+    rows64 = rows.to(tl.int64)
+    low = tl.full(rows.shape, -2147483648, tl.int32)  # below every key (slots >= K)
+    e0, k0, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
+                                           in_row, start, end, KIND, ASM)  # fmt: skip
+    e1, e2, e3, e4, e5, e6, e7 = e0, e0, e0, e0, e0, e0, e0
+    k1, k2, k3, k4, k5, k6, k7 = low, low, low, low, low, low, low
+    if K > 1:
+        e1, k1, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
+                                               in_row, start, end, KIND, ASM)  # fmt: skip
+    if K > 2:
+        e2, k2, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
+                                               in_row, start, end, KIND, ASM)  # fmt: skip
+    if K > 3:
+        e3, k3, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
+                                               in_row, start, end, KIND, ASM)  # fmt: skip
+    if K > 4:
+        e4, k4, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
+                                               in_row, start, end, KIND, ASM)  # fmt: skip
+    if K > 5:
+        e5, k5, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
+                                               in_row, start, end, KIND, ASM)  # fmt: skip
+    if K > 6:
+        e6, k6, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
+                                               in_row, start, end, KIND, ASM)  # fmt: skip
+    if K > 7:
+        e7, k7, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
+                                               in_row, start, end, KIND, ASM)  # fmt: skip
+    dst = lst_ptr + rows * K_PAD
+    for q in tl.static_range(K):
+        e = e0
+        k = k0
+        if q == 1:
+            e = e1
+            k = k1
+        elif q == 2:
+            e = e2
+            k = k2
+        elif q == 3:
+            e = e3
+            k = k3
+        elif q == 4:
+            e = e4
+            k = k4
+        elif q == 5:
+            e = e5
+            k = k5
+        elif q == 6:
+            e = e6
+            k = k6
+        elif q == 7:
+            e = e7
+            k = k7
+        rank = _rank_of(k, k0, k1, k2, k3, k4, k5, k6, k7)
+        tl.store(dst + q, e | (rank << 8), mask=row_ok)
+
+
+@triton.jit
 def _topk_cols_kernel(
     x_ptr,  # (T, E) 16-bit scores as int16; rows of 4-byte aligned pairs (stride_w words)
     stride_t,
@@ -753,6 +859,8 @@ def _topk_cols_kernel(
     HAS_VTC: tl.constexpr,
     FULL_RANGE: tl.constexpr,
     MODE: tl.constexpr,  # _h2_op's: 2 / 3 bf16 / fp16 by PTX, 4 / 5 emulated (interpreter)
+    WEIGHTS: tl.constexpr,  # route: each token's choices to scr_w too (``_store_choices``)
+    K_PAD: tl.constexpr,
 ):
     """Kernel A for index_shuffling (``COLS``): TP tokens a program, one a thread.
     Each token's chosen experts as a 128-bit mask (``_threshold_masks``, ``_keep_lowest``),
@@ -770,6 +878,10 @@ def _topk_cols_kernel(
     if HAS_VTC:
         vtc = tl.load(vtc_ptr).to(tl.int64)
         routed = routed & (rows < tl.minimum(tl.maximum(vtc, 0), T))
+    if WEIGHTS:
+        _store_choices(scr_w_ptr.to(tl.pointer_type(tl.int32)), x_ptr, rows, row_ok, routed,
+                       stride_t, gt0 | eq0, gt1 | eq1, gt2 | eq2, gt3 | eq3, start, end, K, K_PAD,
+                       MODE % 2 + 1, ASM)  # fmt: skip
     s0 = tl.where(routed, gt0 | eq0, 0)
     s1 = tl.where(routed, gt1 | eq1, 0)
     s2 = tl.where(routed, gt2 | eq2, 0)
@@ -1072,8 +1184,9 @@ def _place_kernel(
 
     if COLS:
         _place_from_columns(
-            pack_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, K_PAD, L_PAD,
-            TOK_PER_PROG, E_PAD, ASM,
+            pack_ptr, scr_w_ptr.to(tl.pointer_type(tl.int32)), base, lb, mine, expert_ptr,
+            token_ptr, weight_ptr, inverse_ptr, T, K, n, pid, start, K_PAD, L_PAD, TOK_PER_PROG,
+            E_PAD, ASM, WEIGHTS, IS_BF16,
         )  # fmt: skip
     elif COUNT:
         _place_counted_pairs(
@@ -1260,13 +1373,17 @@ def _place_sorted_pairs(
 
 @triton.jit
 def _place_from_columns(
-    col_ptr, base, lb, mine, expert_ptr, token_ptr, T, K, n, pid, start, K_PAD: tl.constexpr,
-    L_PAD: tl.constexpr, TP: tl.constexpr, E_PAD: tl.constexpr, ASM: tl.constexpr,
+    col_ptr, lst_ptr, base, lb, mine, expert_ptr, token_ptr, weight_ptr, inverse_ptr, T, K, n,
+    pid, start, K_PAD: tl.constexpr, L_PAD: tl.constexpr, TP: tl.constexpr,
+    E_PAD: tl.constexpr, ASM: tl.constexpr, WEIGHTS: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
     """index_shuffling from A's token columns (``_topk_cols_kernel``), in sorted order without a
     sort: sorted index i of the program belongs to the last local expert whose run starts at or
     before it (a binary search of ``lb``), and is that expert's r-th token, r = i - lb[e]: the
-    r-th set bit of its TP-bit column (``_select_bit``). Stores go out in sorted order."""
+    r-th set bit of its TP-bit column (``_select_bit``). Stores go out in sorted order.
+    WEIGHTS (route): the pair's weight and its rank among the token's choices come from the
+    token's list (``_store_choices``); ``inverse`` gets each pair's position, -1 for the
+    program's choices not routed."""
     NP: tl.constexpr = TP * K_PAD
     idx = tl.arange(0, NP)
     rows = pid * TP + idx // K_PAD
@@ -1300,6 +1417,23 @@ def _place_from_columns(
     pos = idx + b_le
     tl.store(expert_ptr + pos, le, mask=ok)
     tl.store(token_ptr + pos, pid * TP + tok, mask=ok)
+    if WEIGHTS:  # route: each pair's weight and rank from its token's list (_store_choices)
+        tl.store(weight_ptr + offs, tl.zeros([NP], tl.float32), mask=tail)
+        lst = lst_ptr + (pid * TP + tok) * K_PAD
+        mine_ent = tl.zeros([NP], tl.int32)
+        for q in tl.static_range(K):  # one 4-byte load a slot: no 2-D layout to convert
+            ent = tl.load(lst + q, mask=ok, other=-1)
+            mine_ent = tl.where((ent & 0xFF) == e, ent, mine_ent)
+        tl.store(weight_ptr + pos, _bits16_to_f32(mine_ent >> 16, IS_BF16), mask=ok)
+        tl.store(inverse_ptr + (pid * TP + tok) * K + ((mine_ent >> 8) & 7), pos, mask=ok)
+        # the program's choices not routed (outside the expert range, past the valid count)
+        own = pid * TP + tl.arange(0, TP)
+        for q in tl.static_range(K):
+            ent = tl.load(lst_ptr + own * K_PAD + q, mask=own < T, other=1 << 11)
+            off = (ent & (1 << 11)) == 0
+            tl.store(
+                inverse_ptr + own * K + ((ent >> 8) & 7), tl.full([TP], -1, tl.int32), mask=off
+            )
 
 
 @triton.jit
@@ -1459,8 +1593,11 @@ def _launch_plan(
     # (H200, T=2^20, k=8, bf16, gpu/routing_ablation.py: E=128 221 us against 349 us sorting,
     # A 112 vs 173 and C 101 vs 163 with 128-token programs, 253 us with 64; E=64 155 us with
     # 64-token programs, 182 with 128, 265 sorting).
-    cols = insert and words and not with_weights and kind != 0 and E in (64, 128)
-    cols = cols and k_pad <= 8 and "BLOCK_T" not in user and bool(cfg.get("COLS", True))
+    # route (weights, inverse) too with COLS_ROUTE: built and checked in the interpreter, not
+    # yet timed on the GPU, so off by default.
+    cols = insert and words and kind != 0 and E in (64, 128) and k_pad <= 8
+    cols = cols and (not with_weights or (bool(cfg.get("COLS_ROUTE")) and not renormalize))
+    cols = cols and "BLOCK_T" not in user and bool(cfg.get("COLS", True))
     cols_t = int(cfg.get("COLS_T", 128 if E == 128 else 64))  # tokens a program: 32 a warp
     if cols_t not in (64, 128):  # the sizes checked on the GPU
         raise ValueError(f"COLS_T must be 64 or 128: {cols_t}")
@@ -1532,8 +1669,10 @@ def _launch_plan(
     if cols:
         mode = (2 if kind == 1 else 3) + (2 if INTERPRET else 0)
         a = dict(K=K, E_PAD=e_pad, TP=cols_t, HAS_VTC=has_vtc,
-                 FULL_RANGE=start == 0 and end == E, MODE=mode)  # fmt: skip
+                 FULL_RANGE=start == 0 and end == E, MODE=mode, WEIGHTS=with_weights,
+                 K_PAD=k_pad)  # fmt: skip
         sizes[_SEG["packed"]] = n_prog * e_pad * cols_t // 32
+        sizes[_SEG["scr_w"]] = T * k_pad if with_weights else 0  # the choices' lists
     scan = None
     if L > 0 and not fuse_scan:
         # Long hist rows in one or two chunks with 8 warps (H200, T=2^20, E=128: 16384 programs;
