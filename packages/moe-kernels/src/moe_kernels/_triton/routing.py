@@ -810,32 +810,21 @@ def _store_choices(
         e7, k7, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
                                                in_row, start, end, KIND, ASM)  # fmt: skip
     dst = lst_ptr + rows * K_PAD
-    for q in tl.static_range(K):
-        e = e0
-        k = k0
-        if q == 1:
-            e = e1
-            k = k1
-        elif q == 2:
-            e = e2
-            k = k2
-        elif q == 3:
-            e = e3
-            k = k3
-        elif q == 4:
-            e = e4
-            k = k4
-        elif q == 5:
-            e = e5
-            k = k5
-        elif q == 6:
-            e = e6
-            k = k6
-        elif q == 7:
-            e = e7
-            k = k7
-        rank = _rank_of(k, k0, k1, k2, k3, k4, k5, k6, k7)
-        tl.store(dst + q, e | (rank << 8), mask=row_ok)
+    tl.store(dst, e0 | (_rank_of(k0, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
+    if K > 1:
+        tl.store(dst + 1, e1 | (_rank_of(k1, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
+    if K > 2:
+        tl.store(dst + 2, e2 | (_rank_of(k2, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
+    if K > 3:
+        tl.store(dst + 3, e3 | (_rank_of(k3, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
+    if K > 4:
+        tl.store(dst + 4, e4 | (_rank_of(k4, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
+    if K > 5:
+        tl.store(dst + 5, e5 | (_rank_of(k5, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
+    if K > 6:
+        tl.store(dst + 6, e6 | (_rank_of(k6, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
+    if K > 7:
+        tl.store(dst + 7, e7 | (_rank_of(k7, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
 
 
 @triton.jit
@@ -846,7 +835,7 @@ def _topk_cols_kernel(
     stride_w,
     vtc_ptr,
     pack_ptr,  # (n_programs, E_PAD // 32, TP // 32, 32) int32 out: ``_token_columns`` words
-    scr_w_ptr,  # unused
+    scr_w_ptr,  # (T, K_PAD) int32 out (WEIGHTS): each token's choices (``_store_choices``)
     hist_ptr,  # (L, n_programs) int32 out: pairs per local expert and program
     T,
     E,
@@ -859,7 +848,7 @@ def _topk_cols_kernel(
     HAS_VTC: tl.constexpr,
     FULL_RANGE: tl.constexpr,
     MODE: tl.constexpr,  # _h2_op's: 2 / 3 bf16 / fp16 by PTX, 4 / 5 emulated (interpreter)
-    WEIGHTS: tl.constexpr,  # route: each token's choices to scr_w too (``_store_choices``)
+    WEIGHTS: tl.constexpr,  # route (COLS_ROUTE): the choices' lists too
     K_PAD: tl.constexpr,
 ):
     """Kernel A for index_shuffling (``COLS``): TP tokens a program, one a thread.
