@@ -95,7 +95,7 @@ def _compile_plan(plan, weights, eager, config):
     ints = dict.fromkeys(["T", "E", "start", "end", "n_programs"], "i32")
     a_sig = dict(x_ptr=x_t, stride_t="i32", stride_e="i32", stride_w="i32", vtc_ptr="*i32",
                  pack_ptr="*i32", scr_w_ptr="*fp32", hist_ptr="*i32", **ints)  # fmt: skip
-    kern_a = tri._topk_cols_kernel if "MODE" in p.a else tri._topk_rank_kernel
+    kern_a = tri._topk_cols_kernel if p.c["COLS"] else tri._topk_rank_kernel
     _compile(kern_a, a_sig, dict(p.a), p.a_warps)
     if p.scan is not None:
         _, consts, warps = p.scan

@@ -1782,7 +1782,7 @@ def _kernel_args(
     if not with_tcpe:
         tcpe = counts
     L = end - start
-    stride_w = strides[0] // 2 if "MODE" in p.a else 0  # _topk_cols_kernel's
+    stride_w = strides[0] // 2 if p.c["COLS"] else 0  # _topk_cols_kernel's
     a = (x, *strides, stride_w, expert if vtc is None else vtc, packed, scr_w, hist, T, E, start,
          end, p.n_prog)  # fmt: skip
     b = (hist, counts, L, p.n_prog)
@@ -1894,7 +1894,7 @@ def routing_triton(
     args_a, args_b, args_c = _kernel_args(
         p, seg, x, scores_TE.stride(), vtc, T, E, start, end, *flags
     )
-    ka = _topk_cols if "MODE" in p.a else _topk_rank
+    ka = _topk_cols if p.c["COLS"] else _topk_rank
     ha = ka.launch(grids[0], args_a, p.a, num_warps=p.a_warps)
     hb = None
     if p.scan is not None:
