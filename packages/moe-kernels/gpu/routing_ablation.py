@@ -186,11 +186,13 @@ def main() -> int:
     sort = {"COLS": False, "CUMSUM": False}  # session 7's plan at E >= 64
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
-    # route by token columns (COLS_ROUTE, off by default: not yet run on a GPU), both sizes
-    rc = [{"COLS_ROUTE": True, "COLS_T": t} for t in (64, 128)]
-    variants(1 << 20, 128, torch.bfloat16, [{}, sort, *rc, {**rc[1], "C_WARPS": 4}])
+    # route by token columns (COLS_ROUTE), both program sizes, C's ways to place weights and
+    # inverse (COLS_RW: 0 token order, weights scattered; 1 token order, weights looked up in
+    # sorted order; 2 both looked up in sorted order, 4 bytes a load)
+    rc = [{"COLS_ROUTE": True, "COLS_T": t, "COLS_RW": rw} for t in (64, 128) for rw in (0, 1, 2)]
+    variants(1 << 20, 128, torch.bfloat16, [{}, sort, *rc])
     variants(1 << 20, 64, torch.bfloat16, [{}, *rc])
-    variants(65536, 128, torch.bfloat16, [{}, sort, *rc])  # NaN, -inf, -0.0 in the scores
+    variants(65536, 128, torch.bfloat16, [{}, *rc])  # NaN, -inf, -0.0 in the scores
     variants(65536, 64, torch.float16, [{}, *rc])
     print("FAILS:", FAILS if FAILS else "none")
     return 1 if FAILS else 0

@@ -395,6 +395,9 @@ def main() -> int:
     parts = [correctness, no_sync_graph_compile]
     if not DRY:
         parts += [timings, sweep, profile]
+    if os.environ.get("ROUTING_COLS_ROUTE") is not None:  # route's plan, either way (0 or 1)
+        tri._COLS_ROUTE = os.environ["ROUTING_COLS_ROUTE"] == "1"
+        print(f"route on the token-column plan: {tri._COLS_ROUTE}")
     if os.environ.get("ROUTING_GPU_PARTS"):  # e.g. correctness,timings
         parts = [p for p in parts if p.__name__ in os.environ["ROUTING_GPU_PARTS"].split(",")]
     for part in parts:

@@ -76,8 +76,9 @@ def test_routing_plans_compile(can_compile, plan, weights, eager):
 
 
 @pytest.mark.parametrize("plan", COLS_ROUTE, ids=str)
-def test_route_token_column_plans_compile(can_compile, plan):
-    p = _compile_plan((*plan, False), True, False, (("COLS_ROUTE", True),))
+@pytest.mark.parametrize("rw", [0, 1, 2])
+def test_route_token_column_plans_compile(can_compile, plan, rw):
+    p = _compile_plan((*plan, False), True, False, (("COLS_ROUTE", True), ("COLS_RW", rw)))
     assert p.a["WEIGHTS"] and p.c["COLS"]
 
 

@@ -552,9 +552,10 @@ def test_token_columns(T, E, k, start, end, valid, kind, layout, config, dtype):
         check_shuffling((got[6], got[2], got[3]), want)
     # route on the same plan (``COLS_ROUTE``, off by default): A also stores each token's
     # choices with their weights and ranks, C places the weights and ``inverse`` from them
-    config = {**config, "COLS_ROUTE": True}
-    plan = _launch_plan(T, E, k, start, end, _KIND[dtype], False, valid is not None, True, True,
-                        False, tuple(sorted(config.items())), False, words)  # fmt: skip
-    assert ("MODE" in plan.a) == words and plan.c["COLS"] == words
-    got = routing_triton(x, k, _vtc(valid), start, end, False, True, True, False, config)
-    check_plan(RoutingPlan(*got[:6]), want)
+    for rw in (0, 1, 2):
+        cfg = {**config, "COLS_ROUTE": True, "COLS_RW": rw}
+        plan = _launch_plan(T, E, k, start, end, _KIND[dtype], False, valid is not None, True,
+                            True, False, tuple(sorted(cfg.items())), False, words)  # fmt: skip
+        assert ("MODE" in plan.a) == words and plan.c["COLS"] == words
+        got = routing_triton(x, k, _vtc(valid), start, end, False, True, True, False, cfg)
+        check_plan(RoutingPlan(*got[:6]), want)

@@ -1124,6 +1124,7 @@ def _place_kernel(
     COLS: tl.constexpr,  # SORTED: A stored per-expert token columns (_topk_cols_kernel)
     E_PAD: tl.constexpr,  # COLS: experts in A's column words (E_PAD / 32 * TOK_PER_PROG a program)
     ASM: tl.constexpr,  # COLS: inline PTX (popc); False in the interpreter
+    RW: tl.constexpr,  # COLS with WEIGHTS: how C places weights and inverse (_place_from_columns)
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -1175,7 +1176,7 @@ def _place_kernel(
         _place_from_columns(
             pack_ptr, scr_w_ptr.to(tl.pointer_type(tl.int32)), base, lb, mine, expert_ptr,
             token_ptr, weight_ptr, inverse_ptr, T, K, n, pid, start, K_PAD, L_PAD, TOK_PER_PROG,
-            E_PAD, ASM, WEIGHTS, IS_BF16,
+            E_PAD, ASM, WEIGHTS, IS_BF16, RW,
         )  # fmt: skip
     elif COUNT:
         _place_counted_pairs(
@@ -1365,6 +1366,7 @@ def _place_from_columns(
     col_ptr, lst_ptr, base, lb, mine, expert_ptr, token_ptr, weight_ptr, inverse_ptr, T, K, n,
     pid, start, K_PAD: tl.constexpr, L_PAD: tl.constexpr, TP: tl.constexpr,
     E_PAD: tl.constexpr, ASM: tl.constexpr, WEIGHTS: tl.constexpr, IS_BF16: tl.constexpr,
+    RW: tl.constexpr,
 ):  # fmt: skip
     """index_shuffling from A's token columns (``_topk_cols_kernel``), in sorted order without a
     sort: sorted index i of the program belongs to the last local expert whose run starts at or
@@ -1406,11 +1408,12 @@ def _place_from_columns(
     pos = idx + b_le
     tl.store(expert_ptr + pos, le, mask=ok)
     tl.store(token_ptr + pos, pid * TP + tok, mask=ok)
-    if WEIGHTS:  # route: each pair's weight and rank from its token's list (_store_choices)
+    if WEIGHTS:
         tl.store(weight_ptr + offs, tl.zeros([NP], tl.float32), mask=tail)
+    if WEIGHTS and RW == 2:  # each pair's weight and rank from its token's list, 4 bytes a load
         lst = lst_ptr + (pid * TP + tok) * K_PAD
         mine_ent = tl.zeros([NP], tl.int32)
-        for q in tl.static_range(K):  # one 4-byte load a slot: no 2-D layout to convert
+        for q in tl.static_range(K):
             ent = tl.load(lst + q, mask=ok, other=-1)
             mine_ent = tl.where((ent & 0xFF) == e, ent, mine_ent)
         tl.store(weight_ptr + pos, _bits16_to_f32(mine_ent >> 16, IS_BF16), mask=ok)
@@ -1423,6 +1426,54 @@ def _place_from_columns(
             tl.store(
                 inverse_ptr + own * K + ((ent >> 8) & 7), tl.full([TP], -1, tl.int32), mask=off
             )
+    elif WEIGHTS:
+        if RW == 1:  # the pair's weight from its token's whole list (one 2-D load)
+            qs = tl.arange(0, K_PAD)
+            lst = tl.load(
+                lst_ptr + (pid * TP + tok)[:, None] * K_PAD + qs[None, :],
+                mask=ok[:, None] & (qs[None, :] < K),
+                other=0,
+            )
+            hit = (lst & 0xFF) == e[:, None]
+            mine_ent = tl.sum(tl.where(hit, lst, 0), axis=1)  # a token picks an expert once
+            tl.store(weight_ptr + pos, _bits16_to_f32(mine_ent >> 16, IS_BF16), mask=ok)
+        _place_token_choices(
+            col_ptr, lst_ptr, base + lb, weight_ptr, inverse_ptr, T, K, pid, start, K_PAD,
+            L_PAD, TP, E_PAD, ASM, RW == 0, IS_BF16,
+        )  # fmt: skip
+
+
+@triton.jit
+def _place_token_choices(
+    col_ptr, lst_ptr, first, weight_ptr, inverse_ptr, T, K, pid, start, K_PAD: tl.constexpr,
+    L_PAD: tl.constexpr, TP: tl.constexpr, E_PAD: tl.constexpr, ASM: tl.constexpr,
+    SCATTER_W: tl.constexpr, IS_BF16: tl.constexpr,
+):  # fmt: skip
+    """route on the token columns, in token order: each of a token's choices (its list from
+    ``_store_choices``) sits at ``first[e]`` (where local expert e's run of this program starts)
+    plus the number of the program's earlier tokens that chose e (popcounts of e's column below
+    the token's bit). That is ``inverse[t, rank]``, -1 when not routed; SCATTER_W: the weight
+    goes to that position too."""
+    loc = tl.arange(0, TP)
+    own = pid * TP + loc
+    qs = tl.arange(0, K_PAD)
+    m = (own < T)[:, None] & (qs[None, :] < K)
+    ent = tl.load(lst_ptr + own[:, None] * K_PAD + qs[None, :], mask=m, other=0)  # (TP, K_PAD)
+    routed = (ent & (1 << 11)) != 0
+    e = ent & 0xFF
+    le = tl.where(routed, e - start, 0)
+    cw = col_ptr + pid * (E_PAD // 32 * TP) + (e // 32) * TP + e % 32
+    grp = (loc // 32)[:, None]
+    below = ~(-1 << (loc % 32))[:, None]  # the token's lower lanes in its group's word
+    rank = tl.zeros([TP, K_PAD], tl.int32)
+    for h in tl.static_range(TP // 32):
+        w = tl.load(cw + 32 * h, mask=routed & (h <= grp), other=0)
+        rank += _popc(tl.where(h < grp, w, w & below), ASM)
+    at = tl.reshape(tl.gather(first, tl.reshape(le, [TP * K_PAD]), 0), [TP, K_PAD])
+    pos = at + rank
+    tl.store(inverse_ptr + own[:, None] * K + ((ent >> 8) & 7), tl.where(routed, pos, -1), mask=m)
+    if SCATTER_W:
+        tl.store(weight_ptr + pos, _bits16_to_f32(ent >> 16, IS_BF16), mask=m & routed)
 
 
 @triton.jit
@@ -1512,6 +1563,8 @@ _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # triton 3.5's interpreter returns wrong tl.histogram counts for program 0 of a multi-program
 # grid when the histogram accumulates in a loop; 3.8's is right, and the GPU never takes this.
 _OLD_INTERP = INTERPRET and tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6)
+# route on the token-column plan by default (config key COLS_ROUTE overrides it per call)
+_COLS_ROUTE = False
 _topk_rank = FastKernel(_topk_rank_kernel)
 _topk_cols = FastKernel(_topk_cols_kernel)
 _scan = FastKernel(_scan_kernel)
@@ -1585,7 +1638,9 @@ def _launch_plan(
     # route (weights, inverse) too with COLS_ROUTE: built and checked in the interpreter, not
     # yet timed on the GPU, so off by default.
     cols = insert and words and kind != 0 and E in (64, 128) and k_pad <= 8
-    cols = cols and (not with_weights or (bool(cfg.get("COLS_ROUTE")) and not renormalize))
+    cols = cols and (
+        not with_weights or (bool(cfg.get("COLS_ROUTE", _COLS_ROUTE)) and not renormalize)
+    )
     cols = cols and "BLOCK_T" not in user and bool(cfg.get("COLS", True))
     cols_t = int(cfg.get("COLS_T", 128 if E == 128 else 64))  # tokens a program: 32 a warp
     if cols_t not in (64, 128):  # the sizes checked on the GPU
@@ -1715,6 +1770,7 @@ def _launch_plan(
         COLS=cols,
         E_PAD=e_pad,
         ASM=not INTERPRET,
+        RW=int(cfg.get("COLS_RW", 0)),
     )
     if INTERPRET:
         c_warps = 1
