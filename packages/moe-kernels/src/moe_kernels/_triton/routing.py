@@ -1410,37 +1410,82 @@ def _place_from_columns(
     tl.store(token_ptr + pos, pid * TP + tok, mask=ok)
     if WEIGHTS:
         tl.store(weight_ptr + offs, tl.zeros([NP], tl.float32), mask=tail)
-    if WEIGHTS and RW == 2:  # each pair's weight and rank from its token's list, 4 bytes a load
-        lst = lst_ptr + (pid * TP + tok) * K_PAD
-        mine_ent = tl.zeros([NP], tl.int32)
-        for q in tl.static_range(K):
-            ent = tl.load(lst + q, mask=ok, other=-1)
-            mine_ent = tl.where((ent & 0xFF) == e, ent, mine_ent)
-        tl.store(weight_ptr + pos, _bits16_to_f32(mine_ent >> 16, IS_BF16), mask=ok)
-        tl.store(inverse_ptr + (pid * TP + tok) * K + ((mine_ent >> 8) & 7), pos, mask=ok)
-        # the program's choices not routed (outside the expert range, past the valid count)
-        own = pid * TP + tl.arange(0, TP)
-        for q in tl.static_range(K):
-            ent = tl.load(lst_ptr + own * K_PAD + q, mask=own < T, other=1 << 11)
-            off = (ent & (1 << 11)) == 0
-            tl.store(
-                inverse_ptr + own * K + ((ent >> 8) & 7), tl.full([TP], -1, tl.int32), mask=off
-            )
-    elif WEIGHTS:
-        if RW == 1:  # the pair's weight from its token's whole list (one 2-D load)
-            qs = tl.arange(0, K_PAD)
-            lst = tl.load(
-                lst_ptr + (pid * TP + tok)[:, None] * K_PAD + qs[None, :],
-                mask=ok[:, None] & (qs[None, :] < K),
-                other=0,
-            )
-            hit = (lst & 0xFF) == e[:, None]
-            mine_ent = tl.sum(tl.where(hit, lst, 0), axis=1)  # a token picks an expert once
+        if RW != 0:  # the pair's weight (RW 2, 5: its rank too) from its token's list
+            v4 = (RW == 3 or RW == 5) and ASM and K_PAD == 8
+            mine_ent = _find_choice(lst_ptr + (pid * TP + tok) * K_PAD, e, ok, K, v4)
             tl.store(weight_ptr + pos, _bits16_to_f32(mine_ent >> 16, IS_BF16), mask=ok)
-        _place_token_choices(
-            col_ptr, lst_ptr, base + lb, weight_ptr, inverse_ptr, T, K, pid, start, K_PAD,
-            L_PAD, TP, E_PAD, ASM, RW == 0, IS_BF16,
-        )  # fmt: skip
+        if RW == 2 or RW == 5:
+            tl.store(inverse_ptr + (pid * TP + tok) * K + ((mine_ent >> 8) & 7), pos, mask=ok)
+            # the program's choices not routed (outside the expert range, past the valid count)
+            own = pid * TP + tl.arange(0, TP)
+            for q in tl.static_range(K):
+                ent = tl.load(lst_ptr + own * K_PAD + q, mask=own < T, other=1 << 11)
+                off = (ent & (1 << 11)) == 0
+                tl.store(
+                    inverse_ptr + own * K + ((ent >> 8) & 7),
+                    tl.full([TP], -1, tl.int32),
+                    mask=off,
+                )
+        else:
+            _place_token_choices(
+                col_ptr, lst_ptr, base + lb, weight_ptr, inverse_ptr, T, K, pid, start, K_PAD,
+                L_PAD, TP, E_PAD, ASM, RW == 0, IS_BF16,
+            )  # fmt: skip
+
+
+@triton.jit
+def _ld_v4(ptr, ok):
+    """Four int32 at a 16-byte aligned ``ptr`` in one load (0 where not ``ok``)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        setp.ne.b32 p, $5, 0;
+        mov.b32 $0, 0;
+        mov.b32 $1, 0;
+        mov.b32 $2, 0;
+        mov.b32 $3, 0;
+        @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];
+        }""",
+        "=r,=r,=r,=r,l,r",
+        [ptr.to(tl.int64), ok.to(tl.int32)],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _pick(ent, e, found):
+    return tl.where((ent & 0xFF) == e, ent, found)
+
+
+@triton.jit
+def _find_choice(lst, e, ok, K: tl.constexpr, V4: tl.constexpr):
+    """The entry of expert ``e`` among the K at ``lst`` (a token's list, ``_store_choices``); a
+    token picks an expert at most once. V4: two 16-byte loads (K_PAD = 8), else K 4-byte ones."""
+    found = tl.zeros_like(e)
+    if V4:
+        a0, a1, a2, a3 = _ld_v4(lst, ok)
+        b0, b1, b2, b3 = _ld_v4(lst + 4, ok)
+        found = _pick(a0, e, found)  # slots past K were never written: not looked at
+        if K > 1:
+            found = _pick(a1, e, found)
+        if K > 2:
+            found = _pick(a2, e, found)
+        if K > 3:
+            found = _pick(a3, e, found)
+        if K > 4:
+            found = _pick(b0, e, found)
+        if K > 5:
+            found = _pick(b1, e, found)
+        if K > 6:
+            found = _pick(b2, e, found)
+        if K > 7:
+            found = _pick(b3, e, found)
+    else:
+        for q in tl.static_range(K):
+            found = _pick(tl.load(lst + q, mask=ok, other=-1), e, found)
+    return found
 
 
 @triton.jit
@@ -1565,6 +1610,7 @@ _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OLD_INTERP = INTERPRET and tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6)
 # route on the token-column plan by default (config key COLS_ROUTE overrides it per call)
 _COLS_ROUTE = False
+_COLS_RW = 0  # how C places route's weights and inverse there (_place_from_columns)
 _topk_rank = FastKernel(_topk_rank_kernel)
 _topk_cols = FastKernel(_topk_cols_kernel)
 _scan = FastKernel(_scan_kernel)
@@ -1679,6 +1725,8 @@ def _launch_plan(
     )  # fmt: skip
     P = T * K
     n_hist = Lm * n_prog
+    if cols and with_weights:  # the choices' lists (scr_w) start 16-byte aligned
+        n_hist += -n_hist % 4
     sizes = [
         P, P, P if with_weights else 0, P if with_weights else 0, Lm,
         L + 1 if with_offsets else 0, E + 2 if with_tcpe else 0, 0,
@@ -1770,7 +1818,7 @@ def _launch_plan(
         COLS=cols,
         E_PAD=e_pad,
         ASM=not INTERPRET,
-        RW=int(cfg.get("COLS_RW", 0)),
+        RW=int(cfg.get("COLS_RW", _COLS_RW)),
     )
     if INTERPRET:
         c_warps = 1
