@@ -28,7 +28,7 @@ from moe_kernels._reference.routing import index_shuffling_reference, route_refe
 from moe_kernels._triton import routing as tri
 
 FAILS: list[str] = []
-RWS = (0, 2, 3, 5)  # COLS_RW variants timed
+RWS = (0, 3, 5)  # COLS_RW variants timed
 dev = torch.device("cuda")
 
 

@@ -1989,9 +1989,12 @@ def routing_triton(
         seg = list(buf.split_with_sizes(p.sizes))
     else:
         out = [torch.empty(n, dtype=i32, device=dev) for n in p.sizes[:_N_OUT]]
-        seg = out + list(torch.empty(sum(p.sizes[_N_OUT:]), dtype=i32, device=dev).split(
-            p.sizes[_N_OUT:]
-        ))  # fmt: skip
+        scratch = p.sizes[_N_OUT + 1 :]  # without the pad: it starts 16-byte aligned as it is
+        seg = (
+            out
+            + [out[0][:0]]
+            + list(torch.empty(sum(scratch), dtype=i32, device=dev).split(scratch))
+        )
     for i in (_SEG["weights"], _SEG["scr_w"]):  # fp32 bits
         seg[i] = seg[i].view(torch.float32)
     x = scores_TE if kind == 0 else scores_TE.view(torch.int16)
