@@ -167,7 +167,7 @@ def correctness() -> None:
         dict(T=0, E=8, k=2, dtype=torch.bfloat16),
     ]
     if os.environ.get("ROUTING_GPU_CASES") == "cols":  # the token-column plans' shapes only
-        cases = [c for c in cases if c["E"] in (64, 128) and c["dtype"] != torch.float32]
+        cases = [c for c in cases if c["E"] in (64, 128) and c["dtype"] != torch.float32][::-1]
     for c in cases:
         try:
             check_case(**c)
@@ -398,8 +398,8 @@ def main() -> int:
     if not DRY:
         parts += [timings, sweep, profile]
     if os.environ.get("ROUTING_COLS_ROUTE") is not None:  # route's plan: off (-1) or COLS_RW
-        rw = int(os.environ["ROUTING_COLS_ROUTE"])
-        tri._COLS_ROUTE, tri._COLS_RW = rw >= 0, max(rw, 0)
+        rw = int(os.environ["ROUTING_COLS_ROUTE"])  # 9: the launcher's default COLS_RW
+        tri._COLS_ROUTE, tri._COLS_RW = rw >= 0, (max(rw, 0) if rw != 9 else None)
         print(f"route on the token-column plan: {tri._COLS_ROUTE}, COLS_RW {tri._COLS_RW}")
     if os.environ.get("ROUTING_GPU_PARTS"):  # e.g. correctness,timings
         parts = [p for p in parts if p.__name__ in os.environ["ROUTING_GPU_PARTS"].split(",")]

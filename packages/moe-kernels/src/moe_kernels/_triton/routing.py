@@ -1609,8 +1609,8 @@ _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # grid when the histogram accumulates in a loop; 3.8's is right, and the GPU never takes this.
 _OLD_INTERP = INTERPRET and tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6)
 # route on the token-column plan by default (config key COLS_ROUTE overrides it per call)
-_COLS_ROUTE = False
-_COLS_RW = 0  # how C places route's weights and inverse there (_place_from_columns)
+_COLS_ROUTE = True
+_COLS_RW = None  # how C places route's weights and inverse there (None: by E_PAD, see _launch_plan)
 _topk_rank = FastKernel(_topk_rank_kernel)
 _topk_cols = FastKernel(_topk_cols_kernel)
 _scan = FastKernel(_scan_kernel)
@@ -1818,7 +1818,9 @@ def _launch_plan(
         COLS=cols,
         E_PAD=e_pad,
         ASM=not INTERPRET,
-        RW=int(cfg.get("COLS_RW", _COLS_RW)),
+        RW=int(
+            cfg.get("COLS_RW", _COLS_RW if _COLS_RW is not None else (5 if e_pad == 128 else 3))
+        ),
     )
     if INTERPRET:
         c_warps = 1
