@@ -166,6 +166,18 @@ def test_markdown_report_from_saved_results(tmp_path):
     assert "nested" not in md
 
 
+def test_markdown_report_from_several_folders(tmp_path):
+    env = report.environment("cpu")
+    for name, us in (("new", 3.0), ("old", 5.0)):
+        doc = report.make_document("kernels", [{"op": name, "us": us}], env, cmdline=name)
+        report.write_json(tmp_path / name / "kernels.json", doc)
+    md = report.markdown_report([tmp_path / "new", tmp_path / "old"])
+    assert f"--results {(tmp_path / 'new').as_posix()} --results" in md
+    assert "from 2 JSON file(s)" in md
+    assert md.index("(new/kernels.json)") < md.index("(old/kernels.json)")
+    assert md.index("| new | 3 |") < md.index("| old | 5 |")
+
+
 def test_progress_without_tqdm_is_silent(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     bar = report.progress([1, 2, 3], desc="x")

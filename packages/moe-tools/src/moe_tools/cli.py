@@ -122,7 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", type=_csv, default=None, help="only these checks")
 
     p = sub.add_parser("report", help="markdown page from saved JSON results")
-    p.add_argument("--results", required=True, metavar="DIR", help="folder of JSON results")
+    p.add_argument(
+        "--results",
+        required=True,
+        action="append",
+        metavar="DIR",
+        help="folder of JSON results (repeat it for several, in the order to list them)",
+    )
     p.add_argument("--out", default="BENCHMARKS.md", metavar="PATH", help="markdown to write")
     p.add_argument("--title", default=None)
     return parser
