@@ -177,20 +177,29 @@ def correctness() -> None:
 
 
 def no_sync_graph_compile() -> None:
-    print("== no sync, CUDA graph, compile")
-    T, E, k = (64, 32, 4) if DRY else (4096, 128, 8)
+    """No host sync, CUDA graph replay on new inputs, compile: on a small shape (renormalized)
+    and on one that takes the token-column plans (T*k > 32768 pairs, 16-bit scores, 128
+    experts, not renormalized)."""
+    shapes = [(64, 32, 4, True)] if DRY else [(4096, 128, 8, True), (65536, 128, 8, False)]
+    for T, E, k, renorm in shapes:
+        print(f"== no sync, CUDA graph, compile: T={T} E={E} k={k} renormalize={renorm}")
+        _no_sync_graph_compile(T, E, k, renorm)
+
+
+def _no_sync_graph_compile(T: int, E: int, k: int, renorm: bool) -> None:
     x = scores(T, E, torch.bfloat16, seed=1)
     vtc = torch.tensor([T - 5], device=dev, dtype=torch.int64)
 
     def fn(x, vtc):
         p = route(
-            x, k, valid_token_count=vtc, expert_index_start=8, expert_index_end=24, renormalize=True
-        )
+            x, k, valid_token_count=vtc, expert_index_start=8, expert_index_end=24,
+            renormalize=renorm,
+        )  # fmt: skip
         return (*p, *index_shuffling(x, 0, E, vtc, k))
 
     def ref(x, vtc):
         return (
-            *route_reference(x, k, vtc, 8, 24, True),
+            *route_reference(x, k, vtc, 8, 24, renorm),
             *index_shuffling_reference(x, 0, E, vtc, k),
         )
 
