@@ -28,7 +28,6 @@ from moe_kernels._reference.routing import index_shuffling_reference, route_refe
 from moe_kernels._triton import routing as tri
 
 FAILS: list[str] = []
-RWS = (0, 3, 5)  # COLS_RW variants timed
 dev = torch.device("cuda")
 
 
@@ -186,13 +185,14 @@ def main() -> int:
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
-    # route by token columns (COLS_ROUTE), both program sizes, C's ways to place weights and
-    # inverse (COLS_RW, see _place_from_columns)
-    rc = [{"COLS_ROUTE": True, "COLS_T": t, "COLS_RW": rw} for t in (64, 128) for rw in RWS]
-    variants(1 << 20, 128, torch.bfloat16, [{}, *rc])
-    variants(1 << 20, 64, torch.bfloat16, [{}, *rc])
-    variants(65536, 128, torch.bfloat16, [{}, *rc])  # NaN, -inf, -0.0 in the scores
-    variants(65536, 64, torch.float16, [{}, *rc])
+    # route on the sorted plan against the token columns: both program sizes, inverse in token
+    # order or in sorted order (COLS_INV_BY_TOKEN, see _place_from_columns)
+    sort = {"COLS_ROUTE": False}
+    rc = [{"COLS_T": t, "COLS_INV_BY_TOKEN": b} for t in (64, 128) for b in (False, True)]
+    variants(1 << 20, 128, torch.bfloat16, [{}, sort, *rc])
+    variants(1 << 20, 64, torch.bfloat16, [{}, sort, *rc])
+    variants(65536, 128, torch.bfloat16, [{}, sort, *rc])  # NaN, -inf, -0.0 in the scores
+    variants(65536, 64, torch.float16, [{}, sort, *rc])
     print("FAILS:", FAILS if FAILS else "none")
     return 1 if FAILS else 0
 

@@ -406,10 +406,9 @@ def main() -> int:
     parts = [correctness, no_sync_graph_compile]
     if not DRY:
         parts += [timings, sweep, profile]
-    if os.environ.get("ROUTING_COLS_ROUTE") is not None:  # route's plan: off (-1) or COLS_RW
-        rw = int(os.environ["ROUTING_COLS_ROUTE"])  # 9: the launcher's default COLS_RW
-        tri._COLS_ROUTE, tri._COLS_RW = rw >= 0, (max(rw, 0) if rw != 9 else None)
-        print(f"route on the token-column plan: {tri._COLS_ROUTE}, COLS_RW {tri._COLS_RW}")
+    if os.environ.get("ROUTING_COLS_ROUTE") is not None:  # route on the token columns: 0 / 1
+        tri._COLS_ROUTE = os.environ["ROUTING_COLS_ROUTE"] == "1"
+        print(f"route on the token-column plan: {tri._COLS_ROUTE}")
     if os.environ.get("ROUTING_GPU_PARTS"):  # e.g. correctness,timings
         parts = [p for p in parts if p.__name__ in os.environ["ROUTING_GPU_PARTS"].split(",")]
     for part in parts:

@@ -64,7 +64,7 @@ PLANS = [
 ]
 
 
-# route's token-column plan (off by default): (T, E, top_k, start, end, kind)
+# route's token-column plan, inverse either way: (T, E, top_k, start, end, kind)
 COLS_ROUTE = [(1 << 20, 128, 8, 0, 128, 1), (300000, 64, 5, 8, 40, 2)]
 
 
@@ -76,9 +76,10 @@ def test_routing_plans_compile(can_compile, plan, weights, eager):
 
 
 @pytest.mark.parametrize("plan", COLS_ROUTE, ids=str)
-@pytest.mark.parametrize("rw", [0, 2, 3, 4, 5])
-def test_route_token_column_plans_compile(can_compile, plan, rw):
-    p = _compile_plan((*plan, False), True, False, (("COLS_ROUTE", True), ("COLS_RW", rw)))
+@pytest.mark.parametrize("by_token", [False, True], ids=["inverse-sorted", "inverse-by-token"])
+def test_route_token_column_plans_compile(can_compile, plan, by_token):
+    config = (("COLS_INV_BY_TOKEN", by_token),)
+    p = _compile_plan((*plan, False), True, False, config)
     assert p.a["WEIGHTS"] and p.c["COLS"]
 
 

@@ -513,6 +513,27 @@ def test_cumsum_ranks(T, E, k, start, end, valid, config, dtype):
         check_shuffling((got[6], got[2], got[3]), want)
 
 
+def test_token_lists_start_16_byte_aligned(monkeypatch):
+    """On the GPU, route's C reads each token's list (``_store_choices``) with 16-byte loads:
+    the lists' scratch starts 16-byte aligned with the outputs in one buffer or apart (3
+    programs and 127 local experts: neither the outputs nor the histogram fill 16 bytes)."""
+    from moe_kernels._dispatch import use_triton
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("the Triton launcher runs on CPU only under TRITON_INTERPRET=1")
+    from moe_kernels._triton import routing as tri
+
+    lists = []
+    monkeypatch.setattr(tri._topk_cols, "launch", lambda *args, **kw: None)
+    monkeypatch.setattr(tri._scan, "launch", lambda *args, **kw: None)
+    monkeypatch.setattr(tri._place, "launch", lambda grid, args, *a, **kw: lists.append(args[1]))
+    x = torch.randn(300, 128).to(torch.bfloat16)
+    for one_buffer in (False, True):
+        tri.routing_triton(x, 8, None, 0, 127, False, True, True, False, {"SORTED": True},
+                           one_buffer)  # fmt: skip
+    assert len(lists) == 2 and all(t.data_ptr() % 16 == 0 for t in lists)
+
+
 @pytest.mark.parametrize(
     "T,E,k,start,end,valid,kind,layout,config",
     [
@@ -550,10 +571,10 @@ def test_token_columns(T, E, k, start, end, valid, kind, layout, config, dtype):
             x, k, _vtc(valid), start, end, False, False, False, True, config, one_buffer
         )
         check_shuffling((got[6], got[2], got[3]), want)
-    # route on the same plan (``COLS_ROUTE``, off by default): A also stores each token's
+    # route on the same plan (``COLS_ROUTE``, its default there): A also stores each token's
     # choices with their weights and ranks, C places the weights and ``inverse`` from them
-    for rw in (0, 2, 3, 4, 5):
-        cfg = {**config, "COLS_ROUTE": True, "COLS_RW": rw}
+    for by_token in (False, True):  # inverse in sorted order / in token order
+        cfg = {**config, "COLS_ROUTE": True, "COLS_INV_BY_TOKEN": by_token}
         plan = _launch_plan(T, E, k, start, end, _KIND[dtype], False, valid is not None, True,
                             True, False, tuple(sorted(cfg.items())), False, words)  # fmt: skip
         assert ("MODE" in plan.a) == words and plan.c["COLS"] == words

@@ -21,13 +21,13 @@ A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` (
    * sorted (``SORTED=True``, above ``_SORT_FROM`` pairs): the bare local expert (or -1) to
      scratch and a histogram of them.
    The program's per-expert count goes to ``hist[l, program]``.
-A'. ``_topk_cols_kernel`` (``COLS``: index_shuffling, 16-bit scores read as int32 pairs, 64 or
-   128 experts, k <= 8): one token a thread. The k-th largest value by the sort-and-merge network
+A'. ``_topk_cols_kernel`` (``COLS``: 16-bit scores read as int32 pairs, 64 or 128 experts,
+   k <= 8; route too unless it renormalizes): one token a thread. The k-th largest value by the sort-and-merge network
    on packed pairs (one PTX instruction per compare-exchange of two experts), masks of the experts
    above and equal to it (ties trimmed to the lowest experts), then, per warp, 32 x 32 bit
    transposes by shuffles into per-expert words of token bits (the program's columns; their
-   popcounts are ``hist``). With ``COLS_ROUTE`` (route; off by default, not yet timed on a GPU)
-   it also stores each token's choices, with their weights and ranks (``_store_choices``).
+   popcounts are ``hist``). For route (``COLS_ROUTE``) it also stores each token's choices,
+   with their weights and ranks (``_store_choices``).
 B. ``_scan_kernel``: exclusive scans of the ``hist`` rows over programs, a few experts per program
    (skipped for small problems: every C program then reduces the whole, small, ``hist`` itself).
 C. ``_place_kernel``: one program per A-program. It turns the per-expert totals into expert offsets
@@ -43,7 +43,8 @@ C. ``_place_kernel``: one program per A-program. It turns the per-expert totals 
    the program's one-hot (token, expert) grid, one expert per thread, each pair's key sent to
    its sorted index in a scratch slice and read back in order (``_scatter_in_sorted_order``).
    After A', C places each sorted index from the columns (``_place_from_columns``: a binary
-   search of the experts' run starts, then a select of the token's bit). Program 0 also writes
+   search of the experts' run starts, then a select of the token's bit); route's weight (and
+   rank, for ``inverse``) of each pair comes from its token's list, two 16-byte loads. Program 0 also writes
    ``counts``/``offsets`` and ``token_count_per_expert``.
 
 Measured on the H200 (``gpu/routing_gpu.py``): at T=2^20, E=128, k=8 (bf16) the k rounds cost
@@ -52,7 +53,8 @@ index_shuffling from 711 to 550 us and route from 992 to 697 us, insertion top-k
 490 us, fp32 keys and the merge network to 353 and 402 us (kernel A 174 us, its load pattern's
 floor 110 us; C 164 / 204 us, mostly ``tl.sort``), route's weights carried in the packed choices
 and sort keys (``PACK_W``) and B's wider chunks to 344 and 382 us, index_shuffling's token
-columns (A', 128-token programs) to 222 us (A 112, C 101). At T=4096 the kernels take
+columns (A', 128-token programs) to 222 us (A 112, C 101), and route on them to 343 us (A 133,
+C 202). At T=4096 the kernels take
 6-12 us and eager calls are bound by the host's launch cost. So eager calls after a plan's first
 relaunch its compiled handles with int addresses (``_BOUND``). With stand-in kernels on a 2-core
 CPU host (``gpu/launch_overhead.py --stub``) that took an eager call from 31-37 to 18-19 us
@@ -1124,7 +1126,7 @@ def _place_kernel(
     COLS: tl.constexpr,  # SORTED: A stored per-expert token columns (_topk_cols_kernel)
     E_PAD: tl.constexpr,  # COLS: experts in A's column words (E_PAD / 32 * TOK_PER_PROG a program)
     ASM: tl.constexpr,  # COLS: inline PTX (popc); False in the interpreter
-    RW: tl.constexpr,  # COLS with WEIGHTS: how C places weights and inverse (_place_from_columns)
+    INV_BY_TOKEN: tl.constexpr,  # COLS with WEIGHTS: inverse in token order (_place_from_columns)
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -1176,7 +1178,7 @@ def _place_kernel(
         _place_from_columns(
             pack_ptr, scr_w_ptr.to(tl.pointer_type(tl.int32)), base, lb, mine, expert_ptr,
             token_ptr, weight_ptr, inverse_ptr, T, K, n, pid, start, K_PAD, L_PAD, TOK_PER_PROG,
-            E_PAD, ASM, WEIGHTS, IS_BF16, RW,
+            E_PAD, ASM, WEIGHTS, IS_BF16, INV_BY_TOKEN,
         )  # fmt: skip
     elif COUNT:
         _place_counted_pairs(
@@ -1366,15 +1368,16 @@ def _place_from_columns(
     col_ptr, lst_ptr, base, lb, mine, expert_ptr, token_ptr, weight_ptr, inverse_ptr, T, K, n,
     pid, start, K_PAD: tl.constexpr, L_PAD: tl.constexpr, TP: tl.constexpr,
     E_PAD: tl.constexpr, ASM: tl.constexpr, WEIGHTS: tl.constexpr, IS_BF16: tl.constexpr,
-    RW: tl.constexpr,
+    INV_BY_TOKEN: tl.constexpr,
 ):  # fmt: skip
     """index_shuffling from A's token columns (``_topk_cols_kernel``), in sorted order without a
     sort: sorted index i of the program belongs to the last local expert whose run starts at or
     before it (a binary search of ``lb``), and is that expert's r-th token, r = i - lb[e]: the
     r-th set bit of its TP-bit column (``_select_bit``). Stores go out in sorted order.
     WEIGHTS (route): the pair's weight and its rank among the token's choices come from the
-    token's list (``_store_choices``); ``inverse`` gets each pair's position, -1 for the
-    program's choices not routed."""
+    token's list (``_store_choices``, 16-byte loads on the GPU). ``inverse`` gets each pair's
+    position, -1 for the program's choices not routed: stored from here, scattered, or with
+    INV_BY_TOKEN whole rows in token order (``_place_token_inverse``)."""
     NP: tl.constexpr = TP * K_PAD
     idx = tl.arange(0, NP)
     rows = pid * TP + idx // K_PAD
@@ -1410,11 +1413,14 @@ def _place_from_columns(
     tl.store(token_ptr + pos, pid * TP + tok, mask=ok)
     if WEIGHTS:
         tl.store(weight_ptr + offs, tl.zeros([NP], tl.float32), mask=tail)
-        if RW != 0:  # the pair's weight (RW 2, 5: its rank too) from its token's list
-            v4 = (RW == 3 or RW == 5) and ASM and K_PAD == 8
-            mine_ent = _find_choice(lst_ptr + (pid * TP + tok) * K_PAD, e, ok, K, v4)
-            tl.store(weight_ptr + pos, _bits16_to_f32(mine_ent >> 16, IS_BF16), mask=ok)
-        if RW == 2 or RW == 5:
+        # the pair's entry in its token's list (_store_choices): its weight, its rank
+        mine_ent = _find_choice(lst_ptr + (pid * TP + tok) * K_PAD, e, ok, K, ASM and K_PAD == 8)
+        tl.store(weight_ptr + pos, _bits16_to_f32(mine_ent >> 16, IS_BF16), mask=ok)
+        if INV_BY_TOKEN:
+            _place_token_inverse(
+                col_ptr, lst_ptr, base + lb, inverse_ptr, T, K, pid, start, K_PAD, TP, E_PAD, ASM
+            )
+        else:
             tl.store(inverse_ptr + (pid * TP + tok) * K + ((mine_ent >> 8) & 7), pos, mask=ok)
             # the program's choices not routed (outside the expert range, past the valid count)
             own = pid * TP + tl.arange(0, TP)
@@ -1426,11 +1432,6 @@ def _place_from_columns(
                     tl.full([TP], -1, tl.int32),
                     mask=off,
                 )
-        else:
-            _place_token_choices(
-                col_ptr, lst_ptr, base + lb, weight_ptr, inverse_ptr, T, K, pid, start, K_PAD,
-                L_PAD, TP, E_PAD, ASM, RW == 0, IS_BF16,
-            )  # fmt: skip
 
 
 @triton.jit
@@ -1489,16 +1490,15 @@ def _find_choice(lst, e, ok, K: tl.constexpr, V4: tl.constexpr):
 
 
 @triton.jit
-def _place_token_choices(
-    col_ptr, lst_ptr, first, weight_ptr, inverse_ptr, T, K, pid, start, K_PAD: tl.constexpr,
-    L_PAD: tl.constexpr, TP: tl.constexpr, E_PAD: tl.constexpr, ASM: tl.constexpr,
-    SCATTER_W: tl.constexpr, IS_BF16: tl.constexpr,
+def _place_token_inverse(
+    col_ptr, lst_ptr, first, inverse_ptr, T, K, pid, start, K_PAD: tl.constexpr,
+    TP: tl.constexpr, E_PAD: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """route on the token columns, in token order: each of a token's choices (its list from
-    ``_store_choices``) sits at ``first[e]`` (where local expert e's run of this program starts)
-    plus the number of the program's earlier tokens that chose e (popcounts of e's column below
-    the token's bit). That is ``inverse[t, rank]``, -1 when not routed; SCATTER_W: the weight
-    goes to that position too."""
+    """route's ``inverse`` on the token columns, in token order: each of a token's choices (its
+    list from ``_store_choices``) sits at ``first[e]`` (where local expert e's run of this
+    program starts) plus the number of the program's earlier tokens that chose e (popcounts of
+    e's column below the token's bit); -1 when not routed. Rows of ``inverse`` are written
+    whole, where the sorted pass would scatter them."""
     loc = tl.arange(0, TP)
     own = pid * TP + loc
     qs = tl.arange(0, K_PAD)
@@ -1515,10 +1515,8 @@ def _place_token_choices(
         w = tl.load(cw + 32 * h, mask=routed & (h <= grp), other=0)
         rank += _popc(tl.where(h < grp, w, w & below), ASM)
     at = tl.reshape(tl.gather(first, tl.reshape(le, [TP * K_PAD]), 0), [TP, K_PAD])
-    pos = at + rank
-    tl.store(inverse_ptr + own[:, None] * K + ((ent >> 8) & 7), tl.where(routed, pos, -1), mask=m)
-    if SCATTER_W:
-        tl.store(weight_ptr + pos, _bits16_to_f32(ent >> 16, IS_BF16), mask=m & routed)
+    pos = tl.where(routed, at + rank, -1)
+    tl.store(inverse_ptr + own[:, None] * K + ((ent >> 8) & 7), pos, mask=m)
 
 
 @triton.jit
@@ -1610,7 +1608,6 @@ _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OLD_INTERP = INTERPRET and tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6)
 # route on the token-column plan by default (config key COLS_ROUTE overrides it per call)
 _COLS_ROUTE = True
-_COLS_RW = None  # how C places route's weights and inverse there (None: by E_PAD, see _launch_plan)
 _topk_rank = FastKernel(_topk_rank_kernel)
 _topk_cols = FastKernel(_topk_cols_kernel)
 _scan = FastKernel(_scan_kernel)
@@ -1681,8 +1678,8 @@ def _launch_plan(
     # (H200, T=2^20, k=8, bf16, gpu/routing_ablation.py: E=128 221 us against 349 us sorting,
     # A 112 vs 173 and C 101 vs 163 with 128-token programs, 253 us with 64; E=64 155 us with
     # 64-token programs, 182 with 128, 265 sorting).
-    # route (weights, inverse) too with COLS_ROUTE: built and checked in the interpreter, not
-    # yet timed on the GPU, so off by default.
+    # route (weights, inverse) too unless it renormalizes (COLS_ROUTE; H200, T=2^20, k=8,
+    # bf16: E=128 343 vs 380 us on the sorted plan, E=64 245 vs 283).
     cols = insert and words and kind != 0 and E in (64, 128) and k_pad <= 8
     cols = cols and (
         not with_weights or (bool(cfg.get("COLS_ROUTE", _COLS_ROUTE)) and not renormalize)
@@ -1818,9 +1815,11 @@ def _launch_plan(
         COLS=cols,
         E_PAD=e_pad,
         ASM=not INTERPRET,
-        RW=int(
-            cfg.get("COLS_RW", _COLS_RW if _COLS_RW is not None else (5 if e_pad == 128 else 3))
-        ),
+        # route on columns: inverse by token (popcounts, rows written whole) or in sorted order
+        # (looked up with the weight, stores scattered). H200, T=2^20, k=8, bf16, C of route:
+        # E=128 (128-token programs) 202 us sorted vs 218 by token; E=64 (64-token programs)
+        # 151 by token vs 162 (gpu/routing_ablation.py).
+        INV_BY_TOKEN=bool(cfg.get("COLS_INV_BY_TOKEN", e_pad != 128)),
     )
     if INTERPRET:
         c_warps = 1
