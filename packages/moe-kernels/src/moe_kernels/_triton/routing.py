@@ -22,12 +22,12 @@ A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` (
      scratch and a histogram of them.
    The program's per-expert count goes to ``hist[l, program]``.
 A'. ``_topk_cols_kernel`` (``COLS``: 16-bit scores read as int32 pairs, 64 or 128 experts,
-   k <= 8; route too unless it renormalizes): one token a thread. The k-th largest value by the sort-and-merge network
-   on packed pairs (one PTX instruction per compare-exchange of two experts), masks of the experts
-   above and equal to it (ties trimmed to the lowest experts), then, per warp, 32 x 32 bit
-   transposes by shuffles into per-expert words of token bits (the program's columns; their
-   popcounts are ``hist``). For route (``COLS_ROUTE``) it also stores each token's choices,
-   with their weights and ranks (``_store_choices``).
+   k <= 8; route too unless it renormalizes): one token a thread. The k-th largest value by the
+   sort-and-merge network on packed pairs (one PTX instruction per compare-exchange of two
+   experts), masks of the experts above and equal to it (ties trimmed to the lowest experts),
+   then, per warp, 32 x 32 bit transposes by shuffles into per-expert words of token bits (the
+   program's columns; their popcounts are ``hist``). For route (``COLS_ROUTE``) it also stores
+   each token's choices, with their weights and ranks (``_store_choices``).
 B. ``_scan_kernel``: exclusive scans of the ``hist`` rows over programs, a few experts per program
    (skipped for small problems: every C program then reduces the whole, small, ``hist`` itself).
 C. ``_place_kernel``: one program per A-program. It turns the per-expert totals into expert offsets
@@ -44,8 +44,8 @@ C. ``_place_kernel``: one program per A-program. It turns the per-expert totals 
    its sorted index in a scratch slice and read back in order (``_scatter_in_sorted_order``).
    After A', C places each sorted index from the columns (``_place_from_columns``: a binary
    search of the experts' run starts, then a select of the token's bit); route's weight (and
-   rank, for ``inverse``) of each pair comes from its token's list, two 16-byte loads. Program 0 also writes
-   ``counts``/``offsets`` and ``token_count_per_expert``.
+   rank, for ``inverse``) of each pair comes from its token's list, two 16-byte loads. Program 0
+   also writes ``counts``/``offsets`` and ``token_count_per_expert``.
 
 Measured on the H200 (``gpu/routing_gpu.py``): at T=2^20, E=128, k=8 (bf16) the k rounds cost
 ~34 us each and the bitmask ranks ~210 us; sorted placement (512 pairs per program) brought
@@ -1457,7 +1457,22 @@ def _ld_v4(ptr, ok):
 
 @triton.jit
 def _pick(ent, e, found):
+    """``ent`` where its expert (low byte) is ``e``, else ``found``."""
     return tl.where((ent & 0xFF) == e, ent, found)
+
+
+@triton.jit
+def _pick4(v0, v1, v2, v3, e, found, FIRST: tl.constexpr, K: tl.constexpr):
+    """``_pick`` over list slots FIRST..FIRST+3, those below K (the rest were never written)."""
+    if K > FIRST:
+        found = _pick(v0, e, found)
+    if K > FIRST + 1:
+        found = _pick(v1, e, found)
+    if K > FIRST + 2:
+        found = _pick(v2, e, found)
+    if K > FIRST + 3:
+        found = _pick(v3, e, found)
+    return found
 
 
 @triton.jit
@@ -1468,21 +1483,8 @@ def _find_choice(lst, e, ok, K: tl.constexpr, V4: tl.constexpr):
     if V4:
         a0, a1, a2, a3 = _ld_v4(lst, ok)
         b0, b1, b2, b3 = _ld_v4(lst + 4, ok)
-        found = _pick(a0, e, found)  # slots past K were never written: not looked at
-        if K > 1:
-            found = _pick(a1, e, found)
-        if K > 2:
-            found = _pick(a2, e, found)
-        if K > 3:
-            found = _pick(a3, e, found)
-        if K > 4:
-            found = _pick(b0, e, found)
-        if K > 5:
-            found = _pick(b1, e, found)
-        if K > 6:
-            found = _pick(b2, e, found)
-        if K > 7:
-            found = _pick(b3, e, found)
+        found = _pick4(a0, a1, a2, a3, e, found, 0, K)
+        found = _pick4(b0, b1, b2, b3, e, found, 4, K)
     else:
         for q in tl.static_range(K):
             found = _pick(tl.load(lst + q, mask=ok, other=-1), e, found)
