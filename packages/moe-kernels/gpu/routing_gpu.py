@@ -10,7 +10,10 @@ replayed on new inputs; compiled with ``fullgraph=True``. Then times index_shuff
 (``do_bench`` medians, which flush L2 and so show GPU time; plus back-to-back eager calls, which
 show the host's launch cost too; plus a CUDA-graph replay) beside torch-native routing (topk +
 stable sort + bincount) and a clone of the scores, and sweeps launch configs.
-``ROUTING_GPU_DRY_RUN=1 TRITON_INTERPRET=1`` runs a tiny version on CPU.
+``ROUTING_GPU_DRY_RUN=1 TRITON_INTERPRET=1`` runs a tiny version on CPU. ``ROUTING_GPU_PARTS``
+picks parts (e.g. ``correctness,no_sync_graph_compile``), ``ROUTING_GPU_CASES=cols`` only the
+token-column plans' shapes, ``ROUTING_GPU_JOBS=N`` checks the shapes in N worker processes (each
+compiles its own kernels), ``ROUTING_COLS_ROUTE=0/1`` forces route's plan.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from moe_kernels._triton import routing as tri
 from moe_kernels.routing import index_shuffling, route
 
 DRY = os.environ.get("ROUTING_GPU_DRY_RUN") == "1"
+if os.environ.get("ROUTING_COLS_ROUTE") is not None:  # route on the token columns: 0 / 1
+    tri._COLS_ROUTE = os.environ["ROUTING_COLS_ROUTE"] == "1"  # here, so workers see it too
 dev = torch.device("cpu" if DRY else "cuda")
 FAILS: list[str] = []
 COPY_CEILING = 4.2e12
@@ -168,12 +173,37 @@ def correctness() -> None:
     ]
     if os.environ.get("ROUTING_GPU_CASES") == "cols":  # the token-column plans' shapes only
         cases = [c for c in cases if c["E"] in (64, 128) and c["dtype"] != torch.float32][::-1]
+    jobs = int(os.environ.get("ROUTING_GPU_JOBS", "1"))
+    if jobs > 1:  # cases in worker processes: most of a case's time is compiling its kernels
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            for text, fails in pool.imap(_case_in_worker, cases):
+                print(text, end="", flush=True)
+                FAILS.extend(fails)
+        return
     for c in cases:
-        try:
-            check_case(**c)
-        except Exception:
-            traceback.print_exc()
-            check(f"case {c}", False, "raised")
+        _run_case(c)
+
+
+def _run_case(c: dict) -> None:
+    try:
+        check_case(**c)
+    except Exception:
+        traceback.print_exc()
+        check(f"case {c}", False, "raised")
+
+
+def _case_in_worker(c: dict) -> tuple[str, list[str]]:
+    """``_run_case`` in a worker process: its printed lines and its failures."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    del FAILS[:]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        _run_case(c)
+    return out.getvalue(), list(FAILS)
 
 
 def no_sync_graph_compile() -> None:
@@ -406,8 +436,7 @@ def main() -> int:
     parts = [correctness, no_sync_graph_compile]
     if not DRY:
         parts += [timings, sweep, profile]
-    if os.environ.get("ROUTING_COLS_ROUTE") is not None:  # route on the token columns: 0 / 1
-        tri._COLS_ROUTE = os.environ["ROUTING_COLS_ROUTE"] == "1"
+    if os.environ.get("ROUTING_COLS_ROUTE") is not None:
         print(f"route on the token-column plan: {tri._COLS_ROUTE}")
     if os.environ.get("ROUTING_GPU_PARTS"):  # e.g. correctness,timings
         parts = [p for p in parts if p.__name__ in os.environ["ROUTING_GPU_PARTS"].split(",")]
