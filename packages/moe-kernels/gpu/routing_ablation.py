@@ -148,51 +148,86 @@ def variants(T: int, E: int, dtype: torch.dtype, cfgs: list[dict]) -> None:
             FAILS.append(f"{T} {E} {dtype} {cfg} raised")
 
 
-def _diag_patch(kind: str) -> None:
-    """Time-only diagnostics of C's placement (wrong results): ``nosort``, the identity in place
-    of tl.sort; ``nostore``, the sorted pairs' stores masked off (at run time, so they stay)."""
+def _patched(fn, edits: list[tuple[str, str]]):
+    """``fn`` (a jit function of ``tri``) recompiled from its source with ``edits`` applied, in a
+    module that sees all of ``tri``'s names."""
     import importlib.util
     import inspect
     import tempfile
     import textwrap
 
-    src = textwrap.dedent(inspect.getsource(tri._place_sorted_pairs.fn))
-    if kind == "nosort":
-        src = src.replace("tl.sort(", "(")
-    else:
-        at = "    pos = idx + tl.gather"
-        src = src.replace(at, "    ok = ok & (key * 0 + n < 0)\n" + at)
-    path = os.path.join(tempfile.mkdtemp(), "nosort.py")
+    src = textwrap.dedent(inspect.getsource(fn.fn))
+    for old, new in edits:
+        if old not in src:
+            raise RuntimeError(f"diag edit not found: {old!r}")
+        src = src.replace(old, new)
+    path = os.path.join(tempfile.mkdtemp(), "diag.py")
     with open(path, "w") as f:
-        f.write("import triton\nimport triton.language as tl\n\n\n" + src)
-    spec = importlib.util.spec_from_file_location("nosort", path)
+        f.write(f"import triton\nimport triton.language as tl\nfrom {tri.__name__} import *\n")
+        f.write(f"globals().update(vars(__import__('{tri.__name__}', fromlist=['_'])))\n\n")
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("diag", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    tri._place_sorted_pairs = mod._place_sorted_pairs
+    return getattr(mod, fn.fn.__name__)
+
+
+# Time-only diagnostics (wrong results). Sorted plan: ``nosort``, the identity in place of
+# tl.sort; ``nostore``, the sorted pairs' stores masked off (at run time, so they stay). Route on
+# the token columns (C, ``_place_from_columns``): ``noinv``, no scattered inverse stores (masked
+# off at run time); ``nolookup``, no list lookup (a made-up entry); ``noextra``, neither.
+_INV_STORE = "pos, mask=ok)\n"
+_LOOKUP = "mine_ent = _find_choice(lst_ptr + (pid * TP + tok) * K_PAD, e, ok, K, ASM and K_PAD"
+_FAKE_ENT = "mine_ent = (e << 16) | ((tok & 7) << 8) + 0 * (K_PAD"
+_DIAGS = {
+    "nosort": ("_place_sorted_pairs", [("tl.sort(", "(")]),
+    "nostore": (
+        "_place_sorted_pairs",
+        [
+            (
+                "    pos = idx + tl.gather",
+                "    ok = ok & (key * 0 + n < 0)\n    pos = idx + tl.gather",
+            )
+        ],  # noqa: E501
+    ),
+    "noinv": ("_place_from_columns", [(_INV_STORE, "pos, mask=ok & (n < 0))\n")]),
+    "nolookup": ("_place_from_columns", [(_LOOKUP, _FAKE_ENT)]),
+    "noextra": (
+        "_place_from_columns",
+        [(_LOOKUP, _FAKE_ENT), (_INV_STORE, "pos, mask=ok & (n < 0))\n")],
+    ),
+}
+
+
+def _diag_patch(kind: str) -> None:
+    name, edits = _DIAGS[kind]
+    setattr(tri, name, _patched(getattr(tri, name), edits))
 
 
 def main() -> int:
     if os.environ.get("ROUTING_DIAG"):
-        _diag_patch(os.environ["ROUTING_DIAG"])
-        x = torch.randn(1 << 20, 128, device=dev).softmax(-1).to(torch.bfloat16)
+        diag = os.environ["ROUTING_DIAG"]
+        _diag_patch(diag)
         run = tri.routing_triton
-        for cfg in ({}, {"C_WARPS": 1}):
-            pk = per_kernel(lambda c=cfg: run(x, 8, None, 0, 128, False, False, False, True, c))
-            pr = per_kernel(lambda c=cfg: run(x, 8, None, 0, 128, False, True, True, False, c))
-            diag = os.environ["ROUTING_DIAG"]
-            print(f"  {diag} {cfg}: IS C {pk.get('C', 0):6.1f}  route C {pr.get('C', 0):6.1f}")
+        for E in (128, 64):
+            x = torch.randn(1 << 20, E, device=dev).softmax(-1).to(torch.bfloat16)
+            cols = _DIAGS[diag][0] == "_place_from_columns"
+            for cfg in ({},) if cols else ({}, {"C_WARPS": 1}):
+                pk = per_kernel(lambda c=cfg, x=x, E=E: run(x, 8, None, 0, E, 0, 0, 0, 1, c))
+                pr = per_kernel(lambda c=cfg, x=x, E=E: run(x, 8, None, 0, E, 0, 1, 1, 0, c))
+                print(f"  {diag} E={E} {cfg}: IS C {pk.get('C', 0):6.1f}  route A "
+                      f"{pr.get('A', 0):6.1f} C {pr.get('C', 0):6.1f}", flush=True)  # fmt: skip
         return 0
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
     # route on the sorted plan against the token columns: both program sizes, inverse in token
     # order or in sorted order (COLS_INV_BY_TOKEN, see _place_from_columns)
-    sort = {"COLS_ROUTE": False}
-    rc = [{"COLS_T": t, "COLS_INV_BY_TOKEN": b} for t in (64, 128) for b in (False, True)]
-    variants(1 << 20, 128, torch.bfloat16, [{}, sort, *rc])
-    variants(1 << 20, 64, torch.bfloat16, [{}, sort, *rc])
-    variants(65536, 128, torch.bfloat16, [{}, sort, *rc])  # NaN, -inf, -0.0 in the scores
-    variants(65536, 64, torch.float16, [{}, sort, *rc])
+    rc = [{"ALL_ROUTED": False}]  # C's pass for the choices not routed, though all are
+    variants(1 << 20, 128, torch.bfloat16, [{}, *rc])
+    variants(1 << 20, 64, torch.bfloat16, [{}, *rc])
+    variants(65536, 128, torch.bfloat16, [{}, *rc])  # NaN, -inf, -0.0 in the scores
+    variants(65536, 64, torch.float16, [{}, *rc])
     print("FAILS:", FAILS if FAILS else "none")
     return 1 if FAILS else 0
 
