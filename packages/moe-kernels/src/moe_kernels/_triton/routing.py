@@ -1828,7 +1828,7 @@ def _launch_plan(
         # 151 by token vs 162 (gpu/routing_ablation.py).
         INV_BY_TOKEN=bool(cfg.get("COLS_INV_BY_TOKEN", e_pad != 128)),
         # no pass for the choices not routed where none can be (H200, T=2^20, E=128, k=8, bf16:
-        # C of route 177 vs 191 us)
+        # C of route 179 vs 191 us)
         ALL_ROUTED=start == 0 and end == E and not has_vtc and bool(cfg.get("ALL_ROUTED", True)),
     )
     if INTERPRET:
