@@ -175,11 +175,34 @@ def _patched(fn, edits: list[tuple[str, str]]):
 # Time-only diagnostics (wrong results). Sorted plan: ``nosort``, the identity in place of
 # tl.sort; ``nostore``, the sorted pairs' stores masked off (at run time, so they stay). Route on
 # the token columns (C, ``_place_from_columns``): ``noinv``, no scattered inverse stores (masked
-# off at run time); ``nolookup``, no list lookup (a made-up entry); ``noextra``, neither.
+# off at run time); ``nolookup``, no list lookup (a made-up entry); ``noextra``, neither;
+# ``coallookup``, each pair looks up the list of token ``i // 8`` of its program (the same
+# instructions, coalesced addresses, still after the token's search; the inverse slot ``i % 8``
+# keeps the stores scattered);
+# ``coalinv``, the inverse stores at ``i`` of the program's rows (coalesced); ``coalboth``;
+# ``none``, the kernel recompiled as it is (the baseline of the same run).
 _INV_STORE = "pos, mask=ok)\n"
 _LOOKUP = "mine_ent = _find_choice(lst_ptr + (pid * TP + tok) * K_PAD, e, ok, K, ASM and K_PAD"
 _FAKE_ENT = "mine_ent = (e << 16) | ((tok & 7) << 8) + 0 * (K_PAD"
+_COAL_LOOKUP = (
+    "mine_ent = _find_choice(lst_ptr + (pid * TP + idx // K_PAD + tl.minimum(tok, 0)) * K_PAD,"
+    " e, ok, K, ASM and K_PAD"
+)
+_INV_ADDR = "inverse_ptr + (pid * TP + tok) * K + ((mine_ent >> 8) & 7), pos"
 _DIAGS = {
+    "none": ("_place_from_columns", []),
+    "coallookup": (
+        "_place_from_columns",
+        [
+            (_LOOKUP, _COAL_LOOKUP),
+            (_INV_ADDR, "inverse_ptr + (pid * TP + tok) * K + (((mine_ent >> 8) ^ idx) & 7), pos"),
+        ],
+    ),
+    "coalinv": ("_place_from_columns", [(_INV_ADDR, "inverse_ptr + pid * TP * K + idx, pos")]),
+    "coalboth": (
+        "_place_from_columns",
+        [(_LOOKUP, _COAL_LOOKUP), (_INV_ADDR, "inverse_ptr + pid * TP * K + idx, pos")],
+    ),
     "nosort": ("_place_sorted_pairs", [("tl.sort(", "(")]),
     "nostore": (
         "_place_sorted_pairs",
