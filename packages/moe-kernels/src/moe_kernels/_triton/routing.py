@@ -1422,9 +1422,8 @@ def _place_from_columns(
         mine_ent = _find_choice(lst_ptr + (pid * TP + tok) * K_PAD, e, ok, K, ASM and K_PAD == 8)
         tl.store(weight_ptr + pos, _bits16_to_f32(mine_ent >> 16, IS_BF16), mask=ok)
         if INV_BY_TOKEN:
-            _place_token_inverse(
-                col_ptr, lst_ptr, base + lb, inverse_ptr, T, K, pid, start, K_PAD, TP, E_PAD, ASM
-            )
+            _place_token_inverse(col_ptr, lst_ptr, base + lb, inverse_ptr, T, K, pid, start,
+                                 K_PAD, L_PAD, TP, E_PAD, ASM)  # fmt: skip
         else:
             tl.store(inverse_ptr + (pid * TP + tok) * K + ((mine_ent >> 8) & 7), pos, mask=ok)
             if not ALL_ROUTED:  # -1 for the program's choices outside the range / valid count
@@ -1499,13 +1498,22 @@ def _find_choice(lst, e, ok, K: tl.constexpr, V4: tl.constexpr):
 @triton.jit
 def _place_token_inverse(
     col_ptr, lst_ptr, first, inverse_ptr, T, K, pid, start, K_PAD: tl.constexpr,
-    TP: tl.constexpr, E_PAD: tl.constexpr, ASM: tl.constexpr,
+    L_PAD: tl.constexpr, TP: tl.constexpr, E_PAD: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """route's ``inverse`` on the token columns, in token order: each of a token's choices (its
     list from ``_store_choices``) sits at ``first[e]`` (where local expert e's run of this
-    program starts) plus the number of the program's earlier tokens that chose e (popcounts of
-    e's column below the token's bit); -1 when not routed. Rows of ``inverse`` are written
-    whole, where the sorted pass would scatter them."""
+    program starts) plus the number of the program's earlier tokens that chose e: the counts of
+    e's earlier 32-token groups plus the popcount of e's word for the token's group below the
+    token's bit. One table of the program's column words, each beside its expert's run start
+    plus the earlier groups' counts (int64), answers both in one gather. Rows of ``inverse`` are
+    written whole (-1 where not routed), where the sorted pass would scatter them."""
+    NWT: tl.constexpr = E_PAD // 32 * TP  # column words: m * TP + 32 * group + lane
+    w3 = tl.reshape(tl.load(col_ptr + pid * NWT + tl.arange(0, NWT)), [E_PAD // 32, TP // 32, 32])
+    n = _popc(w3, ASM)
+    ev = tl.arange(0, E_PAD)  # expert 32 m + lane; outside the range: not routed, never used
+    fe = tl.gather(first, tl.minimum(tl.maximum(ev - start, 0), L_PAD - 1), 0)
+    hi = tl.cumsum(n, axis=1) - n + tl.reshape(fe, [E_PAD // 32, 1, 32])
+    table = tl.reshape((hi.to(tl.int64) << 32) | (w3.to(tl.int64) & 0xFFFFFFFF), [NWT])
     loc = tl.arange(0, TP)
     own = pid * TP + loc
     qs = tl.arange(0, K_PAD)
@@ -1513,16 +1521,11 @@ def _place_token_inverse(
     ent = tl.load(lst_ptr + own[:, None] * K_PAD + qs[None, :], mask=m, other=0)  # (TP, K_PAD)
     routed = (ent & (1 << 11)) != 0
     e = ent & 0xFF
-    le = tl.where(routed, e - start, 0)
-    cw = col_ptr + pid * (E_PAD // 32 * TP) + (e // 32) * TP + e % 32
-    grp = (loc // 32)[:, None]
+    at = (e // 32) * TP + (loc // 32 * 32)[:, None] + e % 32
+    v = tl.reshape(tl.gather(table, tl.reshape(at, [TP * K_PAD]), 0), [TP, K_PAD])
     below = ~(-1 << (loc % 32))[:, None]  # the token's lower lanes in its group's word
-    rank = tl.zeros([TP, K_PAD], tl.int32)
-    for h in tl.static_range(TP // 32):
-        w = tl.load(cw + 32 * h, mask=routed & (h <= grp), other=0)
-        rank += _popc(tl.where(h < grp, w, w & below), ASM)
-    at = tl.reshape(tl.gather(first, tl.reshape(le, [TP * K_PAD]), 0), [TP, K_PAD])
-    pos = tl.where(routed, at + rank, -1)
+    rank = _popc(v.to(tl.int32) & below, ASM)
+    pos = tl.where(routed, (v >> 32).to(tl.int32) + rank, -1)
     tl.store(inverse_ptr + own[:, None] * K + ((ent >> 8) & 7), pos, mask=m)
 
 
@@ -1822,10 +1825,10 @@ def _launch_plan(
         COLS=cols,
         E_PAD=e_pad,
         ASM=not INTERPRET,
-        # route on columns: inverse by token (popcounts, rows written whole) or in sorted order
-        # (looked up with the weight, stores scattered). H200, T=2^20, k=8, bf16, C of route:
-        # E=128 (128-token programs) 202 us sorted vs 218 by token; E=64 (64-token programs)
-        # 151 by token vs 162 (gpu/routing_ablation.py).
+        # route on columns: inverse by token (a gather of the column table, rows written whole)
+        # or in sorted order (looked up with the weight, stores scattered). H200, T=2^20, k=8,
+        # bf16, C of route: E=128 (128-token programs) 177 us sorted vs 189 by token; E=64
+        # (64-token programs) 143.5 by token vs 159 (gpu/routing_ablation.py).
         INV_BY_TOKEN=bool(cfg.get("COLS_INV_BY_TOKEN", e_pad != 128)),
         # no pass for the choices not routed where none can be (H200, T=2^20, E=128, k=8, bf16:
         # C of route 179 vs 191 us)
