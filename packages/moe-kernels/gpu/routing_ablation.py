@@ -178,9 +178,10 @@ def _patched(fn, edits: list[tuple[str, str]]):
 # off at run time); ``nolookup``, no list lookup (a made-up entry); ``noextra``, neither;
 # ``coallookup``, each pair looks up the list of token ``i // 8`` of its program (the same
 # instructions, coalesced addresses, still after the token's search; the inverse slot ``i % 8``
-# keeps the stores scattered);
-# ``coalinv``, the inverse stores at ``i`` of the program's rows (coalesced); ``coalboth``;
-# ``none``, the kernel recompiled as it is (the baseline of the same run).
+# keeps the stores scattered); ``coalinv``, the inverse stores at ``i`` of the program's rows
+# (coalesced); ``coalboth``; ``none``, the kernel recompiled as it is (the baseline of the same
+# run). The inverse edits touch the sorted pass's stores only (E=128's default; at E=64
+# ``inverse`` is written in token order).
 _INV_STORE = "pos, mask=ok)\n"
 _LOOKUP = "mine_ent = _find_choice(lst_ptr + (pid * TP + tok) * K_PAD, e, ok, K, ASM and K_PAD"
 _FAKE_ENT = "mine_ent = (e << 16) | ((tok & 7) << 8) + 0 * (K_PAD"
@@ -211,7 +212,7 @@ _DIAGS = {
                 "    pos = idx + tl.gather",
                 "    ok = ok & (key * 0 + n < 0)\n    pos = idx + tl.gather",
             )
-        ],  # noqa: E501
+        ],
     ),
     "noinv": ("_place_from_columns", [(_INV_STORE, "pos, mask=ok & (n < 0))\n")]),
     "nolookup": ("_place_from_columns", [(_LOOKUP, _FAKE_ENT)]),
@@ -244,8 +245,6 @@ def main() -> int:
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
-    # route on the sorted plan against the token columns: both program sizes, inverse in token
-    # order or in sorted order (COLS_INV_BY_TOKEN, see _place_from_columns)
     # route's inverse in token order (a gather of the column table) or scattered from the sorted
     # pass
     rc = [{"COLS_INV_BY_TOKEN": True}, {"COLS_INV_BY_TOKEN": False}]
