@@ -44,8 +44,9 @@ C. ``_place_kernel``: one program per A-program. It turns the per-expert totals 
    its sorted index in a scratch slice and read back in order (``_scatter_in_sorted_order``).
    After A', C places each sorted index from the columns (``_place_from_columns``: a binary
    search of the experts' run starts, then a select of the token's bit); route's weight (and
-   rank, for ``inverse``) of each pair comes from its token's list, two 16-byte loads. Program 0
-   also writes ``counts``/``offsets`` and ``token_count_per_expert``.
+   rank, for ``inverse``) of each pair comes from its token's list, two 16-byte loads, and
+   ``inverse`` is stored from there (128 experts) or in token order from a table of the column
+   words (64). Program 0 also writes ``counts``/``offsets`` and ``token_count_per_expert``.
 
 Measured on the H200 (``gpu/routing_gpu.py``): at T=2^20, E=128, k=8 (bf16) the k rounds cost
 ~34 us each and the bitmask ranks ~210 us; sorted placement (512 pairs per program) brought
@@ -54,7 +55,8 @@ index_shuffling from 711 to 550 us and route from 992 to 697 us, insertion top-k
 floor 110 us; C 164 / 204 us, mostly ``tl.sort``), route's weights carried in the packed choices
 and sort keys (``PACK_W``) and B's wider chunks to 344 and 382 us, index_shuffling's token
 columns (A', 128-token programs) to 222 us (A 112, C 101), and route on them to 343 us (A 133,
-C 202). At T=4096 the kernels take
+C 202), then 322 us (C 177: independent column loads, no pass for unrouted choices where none
+can be). At T=4096 the kernels take
 6-12 us and eager calls are bound by the host's launch cost. So eager calls after a plan's first
 relaunch its compiled handles with int addresses (``_BOUND``). With stand-in kernels on a 2-core
 CPU host (``gpu/launch_overhead.py --stub``) that took an eager call from 31-37 to 18-19 us
@@ -1797,6 +1799,9 @@ def _launch_plan(
     cumsum = bool(cumsum and cfg.get("CUMSUM", in_range))
     count = count and not cumsum and not cols
     cumsum = cumsum and not cols
+    route_cols = cols and with_weights
+    all_routed = route_cols and start == 0 and end == E and not has_vtc
+    all_routed = all_routed and bool(cfg.get("ALL_ROUTED", True))
     c = dict(
         K=K,
         K_PAD=k_pad,
@@ -1829,10 +1834,11 @@ def _launch_plan(
         # or in sorted order (looked up with the weight, stores scattered). H200, T=2^20, k=8,
         # bf16, C of route: E=128 (128-token programs) 177 us sorted vs 189 by token; E=64
         # (64-token programs) 143.5 by token vs 159 (gpu/routing_ablation.py).
-        INV_BY_TOKEN=bool(cfg.get("COLS_INV_BY_TOKEN", e_pad != 128)),
+        # (Both False where C does not read them, so they add no compiled variants there.)
+        INV_BY_TOKEN=route_cols and bool(cfg.get("COLS_INV_BY_TOKEN", e_pad != 128)),
         # no pass for the choices not routed where none can be (H200, T=2^20, E=128, k=8, bf16:
         # C of route 179 vs 191 us)
-        ALL_ROUTED=start == 0 and end == E and not has_vtc and bool(cfg.get("ALL_ROUTED", True)),
+        ALL_ROUTED=all_routed,
     )
     if INTERPRET:
         c_warps = 1
