@@ -69,6 +69,31 @@ def _tile_floor_kernel(x_ptr, out_ptr, T, E: tl.constexpr, BLOCK_T: tl.constexpr
     tl.store(out_ptr + rows, tl.max(v, axis=1), mask=ok)
 
 
+@triton.jit
+def _runs_kernel(out_ptr, n_prog, SHIFT, NR: tl.constexpr, R: tl.constexpr):
+    """C's store pattern, regular: program p writes NR runs of R int32, run e at
+    ``e * (n_prog * R + SHIFT) + p * R`` (SHIFT 0: 32-byte aligned runs for R % 8 == 0)."""
+    pid = tl.program_id(0)
+    idx = tl.arange(0, NR * R)
+    e = idx // R
+    tl.store(out_ptr + e * (n_prog * R + SHIFT) + pid * R + idx % R, idx)
+
+
+def run_floors(n: int = 1 << 23) -> None:
+    """What stores in runs cost: n int32 written as runs of R per (program, expert), 128
+    experts (R = 8: C's average run at T=2^20, E=128, k=8 with 128-token programs)."""
+    out = torch.empty(n + 4096 * 128, device=dev, dtype=torch.int32)
+    t_clone = graph_us(lambda: out[:n].clone())
+    print(f"== store runs: {n} int32 (clone {t_clone:.1f} us for read + write)")
+    for nr, r in ((1, 1024), (128, 8), (128, 16), (128, 32), (128, 64), (64, 16), (32, 32)):
+        for shift in (0, 1):
+            n_prog = n // (nr * r)
+            t = graph_us(lambda np_=n_prog, nr=nr, r=r, sh=shift: _runs_kernel[(np_,)](
+                out, np_, sh, nr, r, num_warps=8))  # fmt: skip
+            print(f"  runs of {r:5} x {nr:4} a program, shift {shift}: {t:7.1f} us "
+                  f"({4 * n / t / 1e3:5.0f} GB/s written)", flush=True)  # fmt: skip
+
+
 def per_kernel(fn) -> dict[str, float]:
     fn()
     torch.cuda.synchronize()
@@ -190,7 +215,27 @@ _COAL_LOOKUP = (
     " e, ok, K, ASM and K_PAD"
 )
 _INV_ADDR = "inverse_ptr + (pid * TP + tok) * K + ((mine_ent >> 8) & 7), pos"
+_P_POS = "pos = idx + tl.gather(base, le, 0)"
+_P_INV = "tl.store(inverse_ptr + offs, tl.where(u >= 0, (u & ((1 << PB) - 1)) + at, -1), mask=m)"
+_A_SRT = "mask=routed & row_ok)  # fmt: skip"
 _DIAGS = {
+    # PRESORT (A places the pairs; C: _place_presorted): ``pnone`` the baseline, ``pcoal`` C's
+    # sorted stores at coalesced addresses (the program's slots), ``pnoinv`` no inverse pass in
+    # C, ``anosrt`` no stores of the placed pairs in A, ``acoalsrt`` those at coalesced
+    # addresses (slot by choice and token)
+    "pnone": ("_place_presorted", []),
+    "pcoal": ("_place_presorted", [(_P_POS, "pos = idx + pid * NP + 0 * tl.gather(base, le, 0)")]),
+    "pnoinv": ("_place_presorted", [(_P_INV, _P_INV.replace("mask=m)", "mask=m & (n < 0))"))]),
+    "anosrt": ("_presort_choice", [(_A_SRT, "mask=routed & row_ok & (rows < 0))")]),
+    "acoalsrt": (
+        "_presort_choice",
+        [
+            (
+                "srt_ptr + pid * TP * K + place,",
+                "srt_ptr + pid * TP * K + (place % K) * TP + rows - pid * TP,",
+            )
+        ],
+    ),  # fmt: skip
     "none": ("_place_from_columns", []),
     "coallookup": (
         "_place_from_columns",
@@ -236,7 +281,8 @@ def main() -> int:
         for E in (128, 64):
             x = torch.randn(1 << 20, E, device=dev).softmax(-1).to(torch.bfloat16)
             cols = _DIAGS[diag][0] == "_place_from_columns"
-            for cfg in ({},) if cols else ({}, {"C_WARPS": 1}):
+            pre = _DIAGS[diag][0] in ("_place_presorted", "_presort_choice")
+            for cfg in ({"PRESORT": True},) if pre else ({},) if cols else ({}, {"C_WARPS": 1}):
                 pk = per_kernel(lambda c=cfg, x=x, E=E: run(x, 8, None, 0, E, 0, 0, 0, 1, c))
                 pr = per_kernel(lambda c=cfg, x=x, E=E: run(x, 8, None, 0, E, 0, 1, 1, 0, c))
                 print(f"  {diag} E={E} {cfg}: IS C {pk.get('C', 0):6.1f}  route A "
@@ -245,11 +291,12 @@ def main() -> int:
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
     if os.environ.get("ROUTING_FLOORS"):
         floors(1 << 20, 128)
-    # route's inverse in token order (a gather of the column table) or scattered from the sorted
-    # pass
-    rc = [{"COLS_INV_BY_TOKEN": True}, {"COLS_INV_BY_TOKEN": False}]
+    if os.environ.get("ROUTING_RUNS"):
+        run_floors()
+    # A places each program's pairs in sorted order (PRESORT) or C places them from the columns
+    rc = [{"PRESORT": True}, {"PRESORT": True, "COLS_T": 256}, {"PRESORT": False}]
     variants(1 << 20, 128, torch.bfloat16, rc)
-    variants(1 << 20, 64, torch.bfloat16, rc)
+    variants(1 << 20, 64, torch.bfloat16, [*rc, {"PRESORT": True, "COLS_T": 128}])
     variants(65536, 128, torch.bfloat16, rc)  # NaN, -inf, -0.0 in the scores
     variants(65536, 64, torch.float16, rc)
     print("FAILS:", FAILS if FAILS else "none")

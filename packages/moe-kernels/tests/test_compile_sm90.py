@@ -64,8 +64,14 @@ PLANS = [
 ]
 
 
-# route's token-column plan, inverse either way: (T, E, top_k, start, end, kind)
+# route's token-column plan, each placement: (T, E, top_k, start, end, kind)
 COLS_ROUTE = [(1 << 20, 128, 8, 0, 128, 1), (300000, 64, 5, 8, 40, 2)]
+# A places the pairs (the default), or C places them with inverse in sorted / in token order
+COLS_ROUTE_PLACEMENTS = {
+    "presort": (("PRESORT", True),),
+    "inverse-sorted": (("COLS_INV_BY_TOKEN", False), ("PRESORT", False)),
+    "inverse-by-token": (("COLS_INV_BY_TOKEN", True), ("PRESORT", False)),
+}
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=str)
@@ -76,11 +82,11 @@ def test_routing_plans_compile(can_compile, plan, weights, eager):
 
 
 @pytest.mark.parametrize("plan", COLS_ROUTE, ids=str)
-@pytest.mark.parametrize("by_token", [False, True], ids=["inverse-sorted", "inverse-by-token"])
-def test_route_token_column_plans_compile(can_compile, plan, by_token):
-    config = (("COLS_INV_BY_TOKEN", by_token),)
+@pytest.mark.parametrize("placement", list(COLS_ROUTE_PLACEMENTS))
+def test_route_token_column_plans_compile(can_compile, plan, placement):
+    config = COLS_ROUTE_PLACEMENTS[placement]
     p = _compile_plan((*plan, False), True, False, config)
-    assert p.a["WEIGHTS"] and p.c["COLS"]
+    assert p.a["WEIGHTS"] and p.c["COLS"] and p.c["PRESORT"] == (placement == "presort")
 
 
 def _compile_plan(plan, weights, eager, config):

@@ -566,17 +566,22 @@ def test_token_columns(T, E, k, start, end, valid, kind, layout, config, dtype):
                         True, tuple(sorted(config.items())), False, words)  # fmt: skip
     assert ("MODE" in plan.a) == words and plan.c["COLS"] == words
     want = naive_plan(x, k, start, end, valid)
-    for one_buffer in (False, True):
+    for one_buffer, presort in ((False, False), (True, False), (False, True)):
+        # C places the sorted pairs from the columns, or A placed them (``PRESORT``)
+        cfg = {**config, "PRESORT": presort}
         got = routing_triton(
-            x, k, _vtc(valid), start, end, False, False, False, True, config, one_buffer
+            x, k, _vtc(valid), start, end, False, False, False, True, cfg, one_buffer
         )
         check_shuffling((got[6], got[2], got[3]), want)
-    # route on the same plan (``COLS_ROUTE``, its default there): A also stores each token's
-    # choices with their weights and ranks, C places the weights and ``inverse`` from them
-    for by_token in (False, True):  # inverse in sorted order / in token order
-        cfg = {**config, "COLS_ROUTE": True, "COLS_INV_BY_TOKEN": by_token}
+    # route on the same plan (``COLS_ROUTE``, its default there): A places each program's pairs
+    # in sorted order and writes inverse entries, C copies them out (``PRESORT``, the default);
+    # or A stores each token's choices with their weights and ranks, and C places the weights
+    # and ``inverse`` from them, inverse in sorted order or in token order
+    for presort, by_token in ((True, False), (False, False), (False, True)):
+        cfg = {**config, "COLS_ROUTE": True, "PRESORT": presort, "COLS_INV_BY_TOKEN": by_token}
         plan = _launch_plan(T, E, k, start, end, _KIND[dtype], False, valid is not None, True,
                             True, False, tuple(sorted(cfg.items())), False, words)  # fmt: skip
         assert ("MODE" in plan.a) == words and plan.c["COLS"] == words
+        assert plan.c["PRESORT"] == (words and presort)
         got = routing_triton(x, k, _vtc(valid), start, end, False, True, True, False, cfg)
         check_plan(RoutingPlan(*got[:6]), want)

@@ -729,9 +729,11 @@ def _range_bits(m: tl.constexpr, start, end):
 
 @triton.jit
 def _store_columns(col, m: tl.constexpr, col_ptr, hist_ptr, pid, start, end, n_programs,
-                   TP: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """Word m's columns to ``col_ptr[m * TP ..]``; their counts (all warps') to ``hist``."""
-    tl.store(col_ptr + m * TP + tl.arange(0, TP), col)
+                   TP: tl.constexpr, ASM: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
+    """Word m's columns to ``col_ptr[m * TP ..]`` (STORE); their counts (all warps') to
+    ``hist``."""
+    if STORE:
+        tl.store(col_ptr + m * TP + tl.arange(0, TP), col)
     n = tl.sum(tl.reshape(_popc(col, ASM), [TP // 32, 32]), 0)
     le = 32 * m + tl.arange(0, 32) - start
     tl.store(hist_ptr + le * n_programs + pid, n, mask=(le >= 0) & (le < end - start))
@@ -832,6 +834,145 @@ def _store_choices(
 
 
 @triton.jit
+def _shfl(x, lane, TP: tl.constexpr, ASM: tl.constexpr):
+    """``x`` of lane ``lane`` of the same warp (element (t // 32) * 32 + lane for thread t)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;", "=r,r,r", [x, lane], dtype=tl.int32,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        return tl.gather(x, tl.arange(0, TP) // 32 * 32 + lane, 0)
+
+
+@triton.jit
+def _run_starts(c, first, TP: tl.constexpr, ASM: tl.constexpr):
+    """Word m's columns (``_token_columns``) -> (TP,): element 32g + i = where expert 32m + i's
+    pairs of token group g start among the program's pairs sorted by (expert, token), for
+    ``first`` = the pairs of experts below 32m; and the pairs of experts up to 32m + 31."""
+    n = tl.reshape(_popc(c, ASM), [TP // 32, 32])
+    tot = tl.sum(n, 0)
+    lb = tl.cumsum(tot, 0) - tot + first
+    pre = tl.cumsum(n, 0) - n + lb[None, :]
+    return tl.reshape(pre, [TP]), first + tl.sum(tot, 0)
+
+
+@triton.jit
+def _presort_choice(x_ptr, srt_ptr, rows, rows64, row_ok, in_row, stride_t, s0, s1, s2, s3,
+                    c0, c1, c2, c3, p01, p23, start, end, K: tl.constexpr, KIND: tl.constexpr,
+                    TP: tl.constexpr, E_PAD: tl.constexpr, ASM: tl.constexpr,
+                    WEIGHTS: tl.constexpr):  # fmt: skip
+    """The next (lowest) chosen expert e of each token: when routed, its pair goes to its place
+    among the program's pairs sorted by (expert, token): the run start of e's token group plus
+    the popcount of e's column word below the token's bit (both read from e's lane by
+    shuffles), as ``token in program | local expert << TB | score bits << 16`` (TB = 7, or 8 for
+    256-token programs). -> (the pair's ``inverse`` entry for C: place | local expert << PB (10,
+    or 11 above 1024 places), or -1; its key; the remaining words)."""
+    if WEIGHTS:
+        ent, key, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2,
+                                                 s3, in_row, start, end, KIND, ASM)  # fmt: skip
+        e = ent & 0xFF
+        routed = (ent & (1 << 11)) != 0
+        hi = ent & -65536  # the score's bits
+    else:
+        e, s0, s1, s2, s3 = _pop_lowest(s0, s1, s2, s3, ASM)
+        routed = in_row & (e >= start) & (e < end)
+        key = e
+        hi = 0
+    lane = e & 31
+    m = e >> 5
+    word = _shfl(c0, lane, TP, ASM)
+    word = tl.where(m == 1, _shfl(c1, lane, TP, ASM), word)
+    pre = _shfl(p01, lane, TP, ASM)
+    if E_PAD == 128:
+        word = tl.where(m == 2, _shfl(c2, lane, TP, ASM), word)
+        word = tl.where(m == 3, _shfl(c3, lane, TP, ASM), word)
+        pre = tl.where(m >= 2, _shfl(p23, lane, TP, ASM), pre)
+    pre = (pre >> ((m & 1) * 16)) & 0xFFFF
+    u = tl.arange(0, TP) % 32
+    place = pre + _popc(word & ~(-1 << u), ASM)
+    le = e - start
+    pid = tl.program_id(0)
+    TB: tl.constexpr = 8 if TP > 128 else 7  # bits of the token in the program
+    PB: tl.constexpr = 11 if TP * K > 1024 else 10  # bits of the place
+    tl.store(srt_ptr + pid * TP * K + place, (rows - pid * TP) | (le << TB) | hi,
+             mask=routed & row_ok)  # fmt: skip
+    return tl.where(routed, place | (le << PB), -1), key, s0, s1, s2, s3
+
+
+@triton.jit
+def _store_presorted(
+    srt_ptr, inverse_ptr, x_ptr, rows, row_ok, in_row, stride_t, s0, s1, s2, s3,
+    c0, c1, c2, c3, start, end, K: tl.constexpr, KIND: tl.constexpr, TP: tl.constexpr,
+    E_PAD: tl.constexpr, ASM: tl.constexpr, WEIGHTS: tl.constexpr,
+):  # fmt: skip
+    """route's pairs placed by A (``PRESORT``): each routed pair to its place among the
+    program's pairs sorted by (expert, token) (``_presort_choice``; ``srt_ptr``: the program's
+    TP * K slots), and per token its K choices by descending score (ties to the lower expert)
+    as ``inverse`` entries (place | local expert << PB, or -1) that C turns into positions."""
+    p0, first = _run_starts(c0, 0, TP, ASM)
+    p1, first = _run_starts(c1, first, TP, ASM)
+    p01 = p0 | (p1 << 16)  # places < TP * 8 <= 1024: two to a word
+    p23 = p01
+    if E_PAD == 128:
+        p2, first = _run_starts(c2, first, TP, ASM)
+        p3, first = _run_starts(c3, first, TP, ASM)
+        p23 = p2 | (p3 << 16)
+    rows64 = rows.to(tl.int64)
+    low = tl.full(rows.shape, -2147483648, tl.int32)  # below every key (choices >= K)
+    v0, k0, s0, s1, s2, s3 = _presort_choice(
+        x_ptr, srt_ptr, rows, rows64, row_ok, in_row, stride_t, s0, s1, s2, s3, c0, c1, c2, c3,
+        p01, p23, start, end, K, KIND, TP, E_PAD, ASM, WEIGHTS)  # fmt: skip
+    v1, v2, v3, v4, v5, v6, v7 = v0, v0, v0, v0, v0, v0, v0
+    k1, k2, k3, k4, k5, k6, k7 = low, low, low, low, low, low, low
+    if K > 1:
+        v1, k1, s0, s1, s2, s3 = _presort_choice(
+            x_ptr, srt_ptr, rows, rows64, row_ok, in_row, stride_t, s0, s1, s2, s3, c0, c1, c2,
+            c3, p01, p23, start, end, K, KIND, TP, E_PAD, ASM, WEIGHTS)  # fmt: skip
+    if K > 2:
+        v2, k2, s0, s1, s2, s3 = _presort_choice(
+            x_ptr, srt_ptr, rows, rows64, row_ok, in_row, stride_t, s0, s1, s2, s3, c0, c1, c2,
+            c3, p01, p23, start, end, K, KIND, TP, E_PAD, ASM, WEIGHTS)  # fmt: skip
+    if K > 3:
+        v3, k3, s0, s1, s2, s3 = _presort_choice(
+            x_ptr, srt_ptr, rows, rows64, row_ok, in_row, stride_t, s0, s1, s2, s3, c0, c1, c2,
+            c3, p01, p23, start, end, K, KIND, TP, E_PAD, ASM, WEIGHTS)  # fmt: skip
+    if K > 4:
+        v4, k4, s0, s1, s2, s3 = _presort_choice(
+            x_ptr, srt_ptr, rows, rows64, row_ok, in_row, stride_t, s0, s1, s2, s3, c0, c1, c2,
+            c3, p01, p23, start, end, K, KIND, TP, E_PAD, ASM, WEIGHTS)  # fmt: skip
+    if K > 5:
+        v5, k5, s0, s1, s2, s3 = _presort_choice(
+            x_ptr, srt_ptr, rows, rows64, row_ok, in_row, stride_t, s0, s1, s2, s3, c0, c1, c2,
+            c3, p01, p23, start, end, K, KIND, TP, E_PAD, ASM, WEIGHTS)  # fmt: skip
+    if K > 6:
+        v6, k6, s0, s1, s2, s3 = _presort_choice(
+            x_ptr, srt_ptr, rows, rows64, row_ok, in_row, stride_t, s0, s1, s2, s3, c0, c1, c2,
+            c3, p01, p23, start, end, K, KIND, TP, E_PAD, ASM, WEIGHTS)  # fmt: skip
+    if K > 7:
+        v7, k7, s0, s1, s2, s3 = _presort_choice(
+            x_ptr, srt_ptr, rows, rows64, row_ok, in_row, stride_t, s0, s1, s2, s3, c0, c1, c2,
+            c3, p01, p23, start, end, K, KIND, TP, E_PAD, ASM, WEIGHTS)  # fmt: skip
+    if WEIGHTS:  # route: inverse entries (index_shuffling has none)
+        dst = inverse_ptr + rows * K
+        tl.store(dst + _rank_of(k0, k0, k1, k2, k3, k4, k5, k6, k7), v0, mask=row_ok)
+        if K > 1:
+            tl.store(dst + _rank_of(k1, k0, k1, k2, k3, k4, k5, k6, k7), v1, mask=row_ok)
+        if K > 2:
+            tl.store(dst + _rank_of(k2, k0, k1, k2, k3, k4, k5, k6, k7), v2, mask=row_ok)
+        if K > 3:
+            tl.store(dst + _rank_of(k3, k0, k1, k2, k3, k4, k5, k6, k7), v3, mask=row_ok)
+        if K > 4:
+            tl.store(dst + _rank_of(k4, k0, k1, k2, k3, k4, k5, k6, k7), v4, mask=row_ok)
+        if K > 5:
+            tl.store(dst + _rank_of(k5, k0, k1, k2, k3, k4, k5, k6, k7), v5, mask=row_ok)
+        if K > 6:
+            tl.store(dst + _rank_of(k6, k0, k1, k2, k3, k4, k5, k6, k7), v6, mask=row_ok)
+        if K > 7:
+            tl.store(dst + _rank_of(k7, k0, k1, k2, k3, k4, k5, k6, k7), v7, mask=row_ok)
+
+
+@triton.jit
 def _topk_cols_kernel(
     x_ptr,  # (T, E) 16-bit scores as int16; rows of 4-byte aligned pairs (stride_w words)
     stride_t,
@@ -854,6 +995,7 @@ def _topk_cols_kernel(
     MODE: tl.constexpr,  # _h2_op's: 2 / 3 bf16 / fp16 by PTX, 4 / 5 emulated (interpreter)
     WEIGHTS: tl.constexpr,  # route (COLS_ROUTE): the choices' lists too
     K_PAD: tl.constexpr,
+    PRESORT: tl.constexpr,  # pairs placed in sorted order here (pack_ptr); route: inverse entries
 ):
     """Kernel A for index_shuffling (``COLS``): TP tokens a program, one a thread.
     Each token's chosen experts as a 128-bit mask (``_threshold_masks``, ``_keep_lowest``),
@@ -871,7 +1013,7 @@ def _topk_cols_kernel(
     if HAS_VTC:
         vtc = tl.load(vtc_ptr).to(tl.int64)
         routed = routed & (rows < tl.minimum(tl.maximum(vtc, 0), T))
-    if WEIGHTS:
+    if WEIGHTS and not PRESORT:
         _store_choices(scr_w_ptr.to(tl.pointer_type(tl.int32)), x_ptr, rows, row_ok, routed,
                        stride_t, gt0 | eq0, gt1 | eq1, gt2 | eq2, gt3 | eq3, start, end, K, K_PAD,
                        MODE % 2 + 1, ASM)  # fmt: skip
@@ -886,11 +1028,16 @@ def _topk_cols_kernel(
         s3 &= _range_bits(3, start, end)
     c0, c1, c2, c3 = _token_columns(s0, s1, s2, s3, TP, ASM)
     col_ptr = pack_ptr + pid * (E_PAD // 32 * TP)
-    _store_columns(c0, 0, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM)
-    _store_columns(c1, 1, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM)
+    STORE: tl.constexpr = not PRESORT  # C reads the columns
+    _store_columns(c0, 0, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM, STORE)
+    _store_columns(c1, 1, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM, STORE)
     if E_PAD == 128:
-        _store_columns(c2, 2, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM)
-        _store_columns(c3, 3, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM)
+        _store_columns(c2, 2, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM, STORE)
+        _store_columns(c3, 3, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM, STORE)
+    if PRESORT:
+        _store_presorted(pack_ptr, scr_w_ptr.to(tl.pointer_type(tl.int32)), x_ptr, rows, row_ok,
+                         routed, stride_t, gt0 | eq0, gt1 | eq1, gt2 | eq2, gt3 | eq3, c0, c1,
+                         c2, c3, start, end, K, MODE % 2 + 1, TP, E_PAD, ASM, WEIGHTS)  # fmt: skip
 
 
 @triton.jit
@@ -1130,6 +1277,7 @@ def _place_kernel(
     ASM: tl.constexpr,  # COLS: inline PTX (popc); False in the interpreter
     INV_BY_TOKEN: tl.constexpr,  # COLS with WEIGHTS: inverse in token order (_place_from_columns)
     ALL_ROUTED: tl.constexpr,  # COLS: every choice of every row is routed (no range, no count)
+    PRESORT: tl.constexpr,  # COLS, route: A placed the pairs in sorted order (_place_presorted)
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -1177,7 +1325,12 @@ def _place_kernel(
             tl.store(tcpe_ptr + E, T)
             tl.store(tcpe_ptr + E + 1, n)
 
-    if COLS:
+    if PRESORT:
+        _place_presorted(
+            pack_ptr, base, mine, expert_ptr, token_ptr, weight_ptr, inverse_ptr, T, K, n, pid,
+            K_PAD, TOK_PER_PROG, IS_BF16, WEIGHTS,
+        )  # fmt: skip
+    elif COLS:
         _place_from_columns(
             pack_ptr, scr_w_ptr.to(tl.pointer_type(tl.int32)), base, lb, mine, expert_ptr,
             token_ptr, weight_ptr, inverse_ptr, T, K, n, pid, start, K_PAD, L_PAD, TOK_PER_PROG,
@@ -1441,6 +1594,41 @@ def _place_from_columns(
 
 
 @triton.jit
+def _place_presorted(
+    srt_ptr, base, mine, expert_ptr, token_ptr, weight_ptr, inverse_ptr, T, K, n, pid,
+    K_PAD: tl.constexpr, TP: tl.constexpr, IS_BF16: tl.constexpr, WEIGHTS: tl.constexpr,
+):  # fmt: skip
+    """route after A placed each program's pairs in sorted order (``_store_presorted``): the
+    program's pairs are read in order, each goes to its index plus its expert's ``base`` (one
+    gather), and A's ``inverse`` entries (place | local expert << PB, or -1) become positions
+    the same way. Every load and store is coalesced."""
+    NP: tl.constexpr = TP * K_PAD
+    idx = tl.arange(0, NP)
+    rows = pid * TP + idx // K_PAD
+    jv = idx % K_PAD
+    offs = rows * K + jv
+    tail = (rows < T) & (jv < K) & (offs >= n)
+    tl.store(expert_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
+    tl.store(token_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
+    if WEIGHTS:
+        tl.store(weight_ptr + offs, tl.zeros([NP], tl.float32), mask=tail)
+    TB: tl.constexpr = 8 if TP > 128 else 7  # as in _presort_choice
+    PB: tl.constexpr = 11 if TP * K > 1024 else 10
+    ok = idx < tl.sum(mine, axis=0)
+    v = tl.load(srt_ptr + pid * TP * K + idx, mask=ok, other=0)
+    le = (v >> TB) & 0x7F
+    pos = idx + tl.gather(base, le, 0)
+    tl.store(expert_ptr + pos, le, mask=ok)
+    tl.store(token_ptr + pos, pid * TP + (v & (TP - 1)), mask=ok)
+    if WEIGHTS:  # route: weights and inverse too
+        tl.store(weight_ptr + pos, _bits16_to_f32(v >> 16, IS_BF16), mask=ok)
+        m = (rows < T) & (jv < K)
+        u = tl.load(inverse_ptr + offs, mask=m, other=-1)
+        at = tl.gather(base, tl.where(u >= 0, u >> PB, 0), 0)
+        tl.store(inverse_ptr + offs, tl.where(u >= 0, (u & ((1 << PB) - 1)) + at, -1), mask=m)
+
+
+@triton.jit
 def _ld_v4(ptr, ok):
     """Four int32 at a 16-byte aligned ``ptr`` in one load (0 where not ``ok``)."""
     return tl.inline_asm_elementwise(
@@ -1698,8 +1886,12 @@ def _launch_plan(
     )
     cols = cols and "BLOCK_T" not in user and bool(cfg.get("COLS", True))
     cols_t = int(cfg.get("COLS_T", 128 if E == 128 else 64))  # tokens a program: 32 a warp
-    if cols_t not in (64, 128):  # the sizes checked on the GPU
-        raise ValueError(f"COLS_T must be 64 or 128: {cols_t}")
+    # route on columns: A places each program's pairs in sorted order and writes the inverse
+    # entries; C only copies them out (PRESORT), or C places them from the columns and the
+    # token lists.
+    presort = cols and bool(cfg.get("PRESORT", with_weights))
+    if cols_t not in ((64, 128, 256) if presort else (64, 128)):  # the sizes checked on the GPU
+        raise ValueError(f"COLS_T must be 64 or 128 (or 256 with PRESORT): {cols_t}")
     if cols:  # one token a thread
         cfg.update(BLOCK_T=cols_t, SUB=1, num_warps=1 if INTERPRET else cols_t // 32)
     elif insert and "BLOCK_T" not in user:  # one row per thread, ~512 pairs per program
@@ -1771,9 +1963,13 @@ def _launch_plan(
         mode = (2 if kind == 1 else 3) + (2 if INTERPRET else 0)
         a = dict(K=K, E_PAD=e_pad, TP=cols_t, HAS_VTC=has_vtc,
                  FULL_RANGE=start == 0 and end == E, MODE=mode, WEIGHTS=with_weights,
-                 K_PAD=k_pad)  # fmt: skip
-        sizes[_SEG["packed"]] = n_prog * e_pad * cols_t // 32
-        sizes[_SEG["scr_w"]] = T * k_pad if with_weights else 0  # the choices' lists
+                 K_PAD=k_pad, PRESORT=presort)  # fmt: skip
+        if presort:  # TP * K slots a program for its sorted pairs
+            sizes[_SEG["packed"]] = n_prog * cols_t * K
+            sizes[_SEG["scr_w"]] = 0
+        else:
+            sizes[_SEG["packed"]] = n_prog * e_pad * cols_t // 32
+            sizes[_SEG["scr_w"]] = T * k_pad if with_weights else 0  # the choices' lists
     scan = None
     if L > 0 and not fuse_scan:
         # Long hist rows in one or two chunks with 8 warps (H200, T=2^20, E=128: 16384 programs;
@@ -1799,7 +1995,7 @@ def _launch_plan(
     cumsum = bool(cumsum and cfg.get("CUMSUM", in_range))
     count = count and not cumsum and not cols
     cumsum = cumsum and not cols
-    route_cols = cols and with_weights
+    route_cols = cols and with_weights and not presort
     all_routed = route_cols and start == 0 and end == E and not has_vtc
     all_routed = all_routed and bool(cfg.get("ALL_ROUTED", True))
     c = dict(
@@ -1839,6 +2035,7 @@ def _launch_plan(
         # no pass for the choices not routed where none can be (H200, T=2^20, E=128, k=8, bf16:
         # C of route 179 vs 191 us)
         ALL_ROUTED=all_routed,
+        PRESORT=presort,
     )
     if INTERPRET:
         c_warps = 1
@@ -1907,7 +2104,8 @@ def _kernel_args(
         tcpe = counts
     L = end - start
     stride_w = strides[0] // 2 if p.c["COLS"] else 0  # _topk_cols_kernel's
-    a = (x, *strides, stride_w, expert if vtc is None else vtc, packed, scr_w, hist, T, E, start,
+    a_w = inverse if p.c["PRESORT"] else scr_w  # PRESORT: A writes inverse entries
+    a = (x, *strides, stride_w, expert if vtc is None else vtc, packed, a_w, hist, T, E, start,
          end, p.n_prog)  # fmt: skip
     b = (hist, counts, L, p.n_prog)
     c = (packed, scr_w, inverse, hist, counts, expert, token, weights, offsets, tcpe, T, E, L,
