@@ -88,12 +88,12 @@ def _breakdown(T: int = 4096, E: int = 128, k: int = 8) -> None:
     R._BOUND = {}
     args = (x, 8, None, 0, E, False, False, False, True, None, True)
     R.routing_triton(*args)
-    key, (ha, hb, hc) = next(iter(R._BOUND.items()))
+    key, (ha, hb, hc, _) = next(iter(R._BOUND.items()))
     p = R._launch_plan(*key[0])
     n = sum(p.sizes)
     buf = torch.empty(n, dtype=torch.int32, device="cuda")
     addrs = [buf.data_ptr() + 4 * s for s in p.starts]
-    a, _, c = R._kernel_args(p, addrs, x.data_ptr(), x.stride(), None, T, E, 0, E, False, False,
+    a, _, c, _ = R._kernel_args(p, addrs, x.data_ptr(), x.stride(), None, T, E, 0, E, False, False,
                              True)  # fmt: skip
     small = torch.zeros(16, device="cuda")
     parts = {

@@ -103,7 +103,7 @@ def per_kernel(fn) -> dict[str, float]:
         torch.cuda.synchronize()
     out = {}
     for ev in prof.key_averages():
-        for short, name in (("A", "_topk_"), ("B", "_scan"), ("C", "_place")):
+        for short, name in (("A", "_topk_"), ("B", "_scan"), ("C", "_place"), ("D", "_expert_runs")):
             if name in ev.key:
                 out[short] = ev.device_time_total / max(ev.count, 1)
     return out
@@ -162,8 +162,9 @@ def variants(T: int, E: int, dtype: torch.dtype, cfgs: list[dict]) -> None:
             pk_is = per_kernel(run_is)
             print(
                 f"  {cfg!s:62} ok={ok} IS {t_is:7.1f} route {t_rt:7.1f} | "
-                f"A {pk.get('A', 0):6.1f} B {pk.get('B', 0):5.1f} C {pk.get('C', 0):6.1f} | "
-                f"IS: A {pk_is.get('A', 0):6.1f} C {pk_is.get('C', 0):6.1f}",
+                f"A {pk.get('A', 0):6.1f} B {pk.get('B', 0):5.1f} C {pk.get('C', 0):6.1f} "
+                f"D {pk.get('D', 0):5.1f} | IS: A {pk_is.get('A', 0):6.1f} "
+                f"C {pk_is.get('C', 0):6.1f} D {pk_is.get('D', 0):5.1f}",
                 flush=True,
             )
             if not ok:
@@ -294,9 +295,14 @@ def main() -> int:
     if os.environ.get("ROUTING_RUNS"):
         run_floors()
     # A places each program's pairs in sorted order (PRESORT) or C places them from the columns
+    # and D writes them out by expert (RUNS, groups of RUNS_P A-programs)
     rc = [{"PRESORT": True}, {"PRESORT": True, "COLS_T": 256}, {"PRESORT": False}]
-    variants(1 << 20, 128, torch.bfloat16, rc)
-    variants(1 << 20, 64, torch.bfloat16, [*rc, {"PRESORT": True, "COLS_T": 128}])
+    more = [
+        {"PRESORT": True, "RUNS_P": 64}, {"PRESORT": True, "RUNS_P": 256},
+        {"PRESORT": True, "RUNS_WARPS": 8}, {"PRESORT": True, "RUNS": 0},
+    ]  # fmt: skip
+    variants(1 << 20, 128, torch.bfloat16, rc + more)
+    variants(1 << 20, 64, torch.bfloat16, [*rc, *more, {"PRESORT": True, "COLS_T": 128}])
     variants(65536, 128, torch.bfloat16, rc)  # NaN, -inf, -0.0 in the scores
     variants(65536, 64, torch.float16, rc)
     print("FAILS:", FAILS if FAILS else "none")

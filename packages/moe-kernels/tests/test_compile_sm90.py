@@ -87,6 +87,7 @@ def test_route_token_column_plans_compile(can_compile, plan, placement):
     config = COLS_ROUTE_PLACEMENTS[placement]
     p = _compile_plan((*plan, False), True, False, config)
     assert p.a["WEIGHTS"] and p.c["COLS"] and p.c["PRESORT"] == (placement == "presort")
+    assert (p.runs is not None) == (placement == "presort")
 
 
 def _compile_plan(plan, weights, eager, config):
@@ -114,6 +115,12 @@ def _compile_plan(plan, weights, eager, config):
                  offsets_ptr="*i32", tcpe_ptr="*i32", T="i32", E="i32", L="i32", start="i32",
                  n_programs="i32")  # fmt: skip
     _compile(tri._place_kernel, c_sig, dict(p.c), p.c_warps)
+    if p.runs is not None:
+        _, consts, warps = p.runs
+        sig = dict(pack_ptr="*i32", hist_ptr="*i32", counts_ptr="*i32", expert_ptr="*i32",
+                   token_ptr="*i32", weight_ptr="*fp32", L="i32", start="i32",
+                   n_programs="i32")  # fmt: skip
+        _compile(tri._expert_runs_kernel, sig, dict(consts), warps)
     return p
 
 

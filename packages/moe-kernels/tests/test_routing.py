@@ -566,9 +566,11 @@ def test_token_columns(T, E, k, start, end, valid, kind, layout, config, dtype):
                         True, tuple(sorted(config.items())), False, words)  # fmt: skip
     assert ("MODE" in plan.a) == words and plan.c["COLS"] == words
     want = naive_plan(x, k, start, end, valid)
-    for one_buffer, presort in ((False, False), (True, False), (False, True)):
-        # C places the sorted pairs from the columns, or A placed them (``PRESORT``)
-        cfg = {**config, "PRESORT": presort}
+    # C places the sorted pairs from the columns, or A placed them (``PRESORT``) and C or, after
+    # the scan's launch, D (``RUNS``, here with groups of 2 programs) writes them out
+    runs = {"PRESORT": True, "FUSE_SCAN": 0, "RUNS_P": 2}
+    for one_buffer, extra in ((False, {}), (True, {}), (False, {"PRESORT": True}), (True, runs)):
+        cfg = {"PRESORT": False, **config, **extra}
         got = routing_triton(
             x, k, _vtc(valid), start, end, False, False, False, True, cfg, one_buffer
         )
@@ -577,11 +579,16 @@ def test_token_columns(T, E, k, start, end, valid, kind, layout, config, dtype):
     # in sorted order and writes inverse entries, C copies them out (``PRESORT``, the default);
     # or A stores each token's choices with their weights and ranks, and C places the weights
     # and ``inverse`` from them, inverse in sorted order or in token order
-    for presort, by_token in ((True, False), (False, False), (False, True)):
+    # (then D writes the sorted pairs out by expert after the scan's launch, ``RUNS``)
+    for presort, by_token, extra in (
+        (True, False, {}), (True, False, runs), (False, False, {}), (False, True, {}),
+    ):  # fmt: skip
         cfg = {**config, "COLS_ROUTE": True, "PRESORT": presort, "COLS_INV_BY_TOKEN": by_token}
+        cfg.update(extra)
         plan = _launch_plan(T, E, k, start, end, _KIND[dtype], False, valid is not None, True,
                             True, False, tuple(sorted(cfg.items())), False, words)  # fmt: skip
         assert ("MODE" in plan.a) == words and plan.c["COLS"] == words
         assert plan.c["PRESORT"] == (words and presort)
+        assert plan.c["RUNS"] == (words and bool(extra) and end > start)
         got = routing_triton(x, k, _vtc(valid), start, end, False, True, True, False, cfg)
         check_plan(RoutingPlan(*got[:6]), want)

@@ -53,7 +53,9 @@ class _Stream:
 @pytest.fixture
 def calls(monkeypatch):
     calls: list = []
-    for attr, name in (("_topk_rank", "A"), ("_topk_cols", "A"), ("_scan", "B"), ("_place", "C")):
+    kernels = (("_topk_rank", "A"), ("_topk_cols", "A"), ("_scan", "B"), ("_place", "C"),
+               ("_expert_runs", "D"))  # fmt: skip
+    for attr, name in kernels:
         real = getattr(R, attr).fn
         monkeypatch.setattr(R, attr, launch.FastKernel(_Jit(real, name, calls)))
     monkeypatch.setattr(launch.FastKernel, "enabled", True)
@@ -86,6 +88,8 @@ CASES = [
     # index_shuffling's token-column plan (A writes per-expert token words), scan folded into C
     (4096, 128, 8, 3, 120, torch.bfloat16, False, True, False, False, True, {"SORTED": True}),
     (70000, 128, 8, 0, 128, torch.bfloat16, False, False, False, False, True, None),  # + scan
+    # route there: A places the pairs (PRESORT), D writes them out by expert (RUNS)
+    (70000, 128, 8, 0, 128, torch.bfloat16, False, False, True, True, False, None),
 ]
 
 

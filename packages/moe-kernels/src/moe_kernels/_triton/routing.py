@@ -846,13 +846,15 @@ def _shfl(x, lane, TP: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _run_starts(c, first, TP: tl.constexpr, ASM: tl.constexpr):
+def _run_starts(c, first, lbt_ptr, m: tl.constexpr, TP: tl.constexpr, ASM: tl.constexpr):
     """Word m's columns (``_token_columns``) -> (TP,): element 32g + i = where expert 32m + i's
     pairs of token group g start among the program's pairs sorted by (expert, token), for
-    ``first`` = the pairs of experts below 32m; and the pairs of experts up to 32m + 31."""
+    ``first`` = the pairs of experts below 32m; and the pairs of experts up to 32m + 31. Where
+    each expert's run starts goes to ``lbt_ptr[32m + i]`` (for ``_expert_runs_kernel``)."""
     n = tl.reshape(_popc(c, ASM), [TP // 32, 32])
     tot = tl.sum(n, 0)
     lb = tl.cumsum(tot, 0) - tot + first
+    tl.store(lbt_ptr + 32 * m + tl.arange(0, 32), lb)
     pre = tl.cumsum(n, 0) - n + lb[None, :]
     return tl.reshape(pre, [TP]), first + tl.sum(tot, 0)
 
@@ -903,20 +905,21 @@ def _presort_choice(x_ptr, srt_ptr, rows, rows64, row_ok, in_row, stride_t, s0, 
 @triton.jit
 def _store_presorted(
     srt_ptr, inverse_ptr, x_ptr, rows, row_ok, in_row, stride_t, s0, s1, s2, s3,
-    c0, c1, c2, c3, start, end, K: tl.constexpr, KIND: tl.constexpr, TP: tl.constexpr,
+    c0, c1, c2, c3, start, end, n_programs, K: tl.constexpr, KIND: tl.constexpr, TP: tl.constexpr,
     E_PAD: tl.constexpr, ASM: tl.constexpr, WEIGHTS: tl.constexpr,
 ):  # fmt: skip
     """route's pairs placed by A (``PRESORT``): each routed pair to its place among the
     program's pairs sorted by (expert, token) (``_presort_choice``; ``srt_ptr``: the program's
     TP * K slots), and per token its K choices by descending score (ties to the lower expert)
     as ``inverse`` entries (place | local expert << PB, or -1) that C turns into positions."""
-    p0, first = _run_starts(c0, 0, TP, ASM)
-    p1, first = _run_starts(c1, first, TP, ASM)
-    p01 = p0 | (p1 << 16)  # places < TP * 8 <= 1024: two to a word
+    lbt_ptr = srt_ptr + n_programs * TP * K + tl.program_id(0) * E_PAD  # after all the slots
+    p0, first = _run_starts(c0, 0, lbt_ptr, 0, TP, ASM)
+    p1, first = _run_starts(c1, first, lbt_ptr, 1, TP, ASM)
+    p01 = p0 | (p1 << 16)  # places < TP * 8 <= 2048: two to a word
     p23 = p01
     if E_PAD == 128:
-        p2, first = _run_starts(c2, first, TP, ASM)
-        p3, first = _run_starts(c3, first, TP, ASM)
+        p2, first = _run_starts(c2, first, lbt_ptr, 2, TP, ASM)
+        p3, first = _run_starts(c3, first, lbt_ptr, 3, TP, ASM)
         p23 = p2 | (p3 << 16)
     rows64 = rows.to(tl.int64)
     low = tl.full(rows.shape, -2147483648, tl.int32)  # below every key (choices >= K)
@@ -1037,7 +1040,8 @@ def _topk_cols_kernel(
     if PRESORT:
         _store_presorted(pack_ptr, scr_w_ptr.to(tl.pointer_type(tl.int32)), x_ptr, rows, row_ok,
                          routed, stride_t, gt0 | eq0, gt1 | eq1, gt2 | eq2, gt3 | eq3, c0, c1,
-                         c2, c3, start, end, K, MODE % 2 + 1, TP, E_PAD, ASM, WEIGHTS)  # fmt: skip
+                         c2, c3, start, end, n_programs, K, MODE % 2 + 1, TP, E_PAD, ASM,
+                         WEIGHTS)  # fmt: skip
 
 
 @triton.jit
@@ -1277,7 +1281,8 @@ def _place_kernel(
     ASM: tl.constexpr,  # COLS: inline PTX (popc); False in the interpreter
     INV_BY_TOKEN: tl.constexpr,  # COLS with WEIGHTS: inverse in token order (_place_from_columns)
     ALL_ROUTED: tl.constexpr,  # COLS: every choice of every row is routed (no range, no count)
-    PRESORT: tl.constexpr,  # COLS, route: A placed the pairs in sorted order (_place_presorted)
+    PRESORT: tl.constexpr,  # COLS: A placed the pairs in sorted order (_place_presorted)
+    RUNS: tl.constexpr,  # PRESORT: _expert_runs_kernel writes the sorted pairs, not C
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -1328,7 +1333,7 @@ def _place_kernel(
     if PRESORT:
         _place_presorted(
             pack_ptr, base, mine, expert_ptr, token_ptr, weight_ptr, inverse_ptr, T, K, n, pid,
-            K_PAD, TOK_PER_PROG, IS_BF16, WEIGHTS,
+            K_PAD, TOK_PER_PROG, IS_BF16, WEIGHTS, RUNS,
         )  # fmt: skip
     elif COLS:
         _place_from_columns(
@@ -1597,6 +1602,7 @@ def _place_from_columns(
 def _place_presorted(
     srt_ptr, base, mine, expert_ptr, token_ptr, weight_ptr, inverse_ptr, T, K, n, pid,
     K_PAD: tl.constexpr, TP: tl.constexpr, IS_BF16: tl.constexpr, WEIGHTS: tl.constexpr,
+    RUNS: tl.constexpr,
 ):  # fmt: skip
     """route after A placed each program's pairs in sorted order (``_store_presorted``): the
     program's pairs are read in order, each goes to its index plus its expert's ``base`` (one
@@ -1614,18 +1620,96 @@ def _place_presorted(
         tl.store(weight_ptr + offs, tl.zeros([NP], tl.float32), mask=tail)
     TB: tl.constexpr = 8 if TP > 128 else 7  # as in _presort_choice
     PB: tl.constexpr = 11 if TP * K > 1024 else 10
-    ok = idx < tl.sum(mine, axis=0)
-    v = tl.load(srt_ptr + pid * TP * K + idx, mask=ok, other=0)
-    le = (v >> TB) & 0x7F
-    pos = idx + tl.gather(base, le, 0)
-    tl.store(expert_ptr + pos, le, mask=ok)
-    tl.store(token_ptr + pos, pid * TP + (v & (TP - 1)), mask=ok)
-    if WEIGHTS:  # route: weights and inverse too
-        tl.store(weight_ptr + pos, _bits16_to_f32(v >> 16, IS_BF16), mask=ok)
+    if not RUNS:  # else _expert_runs_kernel writes the sorted pairs
+        ok = idx < tl.sum(mine, axis=0)
+        v = tl.load(srt_ptr + pid * TP * K + idx, mask=ok, other=0)
+        le = (v >> TB) & 0x7F
+        pos = idx + tl.gather(base, le, 0)
+        tl.store(expert_ptr + pos, le, mask=ok)
+        tl.store(token_ptr + pos, pid * TP + (v & (TP - 1)), mask=ok)
+        if WEIGHTS:
+            tl.store(weight_ptr + pos, _bits16_to_f32(v >> 16, IS_BF16), mask=ok)
+    if WEIGHTS:  # route: inverse
         m = (rows < T) & (jv < K)
         u = tl.load(inverse_ptr + offs, mask=m, other=-1)
         at = tl.gather(base, tl.where(u >= 0, u >> PB, 0), 0)
         tl.store(inverse_ptr + offs, tl.where(u >= 0, (u & ((1 << PB) - 1)) + at, -1), mask=m)
+
+
+@triton.jit
+def _expert_runs_chunk(pack_ptr, expert_ptr, token_ptr, weight_ptr, le, first, cum, src0, tok0,
+                       q0, S, P: tl.constexpr, TP: tl.constexpr, QB: tl.constexpr,
+                       WEIGHTS: tl.constexpr, IS_BF16: tl.constexpr):  # fmt: skip
+    """Pairs [q0, q0 + QB) of the group's run of local expert ``le``: pair q comes from the
+    last program b with ``cum[b] <= q`` (a binary search), at its slot ``src0[b] + q``."""
+    q = q0 + tl.arange(0, QB)
+    ok = q < S
+    b = tl.zeros([QB], tl.int32)
+    for s in tl.static_range(8):  # P <= 256; cum is non-decreasing and cum[0] = 0
+        if (P >> (s + 1)) > 0:
+            cand = b + (P >> (s + 1))
+            b = tl.where(tl.gather(cum, cand, 0) <= q, cand, b)
+    v = tl.load(pack_ptr + tl.gather(src0, b, 0) + q, mask=ok, other=0)
+    tl.store(expert_ptr + first + q, tl.full([QB], 0, tl.int32) + le, mask=ok)
+    tl.store(token_ptr + first + q, tl.gather(tok0, b, 0) + (v & (TP - 1)), mask=ok)
+    if WEIGHTS:
+        tl.store(weight_ptr + first + q, _bits16_to_f32(v >> 16, IS_BF16), mask=ok)
+
+
+@triton.jit
+def _expert_runs_kernel(
+    pack_ptr,  # A's placed pairs (PRESORT): TP * K slots a program, then (programs, E_PAD) starts
+    hist_ptr,  # (L, n_programs) int32: exclusive prefix over programs (the scan's)
+    counts_ptr,  # (L,) int32: pairs per local expert
+    expert_ptr,  # (T*K,) int32 out
+    token_ptr,  # (T*K,) int32 out
+    weight_ptr,  # (T*K,) fp32 out (only when WEIGHTS)
+    L,
+    start,
+    n_programs,
+    K: tl.constexpr,
+    TP: tl.constexpr,  # tokens of an A program
+    E_PAD: tl.constexpr,
+    L_PAD: tl.constexpr,
+    P: tl.constexpr,  # A programs a group
+    QB: tl.constexpr,  # pairs a step
+    WEIGHTS: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
+):
+    """The sorted pairs after PRESORT, one program per (group of P A-programs, local expert):
+    the group's pairs of the expert form one contiguous run of the output, which this program
+    writes in order, whole 32-byte sectors but at its two ends (C's stores per A-program were
+    runs of ~8 pairs, misaligned: H200, T=2^20, E=128, k=8, C's stores cost ~100 us of 165).
+    Each pair is read from its A-program's slots (``_presort_choice``)."""
+    pid = tl.program_id(0)
+    le = pid % L
+    ps = (pid // L) * P + tl.arange(0, P)
+    pok = ps < n_programs
+    row = hist_ptr + le * n_programs
+    bef = tl.load(row + ps, mask=pok, other=0)
+    total = tl.load(counts_ptr + le)
+    has_next = ps + 1 < n_programs
+    nxt = tl.where(has_next, tl.load(row + ps + 1, mask=has_next, other=0), total)
+    c = tl.where(pok, nxt - bef, 0)
+    cum = tl.cumsum(c, 0) - c
+    S = tl.sum(c, 0)
+    ls = tl.arange(0, L_PAD)
+    cnt = tl.load(counts_ptr + ls, mask=ls < L, other=0)
+    first = tl.sum(tl.where(ls < le, cnt, 0), 0) + tl.load(row + (pid // L) * P)
+    lbp = tl.load(pack_ptr + n_programs * TP * K + ps * E_PAD + le + start, mask=pok, other=0)
+    src0 = ps * (TP * K) + lbp - cum  # pair q of program b sits at slot src0[b] + q
+    tok0 = ps * TP
+    if WHILE_LOOPS:
+        q0 = S * 0
+        while q0 < S:
+            _expert_runs_chunk(pack_ptr, expert_ptr, token_ptr, weight_ptr, le, first, cum, src0,
+                               tok0, q0, S, P, TP, QB, WEIGHTS, IS_BF16)  # fmt: skip
+            q0 += QB
+    else:
+        for q0 in range(0, S, QB):
+            _expert_runs_chunk(pack_ptr, expert_ptr, token_ptr, weight_ptr, le, first, cum, src0,
+                               tok0, q0, S, P, TP, QB, WEIGHTS, IS_BF16)  # fmt: skip
 
 
 @triton.jit
@@ -1812,6 +1896,7 @@ _topk_rank = FastKernel(_topk_rank_kernel)
 _topk_cols = FastKernel(_topk_cols_kernel)
 _scan = FastKernel(_scan_kernel)
 _place = FastKernel(_place_kernel)
+_expert_runs = FastKernel(_expert_runs_kernel)
 
 
 class _Launch(NamedTuple):
@@ -1825,6 +1910,7 @@ class _Launch(NamedTuple):
     scan: tuple[int, dict, int] | None  # (grid, constexprs, warps) of B; None: fused into C
     c: dict  # constexprs of kernel C
     c_warps: int
+    runs: tuple[int, dict, int] | None  # (grid, constexprs, warps) of _expert_runs_kernel
 
 
 # Outputs first, then scratch; weights and scr_w hold fp32 bits.
@@ -1964,8 +2050,8 @@ def _launch_plan(
         a = dict(K=K, E_PAD=e_pad, TP=cols_t, HAS_VTC=has_vtc,
                  FULL_RANGE=start == 0 and end == E, MODE=mode, WEIGHTS=with_weights,
                  K_PAD=k_pad, PRESORT=presort)  # fmt: skip
-        if presort:  # TP * K slots a program for its sorted pairs
-            sizes[_SEG["packed"]] = n_prog * cols_t * K
+        if presort:  # TP * K slots a program for its sorted pairs, then its E_PAD run starts
+            sizes[_SEG["packed"]] = n_prog * (cols_t * K + e_pad)
             sizes[_SEG["scr_w"]] = 0
         else:
             sizes[_SEG["packed"]] = n_prog * e_pad * cols_t // 32
@@ -2036,6 +2122,7 @@ def _launch_plan(
         # C of route 179 vs 191 us)
         ALL_ROUTED=all_routed,
         PRESORT=presort,
+        RUNS=False,
     )
     if INTERPRET:
         c_warps = 1
@@ -2045,8 +2132,29 @@ def _launch_plan(
         c_warps = cfg.get("C_WARPS", max(1, min(4, tok_per_prog * k_pad // 128)))
     else:
         c_warps = cfg.get("C_WARPS", max(1, min(4, chunk_t * k_pad // 256)))
+    runs = None
+    if presort and scan is not None and bool(cfg.get("RUNS", True)):
+        # The sorted pairs by (group of P A-programs, local expert): one contiguous run each
+        # (H200, T=2^20, E=128, k=8: C's stores in runs of ~8 pairs a program cost ~100 us).
+        c["RUNS"] = True
+        p_group = min(int(cfg.get("RUNS_P", 128)), np_pad)
+        runs = (
+            L * triton.cdiv(n_prog, p_group),
+            dict(
+                K=K,
+                TP=cols_t,
+                E_PAD=e_pad,
+                L_PAD=l_pad,
+                P=p_group,
+                QB=int(cfg.get("RUNS_QB", 1024)),
+                WEIGHTS=with_weights,
+                IS_BF16=kind == 1,
+                WHILE_LOOPS=INTERPRET,
+            ),  # fmt: skip
+            1 if INTERPRET else int(cfg.get("RUNS_WARPS", 4)),
+        )
     starts = tuple(sum(sizes[:i]) for i in range(len(sizes)))
-    return _Launch(n_prog, tuple(sizes), starts, a, cfg["num_warps"], scan, c, c_warps)
+    return _Launch(n_prog, tuple(sizes), starts, a, cfg["num_warps"], scan, c, c_warps, runs)
 
 
 # Eager calls at small T are bound by host time (H200, T=4096: 25-45 us per call against 6-11 us
@@ -2055,7 +2163,7 @@ def _launch_plan(
 # compiled handles with int addresses into the new buffer: no per-argument keys, no views of the
 # scratch segments (``_bound_key`` pins everything Triton specialised on). Keys hold exact sizes,
 # so the table holds at most _MAX_BOUND of them and starts over when full.
-_BOUND: dict[tuple, tuple[Handle, Handle | None, Handle]] = {}
+_BOUND: dict[tuple, tuple[Handle, Handle | None, Handle, Handle | None]] = {}
 _MAX_BOUND = 256
 
 
@@ -2089,10 +2197,11 @@ def _kernel_args(
     with_weights: bool,
     with_offsets: bool,
     with_tcpe: bool,
-) -> tuple[tuple, tuple, tuple]:
-    """Runtime arguments of kernels A, B and C in signature order. ``seg`` holds the buffer
-    segments in ``_SEGMENTS`` order, ``x`` the scores and ``vtc`` the valid count, either all as
-    tensors (typed views) or all as int addresses. Unused pointers alias used ones."""
+) -> tuple[tuple, tuple, tuple, tuple]:
+    """Runtime arguments of kernels A, B, C and D (``_expert_runs_kernel``) in signature order.
+    ``seg`` holds the buffer segments in ``_SEGMENTS`` order, ``x`` the scores and ``vtc`` the
+    valid count, either all as tensors (typed views) or all as int addresses. Unused pointers
+    alias used ones."""
     expert, token, weights, inverse, counts, offsets, tcpe, _, hist, packed, scr_w = seg
     if not p.sizes[_SEG["scr_w"]]:
         scr_w = packed
@@ -2110,7 +2219,8 @@ def _kernel_args(
     b = (hist, counts, L, p.n_prog)
     c = (packed, scr_w, inverse, hist, counts, expert, token, weights, offsets, tcpe, T, E, L,
          start, p.n_prog)  # fmt: skip
-    return a, b, c
+    d = (packed, hist, counts, expert, token, weights, L, start, p.n_prog)
+    return a, b, c, d
 
 
 def _slicer(buf: torch.Tensor, p: _Launch) -> Callable[[int], torch.Tensor]:
@@ -2183,7 +2293,10 @@ def routing_triton(
     p = _launch_plan(*plan_key)
     dev = scores_TE.device
     flags = (with_weights, with_offsets, with_tcpe)
-    grids = ((p.n_prog,), (p.scan[0],) if p.scan else None, (p.n_prog,))
+    grids = (
+        (p.n_prog,), (p.scan[0],) if p.scan else None, (p.n_prog,),
+        (p.runs[0],) if p.runs else None,
+    )  # fmt: skip
     i32 = torch.int32
     bound_key = None
     if one_buffer:
@@ -2216,7 +2329,7 @@ def routing_triton(
     for i in (_SEG["weights"], _SEG["scr_w"]):  # fp32 bits
         seg[i] = seg[i].view(torch.float32)
     x = scores_TE if kind == 0 else scores_TE.view(torch.int16)
-    args_a, args_b, args_c = _kernel_args(
+    args_a, args_b, args_c, args_d = _kernel_args(
         p, seg, x, scores_TE.stride(), vtc, T, E, start, end, *flags
     )
     ka = _topk_cols if p.c["COLS"] else _topk_rank
@@ -2225,8 +2338,11 @@ def routing_triton(
     if p.scan is not None:
         hb = _scan.launch(grids[1], args_b, p.scan[1], num_warps=p.scan[2])
     hc = _place.launch(grids[2], args_c, p.c, num_warps=p.c_warps)
-    if bound_key is not None and ha and hc and (hb or p.scan is None):
+    hd = None
+    if p.runs is not None:
+        hd = _expert_runs.launch(grids[3], args_d, p.runs[1], num_warps=p.runs[2])
+    if bound_key is not None and ha and hc and (hb or p.scan is None) and (hd or p.runs is None):
         if len(_BOUND) >= _MAX_BOUND:
             _BOUND.clear()  # start over (one atomic call: safe beside other threads)
-        _BOUND[bound_key] = (ha, hb, hc)
+        _BOUND[bound_key] = (ha, hb, hc, hd)
     return _outputs(seg.__getitem__, T, top_k, end - start, *flags)
