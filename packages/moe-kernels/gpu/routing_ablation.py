@@ -103,7 +103,8 @@ def per_kernel(fn) -> dict[str, float]:
         torch.cuda.synchronize()
     out = {}
     for ev in prof.key_averages():
-        for short, name in (("A", "_topk_"), ("B", "_scan"), ("C", "_place"), ("D", "_expert_runs")):
+        kernels = (("A", "_topk_"), ("B", "_scan"), ("C", "_place"), ("D", "_expert_runs"))
+        for short, name in kernels:
             if name in ev.key:
                 out[short] = ev.device_time_total / max(ev.count, 1)
     return out
