@@ -592,3 +592,22 @@ def test_token_columns(T, E, k, start, end, valid, kind, layout, config, dtype):
         assert plan.c["RUNS"] == (words and bool(extra) and end > start)
         got = routing_triton(x, k, _vtc(valid), start, end, False, True, True, False, cfg)
         check_plan(RoutingPlan(*got[:6]), want)
+
+
+@pytest.mark.parametrize("fuse", (True, False), ids=("C", "D"))
+def test_presort_256_token_programs(fuse):
+    """PRESORT with 256-token programs (8 bits of token, 11 of place in A's words), written out
+    by C or by D (``RUNS``): route and index_shuffling against the oracle."""
+    from moe_kernels._dispatch import use_triton
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("the Triton launcher runs on CPU only under TRITON_INTERPRET=1")
+    from moe_kernels._triton.routing import routing_triton
+
+    T, E, k, start, end, valid = 600, 128, 8, 5, 120, 590
+    x = make_scores(T, E, torch.bfloat16, "ties", seed=3, layout="row")
+    cfg = {"SORTED": True, "PRESORT": True, "COLS_T": 256, "FUSE_SCAN": int(fuse), "RUNS_P": 2}
+    want = naive_plan(x, k, start, end, valid)
+    got = routing_triton(x, k, _vtc(valid), start, end, False, True, True, True, cfg)
+    check_plan(RoutingPlan(*got[:6]), want)
+    check_shuffling((got[6], got[2], got[3]), want)

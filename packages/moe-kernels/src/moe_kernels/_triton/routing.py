@@ -1971,11 +1971,14 @@ def _launch_plan(
         not with_weights or (bool(cfg.get("COLS_ROUTE", _COLS_ROUTE)) and not renormalize)
     )
     cols = cols and "BLOCK_T" not in user and bool(cfg.get("COLS", True))
-    cols_t = int(cfg.get("COLS_T", 128 if E == 128 else 64))  # tokens a program: 32 a warp
-    # route on columns: A places each program's pairs in sorted order and writes the inverse
-    # entries; C only copies them out (PRESORT), or C places them from the columns and the
-    # token lists.
-    presort = cols and bool(cfg.get("PRESORT", with_weights))
+    # A places each program's pairs in sorted order (route: and writes the inverse entries);
+    # C (small T) or D (after the scan's launch, ``RUNS``) writes them out (PRESORT). Else C
+    # places them from the columns (route: and the token lists). H200, T=2^20, k=8, bf16,
+    # gpu/routing_ablation.py: E=128 route 321 -> 279 us, index_shuffling 216 -> 183; E=64 (with
+    # 128-token programs) 240 -> 210 and 152 -> 124.
+    presort = cols and bool(cfg.get("PRESORT", True))
+    # tokens a program, one a thread (E=64 without PRESORT: 64, 155 vs 182 us for 128)
+    cols_t = int(cfg.get("COLS_T", 128 if presort or E == 128 else 64))
     if cols_t not in ((64, 128, 256) if presort else (64, 128)):  # the sizes checked on the GPU
         raise ValueError(f"COLS_T must be 64 or 128 (or 256 with PRESORT): {cols_t}")
     if cols:  # one token a thread
