@@ -1,6 +1,6 @@
 """Triton routing kernels and their launchers (top-k, per-expert bucket sort, routing plan).
 
-Two or three launches, no atomics, no host sync; the result is a pure function of the inputs:
+Two to four launches, no atomics, no host sync; the result is a pure function of the inputs:
 
 A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` (<= 32) tokens. Per
    block it loads the (BLOCK_T, E) scores, turns each into a unique integer key (order-preserving
@@ -26,8 +26,14 @@ A'. ``_topk_cols_kernel`` (``COLS``: 16-bit scores read as int32 pairs, 64 or 12
    sort-and-merge network on packed pairs (one PTX instruction per compare-exchange of two
    experts), masks of the experts above and equal to it (ties trimmed to the lowest experts),
    then, per warp, 32 x 32 bit transposes by shuffles into per-expert words of token bits (the
-   program's columns; their popcounts are ``hist``). For route (``COLS_ROUTE``) it also stores
-   each token's choices, with their weights and ranks (``_store_choices``).
+   program's columns; their popcounts are ``hist``). With ``PRESORT`` (the default) it then
+   places each routed pair among the program's pairs sorted by (expert, token): its expert's
+   run start for the token's warp plus the popcount of the expert's column word below the
+   token's bit, both read from the expert's lane by shuffles (``_store_presorted``); the pair
+   (token, local expert, score bits) goes to that slot, and for route each token's choices by
+   descending score go to ``inverse`` as (slot, local expert) entries. Without it, it stores
+   the columns and, for route, each token's choices with their weights and ranks
+   (``_store_choices``).
 B. ``_scan_kernel``: exclusive scans of the ``hist`` rows over programs, a few experts per program
    (skipped for small problems: every C program then reduces the whole, small, ``hist`` itself).
 C. ``_place_kernel``: one program per A-program. It turns the per-expert totals into expert offsets
@@ -42,11 +48,18 @@ C. ``_place_kernel``: one program per A-program. It turns the per-expert totals 
    or, for index_shuffling with 16-32 local experts (``CUMSUM``), ranked by prefix sums over
    the program's one-hot (token, expert) grid, one expert per thread, each pair's key sent to
    its sorted index in a scratch slice and read back in order (``_scatter_in_sorted_order``).
-   After A', C places each sorted index from the columns (``_place_from_columns``: a binary
+   After A' with ``PRESORT`` (``_place_presorted``), C turns the ``inverse`` entries into
+   positions (slot + the expert's base) and copies the placed pairs out, or leaves that to D.
+   Without it, C places each sorted index from the columns (``_place_from_columns``: a binary
    search of the experts' run starts, then a select of the token's bit); route's weight (and
    rank, for ``inverse``) of each pair comes from its token's list, two 16-byte loads, and
    ``inverse`` is stored from there (128 experts) or in token order from a table of the column
    words (64). Program 0 also writes ``counts``/``offsets`` and ``token_count_per_expert``.
+D. ``_expert_runs_kernel`` (``RUNS``: ``PRESORT`` with the scan's launch): one program per
+   (group of ``P`` A-programs, local expert) writes the group's pairs of that expert, one
+   contiguous run of the output, each read from its A-program's slots. C's stores per A-program
+   were runs of ~8 pairs at unaligned addresses, and partial 32-byte sectors cost: 2^23 int32
+   in runs of 8 took 38.6 us shifted by one element, 16.7 aligned, 11.5 coalesced (H200).
 
 Measured on the H200 (``gpu/routing_gpu.py``): at T=2^20, E=128, k=8 (bf16) the k rounds cost
 ~34 us each and the bitmask ranks ~210 us; sorted placement (512 pairs per program) brought
@@ -56,7 +69,8 @@ floor 110 us; C 164 / 204 us, mostly ``tl.sort``), route's weights carried in th
 and sort keys (``PACK_W``) and B's wider chunks to 344 and 382 us, index_shuffling's token
 columns (A', 128-token programs) to 222 us (A 112, C 101), and route on them to 343 us (A 133,
 C 202), then 322 us (C 177: independent column loads, no pass for unrouted choices where none
-can be). At T=4096 the kernels take
+can be), then, with ``PRESORT`` and D, to 280 us (A 181, C 35, D 54) and index_shuffling to 187
+(A 128, C 7, D 42). At T=4096 the kernels take
 6-12 us and eager calls are bound by the host's launch cost. So eager calls after a plan's first
 relaunch its compiled handles with int addresses (``_BOUND``). With stand-in kernels on a 2-core
 CPU host (``gpu/launch_overhead.py --stub``) that took an eager call from 31-37 to 18-19 us
@@ -1604,10 +1618,10 @@ def _place_presorted(
     K_PAD: tl.constexpr, TP: tl.constexpr, IS_BF16: tl.constexpr, WEIGHTS: tl.constexpr,
     RUNS: tl.constexpr,
 ):  # fmt: skip
-    """route after A placed each program's pairs in sorted order (``_store_presorted``): the
+    """C after A placed each program's pairs in sorted order (``_store_presorted``): the
     program's pairs are read in order, each goes to its index plus its expert's ``base`` (one
-    gather), and A's ``inverse`` entries (place | local expert << PB, or -1) become positions
-    the same way. Every load and store is coalesced."""
+    gather; RUNS: D writes them instead), and route's ``inverse`` entries from A (place | local
+    expert << PB, or -1) become positions the same way. Stores of the tail, in token order."""
     NP: tl.constexpr = TP * K_PAD
     idx = tl.arange(0, NP)
     rows = pid * TP + idx // K_PAD
