@@ -200,57 +200,20 @@ def _patched(fn, edits: list[tuple[str, str]]):
 
 
 # Time-only diagnostics (wrong results). Sorted plan: ``nosort``, the identity in place of
-# tl.sort; ``nostore``, the sorted pairs' stores masked off (at run time, so they stay). Route on
-# the token columns (C, ``_place_from_columns``): ``noinv``, no scattered inverse stores (masked
-# off at run time); ``nolookup``, no list lookup (a made-up entry); ``noextra``, neither;
-# ``coallookup``, each pair looks up the list of token ``i // 8`` of its program (the same
-# instructions, coalesced addresses, still after the token's search; the inverse slot ``i % 8``
-# keeps the stores scattered); ``coalinv``, the inverse stores at ``i`` of the program's rows
-# (coalesced); ``coalboth``; ``none``, the kernel recompiled as it is (the baseline of the same
-# run). The inverse edits touch the sorted pass's stores only (E=128's default; at E=64
-# ``inverse`` is written in token order).
-_INV_STORE = "pos, mask=ok)\n"
-_LOOKUP = "mine_ent = _find_choice(lst_ptr + (pid * TP + tok) * K_PAD, e, ok, K, ASM and K_PAD"
-_FAKE_ENT = "mine_ent = (e << 16) | ((tok & 7) << 8) + 0 * (K_PAD"
-_COAL_LOOKUP = (
-    "mine_ent = _find_choice(lst_ptr + (pid * TP + idx // K_PAD + tl.minimum(tok, 0)) * K_PAD,"
-    " e, ok, K, ASM and K_PAD"
-)
-_INV_ADDR = "inverse_ptr + (pid * TP + tok) * K + ((mine_ent >> 8) & 7), pos"
+# tl.sort; ``nostore``, the sorted pairs' stores masked off (at run time, so they stay). The
+# token-column plan with C writing the placed pairs (``RUNS`` off; ``_place_presorted``):
+# ``none``, the kernel recompiled as it is (the baseline of the same run); ``coalout``, C's
+# sorted stores at coalesced addresses (the program's slots; session 11: C 165 -> 68 us at
+# E=128, what led to D); ``noinv``, no inverse pass in C. ``anoslot``: A without the stores of
+# its placed pairs (A's time only: C then reads garbage and may fault).
 _P_POS = "pos = idx + tl.gather(base, le, 0)"
 _P_INV = "tl.store(inverse_ptr + offs, tl.where(u >= 0, (u & ((1 << PB) - 1)) + at, -1), mask=m)"
-_A_SRT = "mask=routed & row_ok)  # fmt: skip"
+_A_SLOT = "mask=routed & row_ok)  # fmt: skip"
 _DIAGS = {
-    # PRESORT (A places the pairs; C: _place_presorted): ``pnone`` the baseline, ``pcoal`` C's
-    # sorted stores at coalesced addresses (the program's slots), ``pnoinv`` no inverse pass in
-    # C, ``anosrt`` no stores of the placed pairs in A, ``acoalsrt`` those at coalesced
-    # addresses (slot by choice and token)
-    "pnone": ("_place_presorted", []),
-    "pcoal": ("_place_presorted", [(_P_POS, "pos = idx + pid * NP + 0 * tl.gather(base, le, 0)")]),
-    "pnoinv": ("_place_presorted", [(_P_INV, _P_INV.replace("mask=m)", "mask=m & (n < 0))"))]),
-    "anosrt": ("_presort_choice", [(_A_SRT, "mask=routed & row_ok & (rows < 0))")]),
-    "acoalsrt": (
-        "_presort_choice",
-        [
-            (
-                "srt_ptr + pid * TP * K + place,",
-                "srt_ptr + pid * TP * K + (place % K) * TP + rows - pid * TP,",
-            )
-        ],
-    ),  # fmt: skip
-    "none": ("_place_from_columns", []),
-    "coallookup": (
-        "_place_from_columns",
-        [
-            (_LOOKUP, _COAL_LOOKUP),
-            (_INV_ADDR, "inverse_ptr + (pid * TP + tok) * K + (((mine_ent >> 8) ^ idx) & 7), pos"),
-        ],
-    ),
-    "coalinv": ("_place_from_columns", [(_INV_ADDR, "inverse_ptr + pid * TP * K + idx, pos")]),
-    "coalboth": (
-        "_place_from_columns",
-        [(_LOOKUP, _COAL_LOOKUP), (_INV_ADDR, "inverse_ptr + pid * TP * K + idx, pos")],
-    ),
+    "none": ("_place_presorted", []),
+    "coalout": ("_place_presorted", [(_P_POS, _P_POS.replace("idx +", "idx + pid * NP +"))]),
+    "noinv": ("_place_presorted", [(_P_INV, _P_INV.replace("mask=m)", "mask=m & (n < 0))"))]),
+    "anoslot": ("_presort_choice", [(_A_SLOT, "mask=routed & row_ok & (rows < 0))")]),
     "nosort": ("_place_sorted_pairs", [("tl.sort(", "(")]),
     "nostore": (
         "_place_sorted_pairs",
@@ -260,12 +223,6 @@ _DIAGS = {
                 "    ok = ok & (key * 0 + n < 0)\n    pos = idx + tl.gather",
             )
         ],
-    ),
-    "noinv": ("_place_from_columns", [(_INV_STORE, "pos, mask=ok & (n < 0))\n")]),
-    "nolookup": ("_place_from_columns", [(_LOOKUP, _FAKE_ENT)]),
-    "noextra": (
-        "_place_from_columns",
-        [(_LOOKUP, _FAKE_ENT), (_INV_STORE, "pos, mask=ok & (n < 0))\n")],
     ),
 }
 
@@ -282,9 +239,8 @@ def main() -> int:
         run = tri.routing_triton
         for E in (128, 64):
             x = torch.randn(1 << 20, E, device=dev).softmax(-1).to(torch.bfloat16)
-            cols = _DIAGS[diag][0] == "_place_from_columns"
-            pre = _DIAGS[diag][0] in ("_place_presorted", "_presort_choice")
-            for cfg in ({"PRESORT": True},) if pre else ({},) if cols else ({}, {"C_WARPS": 1}):
+            cols = _DIAGS[diag][0] in ("_place_presorted", "_presort_choice")
+            for cfg in ({"RUNS": 0},) if cols else ({}, {"C_WARPS": 1}):
                 pk = per_kernel(lambda c=cfg, x=x, E=E: run(x, 8, None, 0, E, 0, 0, 0, 1, c))
                 pr = per_kernel(lambda c=cfg, x=x, E=E: run(x, 8, None, 0, E, 0, 1, 1, 0, c))
                 print(f"  {diag} E={E} {cfg}: IS C {pk.get('C', 0):6.1f}  route A "
@@ -295,15 +251,12 @@ def main() -> int:
         floors(1 << 20, 128)
     if os.environ.get("ROUTING_RUNS"):
         run_floors()
-    # A places each program's pairs in sorted order (PRESORT) or C places them from the columns
-    # and D writes them out by expert (RUNS, groups of RUNS_P A-programs)
-    rc = [{"PRESORT": True}, {"PRESORT": True, "COLS_T": 256}, {"PRESORT": False}]
-    more = [
-        {"PRESORT": True, "RUNS_P": 64}, {"PRESORT": True, "RUNS_P": 256},
-        {"PRESORT": True, "RUNS_WARPS": 8}, {"PRESORT": True, "RUNS": 0},
-    ]  # fmt: skip
+    # the token-column plan: tokens a program (COLS_T), D writing the placed pairs out by expert
+    # (RUNS, groups of RUNS_P A-programs) or C
+    rc = [{}, {"COLS_T": 256}, {"COLS": 0}]
+    more = [{"RUNS_P": 64}, {"RUNS_P": 256}, {"RUNS_WARPS": 8}, {"RUNS": 0}, {"COLS_T": 64}]
     variants(1 << 20, 128, torch.bfloat16, rc + more)
-    variants(1 << 20, 64, torch.bfloat16, [*rc, *more, {"PRESORT": True, "COLS_T": 128}])
+    variants(1 << 20, 64, torch.bfloat16, rc + more)
     variants(65536, 128, torch.bfloat16, rc)  # NaN, -inf, -0.0 in the scores
     variants(65536, 64, torch.float16, rc)
     print("FAILS:", FAILS if FAILS else "none")

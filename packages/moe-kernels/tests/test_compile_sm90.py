@@ -64,14 +64,10 @@ PLANS = [
 ]
 
 
-# route's token-column plan, each placement: (T, E, top_k, start, end, kind)
+# route's token-column plan, D writing the sorted pairs or not: (T, E, top_k, start, end, kind)
 COLS_ROUTE = [(1 << 20, 128, 8, 0, 128, 1), (300000, 64, 5, 8, 40, 2)]
-# A places the pairs (the default), or C places them with inverse in sorted / in token order
-COLS_ROUTE_PLACEMENTS = {
-    "presort": (("PRESORT", True),),
-    "inverse-sorted": (("COLS_INV_BY_TOKEN", False), ("PRESORT", False)),
-    "inverse-by-token": (("COLS_INV_BY_TOKEN", True), ("PRESORT", False)),
-}
+# the default, 256-token programs, C writing the sorted pairs (no D)
+COLS_ROUTE_CONFIGS = {"default": (), "256-tokens": (("COLS_T", 256),), "no-D": (("RUNS", 0),)}
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=str)
@@ -82,12 +78,10 @@ def test_routing_plans_compile(can_compile, plan, weights, eager):
 
 
 @pytest.mark.parametrize("plan", COLS_ROUTE, ids=str)
-@pytest.mark.parametrize("placement", list(COLS_ROUTE_PLACEMENTS))
-def test_route_token_column_plans_compile(can_compile, plan, placement):
-    config = COLS_ROUTE_PLACEMENTS[placement]
-    p = _compile_plan((*plan, False), True, False, config)
-    assert p.a["WEIGHTS"] and p.c["COLS"] and p.c["PRESORT"] == (placement == "presort")
-    assert (p.runs is not None) == (placement == "presort")
+@pytest.mark.parametrize("config", list(COLS_ROUTE_CONFIGS))
+def test_route_token_column_plans_compile(can_compile, plan, config):
+    p = _compile_plan((*plan, False), True, False, COLS_ROUTE_CONFIGS[config] or None)
+    assert p.a["WEIGHTS"] and p.c["COLS"] and (p.runs is not None) == (config != "no-D")
 
 
 def _compile_plan(plan, weights, eager, config):

@@ -513,27 +513,6 @@ def test_cumsum_ranks(T, E, k, start, end, valid, config, dtype):
         check_shuffling((got[6], got[2], got[3]), want)
 
 
-def test_token_lists_start_16_byte_aligned(monkeypatch):
-    """On the GPU, route's C reads each token's list (``_store_choices``) with 16-byte loads:
-    the lists' scratch starts 16-byte aligned with the outputs in one buffer or apart (3
-    programs and 127 local experts: neither the outputs nor the histogram fill 16 bytes)."""
-    from moe_kernels._dispatch import use_triton
-
-    if not use_triton(torch.device("cpu")):
-        pytest.skip("the Triton launcher runs on CPU only under TRITON_INTERPRET=1")
-    from moe_kernels._triton import routing as tri
-
-    lists = []
-    monkeypatch.setattr(tri._topk_cols, "launch", lambda *args, **kw: None)
-    monkeypatch.setattr(tri._scan, "launch", lambda *args, **kw: None)
-    monkeypatch.setattr(tri._place, "launch", lambda grid, args, *a, **kw: lists.append(args[1]))
-    x = torch.randn(300, 128).to(torch.bfloat16)
-    for one_buffer in (False, True):
-        tri.routing_triton(x, 8, None, 0, 127, False, True, True, False, {"SORTED": True},
-                           one_buffer)  # fmt: skip
-    assert len(lists) == 2 and all(t.data_ptr() % 16 == 0 for t in lists)
-
-
 @pytest.mark.parametrize(
     "T,E,k,start,end,valid,kind,layout,config",
     [
@@ -548,11 +527,13 @@ def test_token_lists_start_16_byte_aligned(monkeypatch):
 )
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_token_columns(T, E, k, start, end, valid, kind, layout, config, dtype):
-    """index_shuffling's token-column plan (``COLS``: kernel A takes each row's top-k by a
-    threshold over packed 16-bit pairs and transposes the choices into per-expert token words; C
-    places from them; the default for 16-bit scores, 64 or 128 experts, k <= 8) against the
-    oracle: ties (and -0.0 beside +0.0), NaN / inf / -inf rows, k < 8, expert ranges, valid
-    counts, padded rows. Rows with an odd stride are not read as pairs and take the other plan."""
+    """The token-column plan (``COLS``: kernel A takes each row's top-k by a threshold over
+    packed 16-bit pairs, transposes the choices into per-expert token words and places each
+    pair among its program's pairs in sorted order by their popcounts; C, or D after the scan's
+    launch, writes them out; the default for 16-bit scores, 64 or 128 experts, k <= 8) against
+    the oracle, index_shuffling and route: ties (and -0.0 beside +0.0), NaN / inf / -inf rows,
+    k < 8, expert ranges, valid counts, padded rows. Rows with an odd stride are not read as
+    pairs and take the other plan."""
     from moe_kernels._dispatch import use_triton
 
     if not use_triton(torch.device("cpu")):
@@ -566,38 +547,28 @@ def test_token_columns(T, E, k, start, end, valid, kind, layout, config, dtype):
                         True, tuple(sorted(config.items())), False, words)  # fmt: skip
     assert ("MODE" in plan.a) == words and plan.c["COLS"] == words
     want = naive_plan(x, k, start, end, valid)
-    # C places the sorted pairs from the columns, or A placed them (``PRESORT``) and C or, after
-    # the scan's launch, D (``RUNS``, here with groups of 2 programs) writes them out
-    runs = {"PRESORT": True, "FUSE_SCAN": 0, "RUNS_P": 2}
-    for one_buffer, extra in ((False, {}), (True, {}), (False, {"PRESORT": True}), (True, runs)):
-        cfg = {"PRESORT": False, **config, **extra}
+    # C writes the placed pairs out, or, after the scan's launch, D (``RUNS``, here with groups
+    # of 2 programs); route on the same plan (``COLS_ROUTE``, its default there) too
+    runs = {"FUSE_SCAN": 0, "RUNS_P": 2}
+    for one_buffer, extra in ((False, {}), (True, runs)):
+        cfg = {**config, **extra}
         got = routing_triton(
             x, k, _vtc(valid), start, end, False, False, False, True, cfg, one_buffer
         )
         check_shuffling((got[6], got[2], got[3]), want)
-    # route on the same plan (``COLS_ROUTE``, its default there): A places each program's pairs
-    # in sorted order and writes inverse entries, C copies them out (``PRESORT``, the default);
-    # or A stores each token's choices with their weights and ranks, and C places the weights
-    # and ``inverse`` from them, inverse in sorted order or in token order
-    # (then D writes the sorted pairs out by expert after the scan's launch, ``RUNS``)
-    for presort, by_token, extra in (
-        (True, False, {}), (True, False, runs), (False, False, {}), (False, True, {}),
-    ):  # fmt: skip
-        cfg = {**config, "COLS_ROUTE": True, "PRESORT": presort, "COLS_INV_BY_TOKEN": by_token}
-        cfg.update(extra)
+        cfg["COLS_ROUTE"] = True
         plan = _launch_plan(T, E, k, start, end, _KIND[dtype], False, valid is not None, True,
                             True, False, tuple(sorted(cfg.items())), False, words)  # fmt: skip
         assert ("MODE" in plan.a) == words and plan.c["COLS"] == words
-        assert plan.c["PRESORT"] == (words and presort)
         assert plan.c["RUNS"] == (words and bool(extra) and end > start)
         got = routing_triton(x, k, _vtc(valid), start, end, False, True, True, False, cfg)
         check_plan(RoutingPlan(*got[:6]), want)
 
 
 @pytest.mark.parametrize("fuse", (True, False), ids=("C", "D"))
-def test_presort_256_token_programs(fuse):
-    """PRESORT with 256-token programs (8 bits of token, 11 of place in A's words), written out
-    by C or by D (``RUNS``): route and index_shuffling against the oracle."""
+def test_token_columns_256_token_programs(fuse):
+    """The token-column plan with 256-token programs (8 bits of token, 11 of place in A's
+    words), written out by C or by D (``RUNS``): route and index_shuffling against the oracle."""
     from moe_kernels._dispatch import use_triton
 
     if not use_triton(torch.device("cpu")):
@@ -606,7 +577,7 @@ def test_presort_256_token_programs(fuse):
 
     T, E, k, start, end, valid = 600, 128, 8, 5, 120, 590
     x = make_scores(T, E, torch.bfloat16, "ties", seed=3, layout="row")
-    cfg = {"SORTED": True, "PRESORT": True, "COLS_T": 256, "FUSE_SCAN": int(fuse), "RUNS_P": 2}
+    cfg = {"SORTED": True, "COLS_T": 256, "FUSE_SCAN": int(fuse), "RUNS_P": 2}
     want = naive_plan(x, k, start, end, valid)
     got = routing_triton(x, k, _vtc(valid), start, end, False, True, True, True, cfg)
     check_plan(RoutingPlan(*got[:6]), want)

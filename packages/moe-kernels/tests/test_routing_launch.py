@@ -85,10 +85,10 @@ CASES = [
     (64, 16, 8, 0, 16, torch.bfloat16, False, False, False, False, True, None),  # shuffling
     (300, 128, 8, 5, 77, torch.float32, True, True, True, True, False, {"FUSE_SCAN": 0}),
     (4096, 16, 8, 0, 16, torch.float16, False, True, False, False, True, None),  # sorted C
-    # index_shuffling's token-column plan (A writes per-expert token words), scan folded into C
+    # index_shuffling's token-column plan (A places the pairs), scan folded into C
     (4096, 128, 8, 3, 120, torch.bfloat16, False, True, False, False, True, {"SORTED": True}),
-    (70000, 128, 8, 0, 128, torch.bfloat16, False, False, False, False, True, None),  # + scan
-    # route there: A places the pairs (PRESORT), D writes them out by expert (RUNS)
+    # + the scan's launch and D (writes the pairs out by expert, RUNS); route there too
+    (70000, 128, 8, 0, 128, torch.bfloat16, False, False, False, False, True, None),
     (70000, 128, 8, 0, 128, torch.bfloat16, False, False, True, True, False, None),
 ]
 

@@ -26,14 +26,12 @@ A'. ``_topk_cols_kernel`` (``COLS``: 16-bit scores read as int32 pairs, 64 or 12
    sort-and-merge network on packed pairs (one PTX instruction per compare-exchange of two
    experts), masks of the experts above and equal to it (ties trimmed to the lowest experts),
    then, per warp, 32 x 32 bit transposes by shuffles into per-expert words of token bits (the
-   program's columns; their popcounts are ``hist``). With ``PRESORT`` (the default) it then
-   places each routed pair among the program's pairs sorted by (expert, token): its expert's
-   run start for the token's warp plus the popcount of the expert's column word below the
-   token's bit, both read from the expert's lane by shuffles (``_store_presorted``); the pair
-   (token, local expert, score bits) goes to that slot, and for route each token's choices by
-   descending score go to ``inverse`` as (slot, local expert) entries. Without it, it stores
-   the columns and, for route, each token's choices with their weights and ranks
-   (``_store_choices``).
+   program's columns; their popcounts are ``hist``). It then places each routed pair among the
+   program's pairs sorted by (expert, token): its expert's run start for the token's warp plus
+   the popcount of the expert's column word below the token's bit, both read from the expert's
+   lane by shuffles (``_store_presorted``); the pair (token, local expert, score bits) goes to
+   that slot, and for route each token's choices by descending score go to ``inverse`` as
+   (slot, local expert) entries.
 B. ``_scan_kernel``: exclusive scans of the ``hist`` rows over programs, a few experts per program
    (skipped for small problems: every C program then reduces the whole, small, ``hist`` itself).
 C. ``_place_kernel``: one program per A-program. It turns the per-expert totals into expert offsets
@@ -48,14 +46,10 @@ C. ``_place_kernel``: one program per A-program. It turns the per-expert totals 
    or, for index_shuffling with 16-32 local experts (``CUMSUM``), ranked by prefix sums over
    the program's one-hot (token, expert) grid, one expert per thread, each pair's key sent to
    its sorted index in a scratch slice and read back in order (``_scatter_in_sorted_order``).
-   After A' with ``PRESORT`` (``_place_presorted``), C turns the ``inverse`` entries into
-   positions (slot + the expert's base) and copies the placed pairs out, or leaves that to D.
-   Without it, C places each sorted index from the columns (``_place_from_columns``: a binary
-   search of the experts' run starts, then a select of the token's bit); route's weight (and
-   rank, for ``inverse``) of each pair comes from its token's list, two 16-byte loads, and
-   ``inverse`` is stored from there (128 experts) or in token order from a table of the column
-   words (64). Program 0 also writes ``counts``/``offsets`` and ``token_count_per_expert``.
-D. ``_expert_runs_kernel`` (``RUNS``: ``PRESORT`` with the scan's launch): one program per
+   After A' (``_place_presorted``), C turns route's ``inverse`` entries into positions (slot +
+   the expert's base) and copies the placed pairs out, or leaves that to D. Program 0 also
+   writes ``counts``/``offsets`` and ``token_count_per_expert``.
+D. ``_expert_runs_kernel`` (``RUNS``: after A' and the scan's launch): one program per
    (group of ``P`` A-programs, local expert) writes the group's pairs of that expert, one
    contiguous run of the output, each read from its A-program's slots. C's stores per A-program
    were runs of ~8 pairs at unaligned addresses, and partial 32-byte sectors cost: 2^23 int32
@@ -67,16 +61,15 @@ index_shuffling from 711 to 550 us and route from 992 to 697 us, insertion top-k
 490 us, fp32 keys and the merge network to 353 and 402 us (kernel A 174 us, its load pattern's
 floor 110 us; C 164 / 204 us, mostly ``tl.sort``), route's weights carried in the packed choices
 and sort keys (``PACK_W``) and B's wider chunks to 344 and 382 us, index_shuffling's token
-columns (A', 128-token programs) to 222 us (A 112, C 101), and route on them to 343 us (A 133,
-C 202), then 322 us (C 177: independent column loads, no pass for unrouted choices where none
-can be), then, with ``PRESORT`` and D, to 280 us (A 181, C 35, D 54) and index_shuffling to 187
-(A 128, C 7, D 42). At T=4096 the kernels take
-6-12 us and eager calls are bound by the host's launch cost. So eager calls after a plan's first
-relaunch its compiled handles with int addresses (``_BOUND``). With stand-in kernels on a 2-core
-CPU host (``gpu/launch_overhead.py --stub``) that took an eager call from 31-37 to 18-19 us
-(route) and from 29-35 to 16-17 us (index_shuffling); on the H200 1.3-2.2x less host time per
-call. Eager calls also take the sorted plan where it saves the scan's launch (``_launch_plan``'s
-``eager``).
+columns (A', 128-token programs, C placing from the stored columns) to 222 us (A 112, C 101),
+and route on them (C looking up per-token lists) to 343 us, then 322 (C 177); with A' placing
+the pairs and D, to 280 us (A 181, C 35, D 54) and index_shuffling to 187 (A 128, C 7, D 42).
+At T=4096 the kernels take 6-12 us and eager calls are bound by the host's launch cost. So
+eager calls after a plan's first relaunch its compiled handles with int addresses
+(``_BOUND``). With stand-in kernels on a 2-core CPU host (``gpu/launch_overhead.py --stub``)
+that took an eager call from 31-37 to 18-19 us (route) and from 29-35 to 16-17 us
+(index_shuffling); on the H200 1.3-2.2x less host time per call. Eager calls also take the
+sorted plan where it saves the scan's launch (``_launch_plan``'s ``eager``).
 
 ``OLD_INTERP`` (only under triton < 3.6's interpreter): kernel A's per-program histogram by
 one-hot sums instead of ``tl.histogram`` (wrong counts for program 0 there), and NaN scores
@@ -742,18 +735,6 @@ def _range_bits(m: tl.constexpr, start, end):
 
 
 @triton.jit
-def _store_columns(col, m: tl.constexpr, col_ptr, hist_ptr, pid, start, end, n_programs,
-                   TP: tl.constexpr, ASM: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
-    """Word m's columns to ``col_ptr[m * TP ..]`` (STORE); their counts (all warps') to
-    ``hist``."""
-    if STORE:
-        tl.store(col_ptr + m * TP + tl.arange(0, TP), col)
-    n = tl.sum(tl.reshape(_popc(col, ASM), [TP // 32, 32]), 0)
-    le = 32 * m + tl.arange(0, 32) - start
-    tl.store(hist_ptr + le * n_programs + pid, n, mask=(le >= 0) & (le < end - start))
-
-
-@triton.jit
 def _pop_lowest(s0, s1, s2, s3, ASM: tl.constexpr):
     """The lowest set bit of the 128-bit (s0, .., s3) -> (its index, the words without it)."""
     w = tl.where(s0 != 0, 0, tl.where(s1 != 0, 1, tl.where(s2 != 0, 2, 3)))
@@ -795,59 +776,6 @@ def _rank_of(k, k0, k1, k2, k3, k4, k5, k6, k7):
 
 
 @triton.jit
-def _store_choices(
-    lst_ptr, x_ptr, rows, row_ok, in_row, stride_t, s0, s1, s2, s3, start, end,
-    K: tl.constexpr, K_PAD: tl.constexpr, KIND: tl.constexpr, ASM: tl.constexpr,
-):  # fmt: skip
-    """route's per-token list for C (``_place_from_columns``): the K chosen experts in ascending
-    order, each as ``expert | rank << 8 | routed << 11 | score bits << 16`` (rank: its place by
-    descending score, ties to the lower expert), at ``lst_ptr[row * K_PAD + slot]``."""
-    rows64 = rows.to(tl.int64)
-    low = tl.full(rows.shape, -2147483648, tl.int32)  # below every key (slots >= K)
-    e0, k0, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
-                                           in_row, start, end, KIND, ASM)  # fmt: skip
-    e1, e2, e3, e4, e5, e6, e7 = e0, e0, e0, e0, e0, e0, e0
-    k1, k2, k3, k4, k5, k6, k7 = low, low, low, low, low, low, low
-    if K > 1:
-        e1, k1, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
-                                               in_row, start, end, KIND, ASM)  # fmt: skip
-    if K > 2:
-        e2, k2, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
-                                               in_row, start, end, KIND, ASM)  # fmt: skip
-    if K > 3:
-        e3, k3, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
-                                               in_row, start, end, KIND, ASM)  # fmt: skip
-    if K > 4:
-        e4, k4, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
-                                               in_row, start, end, KIND, ASM)  # fmt: skip
-    if K > 5:
-        e5, k5, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
-                                               in_row, start, end, KIND, ASM)  # fmt: skip
-    if K > 6:
-        e6, k6, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
-                                               in_row, start, end, KIND, ASM)  # fmt: skip
-    if K > 7:
-        e7, k7, s0, s1, s2, s3 = _choice_entry(x_ptr, rows64, row_ok, stride_t, s0, s1, s2, s3,
-                                               in_row, start, end, KIND, ASM)  # fmt: skip
-    dst = lst_ptr + rows * K_PAD
-    tl.store(dst, e0 | (_rank_of(k0, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
-    if K > 1:
-        tl.store(dst + 1, e1 | (_rank_of(k1, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
-    if K > 2:
-        tl.store(dst + 2, e2 | (_rank_of(k2, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
-    if K > 3:
-        tl.store(dst + 3, e3 | (_rank_of(k3, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
-    if K > 4:
-        tl.store(dst + 4, e4 | (_rank_of(k4, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
-    if K > 5:
-        tl.store(dst + 5, e5 | (_rank_of(k5, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
-    if K > 6:
-        tl.store(dst + 6, e6 | (_rank_of(k6, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
-    if K > 7:
-        tl.store(dst + 7, e7 | (_rank_of(k7, k0, k1, k2, k3, k4, k5, k6, k7) << 8), mask=row_ok)
-
-
-@triton.jit
 def _shfl(x, lane, TP: tl.constexpr, ASM: tl.constexpr):
     """``x`` of lane ``lane`` of the same warp (element (t // 32) * 32 + lane for thread t)."""
     if ASM:
@@ -860,13 +788,17 @@ def _shfl(x, lane, TP: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _run_starts(c, first, lbt_ptr, m: tl.constexpr, TP: tl.constexpr, ASM: tl.constexpr):
+def _run_starts(c, first, lbt_ptr, hist_ptr, pid, start, end, n_programs, m: tl.constexpr,
+                TP: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """Word m's columns (``_token_columns``) -> (TP,): element 32g + i = where expert 32m + i's
     pairs of token group g start among the program's pairs sorted by (expert, token), for
-    ``first`` = the pairs of experts below 32m; and the pairs of experts up to 32m + 31. Where
-    each expert's run starts goes to ``lbt_ptr[32m + i]`` (for ``_expert_runs_kernel``)."""
+    ``first`` = the pairs of experts below 32m; and the pairs of experts up to 32m + 31. Each
+    expert's count goes to ``hist`` (local experts), where its run starts to ``lbt_ptr[32m + i]``
+    (for ``_expert_runs_kernel``)."""
     n = tl.reshape(_popc(c, ASM), [TP // 32, 32])
     tot = tl.sum(n, 0)
+    le = 32 * m + tl.arange(0, 32) - start
+    tl.store(hist_ptr + le * n_programs + pid, tot, mask=(le >= 0) & (le < end - start))
     lb = tl.cumsum(tot, 0) - tot + first
     tl.store(lbt_ptr + 32 * m + tl.arange(0, 32), lb)
     pre = tl.cumsum(n, 0) - n + lb[None, :]
@@ -918,22 +850,27 @@ def _presort_choice(x_ptr, srt_ptr, rows, rows64, row_ok, in_row, stride_t, s0, 
 
 @triton.jit
 def _store_presorted(
-    srt_ptr, inverse_ptr, x_ptr, rows, row_ok, in_row, stride_t, s0, s1, s2, s3,
+    srt_ptr, inverse_ptr, hist_ptr, x_ptr, rows, row_ok, in_row, stride_t, s0, s1, s2, s3,
     c0, c1, c2, c3, start, end, n_programs, K: tl.constexpr, KIND: tl.constexpr, TP: tl.constexpr,
     E_PAD: tl.constexpr, ASM: tl.constexpr, WEIGHTS: tl.constexpr,
 ):  # fmt: skip
-    """route's pairs placed by A (``PRESORT``): each routed pair to its place among the
-    program's pairs sorted by (expert, token) (``_presort_choice``; ``srt_ptr``: the program's
-    TP * K slots), and per token its K choices by descending score (ties to the lower expert)
-    as ``inverse`` entries (place | local expert << PB, or -1) that C turns into positions."""
-    lbt_ptr = srt_ptr + n_programs * TP * K + tl.program_id(0) * E_PAD  # after all the slots
-    p0, first = _run_starts(c0, 0, lbt_ptr, 0, TP, ASM)
-    p1, first = _run_starts(c1, first, lbt_ptr, 1, TP, ASM)
+    """The program's pairs placed by A: its counts to ``hist``, each routed pair to its place
+    among the program's pairs sorted by (expert, token) (``_presort_choice``; ``srt_ptr``: the
+    program's TP * K slots), and for route (WEIGHTS) per token its K choices by descending score
+    (ties to the lower expert) as ``inverse`` entries (place | local expert << PB, or -1) that
+    C turns into positions."""
+    pid = tl.program_id(0)
+    lbt_ptr = srt_ptr + n_programs * TP * K + pid * E_PAD  # after all the slots
+    p0, first = _run_starts(c0, 0, lbt_ptr, hist_ptr, pid, start, end, n_programs, 0, TP, ASM)
+    p1, first = _run_starts(c1, first, lbt_ptr, hist_ptr, pid, start, end, n_programs, 1, TP,
+                            ASM)  # fmt: skip
     p01 = p0 | (p1 << 16)  # places < TP * 8 <= 2048: two to a word
     p23 = p01
     if E_PAD == 128:
-        p2, first = _run_starts(c2, first, lbt_ptr, 2, TP, ASM)
-        p3, first = _run_starts(c3, first, lbt_ptr, 3, TP, ASM)
+        p2, first = _run_starts(c2, first, lbt_ptr, hist_ptr, pid, start, end, n_programs, 2, TP,
+                                ASM)  # fmt: skip
+        p3, first = _run_starts(c3, first, lbt_ptr, hist_ptr, pid, start, end, n_programs, 3, TP,
+                                ASM)  # fmt: skip
         p23 = p2 | (p3 << 16)
     rows64 = rows.to(tl.int64)
     low = tl.full(rows.shape, -2147483648, tl.int32)  # below every key (choices >= K)
@@ -996,8 +933,9 @@ def _topk_cols_kernel(
     stride_e,
     stride_w,
     vtc_ptr,
-    pack_ptr,  # (n_programs, E_PAD // 32, TP // 32, 32) int32 out: ``_token_columns`` words
-    scr_w_ptr,  # (T, K_PAD) int32 out (WEIGHTS): each token's choices (``_store_choices``)
+    pack_ptr,  # int32 out: TP * K slots a program for its placed pairs, then (programs, E_PAD)
+    # run starts (_store_presorted)
+    scr_w_ptr,  # (T, K) int32 out (route, WEIGHTS): the inverse entries (the inverse output)
     hist_ptr,  # (L, n_programs) int32 out: pairs per local expert and program
     T,
     E,
@@ -1010,14 +948,13 @@ def _topk_cols_kernel(
     HAS_VTC: tl.constexpr,
     FULL_RANGE: tl.constexpr,
     MODE: tl.constexpr,  # _h2_op's: 2 / 3 bf16 / fp16 by PTX, 4 / 5 emulated (interpreter)
-    WEIGHTS: tl.constexpr,  # route (COLS_ROUTE): the choices' lists too
-    K_PAD: tl.constexpr,
-    PRESORT: tl.constexpr,  # pairs placed in sorted order here (pack_ptr); route: inverse entries
+    WEIGHTS: tl.constexpr,  # route (COLS_ROUTE): weights and inverse entries too
 ):
-    """Kernel A for index_shuffling (``COLS``): TP tokens a program, one a thread.
+    """Kernel A of the token-column plan (``COLS``): TP tokens a program, one a thread.
     Each token's chosen experts as a 128-bit mask (``_threshold_masks``, ``_keep_lowest``),
     masked to the expert range and the valid tokens; transposed to per-expert words of token
-    bits, which C ranks with popcounts; their popcounts are the program's histogram."""
+    bits (the program's columns), whose popcounts place each pair among the program's pairs in
+    sorted order (``_store_presorted``)."""
     ASM: tl.constexpr = MODE <= 3
     pid = tl.program_id(0)
     rows = pid * TP + tl.arange(0, TP)
@@ -1030,10 +967,6 @@ def _topk_cols_kernel(
     if HAS_VTC:
         vtc = tl.load(vtc_ptr).to(tl.int64)
         routed = routed & (rows < tl.minimum(tl.maximum(vtc, 0), T))
-    if WEIGHTS and not PRESORT:
-        _store_choices(scr_w_ptr.to(tl.pointer_type(tl.int32)), x_ptr, rows, row_ok, routed,
-                       stride_t, gt0 | eq0, gt1 | eq1, gt2 | eq2, gt3 | eq3, start, end, K, K_PAD,
-                       MODE % 2 + 1, ASM)  # fmt: skip
     s0 = tl.where(routed, gt0 | eq0, 0)
     s1 = tl.where(routed, gt1 | eq1, 0)
     s2 = tl.where(routed, gt2 | eq2, 0)
@@ -1044,18 +977,10 @@ def _topk_cols_kernel(
         s2 &= _range_bits(2, start, end)
         s3 &= _range_bits(3, start, end)
     c0, c1, c2, c3 = _token_columns(s0, s1, s2, s3, TP, ASM)
-    col_ptr = pack_ptr + pid * (E_PAD // 32 * TP)
-    STORE: tl.constexpr = not PRESORT  # C reads the columns
-    _store_columns(c0, 0, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM, STORE)
-    _store_columns(c1, 1, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM, STORE)
-    if E_PAD == 128:
-        _store_columns(c2, 2, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM, STORE)
-        _store_columns(c3, 3, col_ptr, hist_ptr, pid, start, end, n_programs, TP, ASM, STORE)
-    if PRESORT:
-        _store_presorted(pack_ptr, scr_w_ptr.to(tl.pointer_type(tl.int32)), x_ptr, rows, row_ok,
-                         routed, stride_t, gt0 | eq0, gt1 | eq1, gt2 | eq2, gt3 | eq3, c0, c1,
-                         c2, c3, start, end, n_programs, K, MODE % 2 + 1, TP, E_PAD, ASM,
-                         WEIGHTS)  # fmt: skip
+    _store_presorted(pack_ptr, scr_w_ptr.to(tl.pointer_type(tl.int32)), hist_ptr, x_ptr, rows,
+                     row_ok, routed, stride_t, gt0 | eq0, gt1 | eq1, gt2 | eq2, gt3 | eq3, c0, c1,
+                     c2, c3, start, end, n_programs, K, MODE % 2 + 1, TP, E_PAD, ASM,
+                     WEIGHTS)  # fmt: skip
 
 
 @triton.jit
@@ -1290,13 +1215,8 @@ def _place_kernel(
     NW: tl.constexpr,  # COUNT: int32 count words per token (>= L_PAD / 4)
     CUMSUM: tl.constexpr,  # SORTED: rank by prefix sums of one-hot rows instead of tl.sort
     TOK_BITS: tl.constexpr,  # CUMSUM: log2(TOK_PER_PROG)
-    COLS: tl.constexpr,  # SORTED: A stored per-expert token columns (_topk_cols_kernel)
-    E_PAD: tl.constexpr,  # COLS: experts in A's column words (E_PAD / 32 * TOK_PER_PROG a program)
-    ASM: tl.constexpr,  # COLS: inline PTX (popc); False in the interpreter
-    INV_BY_TOKEN: tl.constexpr,  # COLS with WEIGHTS: inverse in token order (_place_from_columns)
-    ALL_ROUTED: tl.constexpr,  # COLS: every choice of every row is routed (no range, no count)
-    PRESORT: tl.constexpr,  # COLS: A placed the pairs in sorted order (_place_presorted)
-    RUNS: tl.constexpr,  # PRESORT: _expert_runs_kernel writes the sorted pairs, not C
+    COLS: tl.constexpr,  # A placed the pairs in sorted order (_topk_cols_kernel)
+    RUNS: tl.constexpr,  # COLS: _expert_runs_kernel writes the sorted pairs, not C
 ):
     pid = tl.program_id(0)
     ls = tl.arange(0, L_PAD)
@@ -1344,16 +1264,10 @@ def _place_kernel(
             tl.store(tcpe_ptr + E, T)
             tl.store(tcpe_ptr + E + 1, n)
 
-    if PRESORT:
+    if COLS:
         _place_presorted(
             pack_ptr, base, mine, expert_ptr, token_ptr, weight_ptr, inverse_ptr, T, K, n, pid,
             K_PAD, TOK_PER_PROG, IS_BF16, WEIGHTS, RUNS,
-        )  # fmt: skip
-    elif COLS:
-        _place_from_columns(
-            pack_ptr, scr_w_ptr.to(tl.pointer_type(tl.int32)), base, lb, mine, expert_ptr,
-            token_ptr, weight_ptr, inverse_ptr, T, K, n, pid, start, K_PAD, L_PAD, TOK_PER_PROG,
-            E_PAD, ASM, WEIGHTS, IS_BF16, INV_BY_TOKEN, ALL_ROUTED,
         )  # fmt: skip
     elif COUNT:
         _place_counted_pairs(
@@ -1539,80 +1453,6 @@ def _place_sorted_pairs(
 
 
 @triton.jit
-def _place_from_columns(
-    col_ptr, lst_ptr, base, lb, mine, expert_ptr, token_ptr, weight_ptr, inverse_ptr, T, K, n,
-    pid, start, K_PAD: tl.constexpr, L_PAD: tl.constexpr, TP: tl.constexpr,
-    E_PAD: tl.constexpr, ASM: tl.constexpr, WEIGHTS: tl.constexpr, IS_BF16: tl.constexpr,
-    INV_BY_TOKEN: tl.constexpr, ALL_ROUTED: tl.constexpr,
-):  # fmt: skip
-    """index_shuffling from A's token columns (``_topk_cols_kernel``), in sorted order without a
-    sort: sorted index i of the program belongs to the last local expert whose run starts at or
-    before it (a binary search of ``lb``), and is that expert's r-th token, r = i - lb[e]: the
-    r-th set bit of its TP-bit column (``_select_bit``). Stores go out in sorted order.
-    WEIGHTS (route): the pair's weight and its rank among the token's choices come from the
-    token's list (``_store_choices``, 16-byte loads on the GPU). ``inverse`` gets each pair's
-    position, -1 for the program's choices not routed: stored from here, scattered, or with
-    INV_BY_TOKEN whole rows in token order (``_place_token_inverse``). ALL_ROUTED: no choice
-    is left out (full expert range, no valid count), so none needs a -1."""
-    NP: tl.constexpr = TP * K_PAD
-    idx = tl.arange(0, NP)
-    rows = pid * TP + idx // K_PAD
-    jv = idx % K_PAD
-    offs = rows * K + jv
-    tail = (rows < T) & (jv < K) & (offs >= n)
-    tl.store(expert_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
-    tl.store(token_ptr + offs, tl.full([NP], -1, tl.int32), mask=tail)
-    ok = idx < tl.sum(mine, axis=0)
-    le = tl.zeros([NP], tl.int32)
-    for b in tl.static_range(7):  # L_PAD <= 128; lb is non-decreasing and lb[0] = 0
-        if (L_PAD >> (b + 1)) > 0:
-            cand = le + (L_PAD >> (b + 1))
-            le = tl.where(tl.gather(lb, cand, 0) <= idx, cand, le)
-    r = idx - tl.gather(lb, le, 0)
-    b_le = tl.gather(base, le, 0)
-    e = le + start
-    cw = col_ptr + pid * (E_PAD // 32 * TP) + (e // 32) * TP + e % 32
-    word = tl.zeros([NP], tl.int32)
-    tok = tl.zeros([NP], tl.int32)
-    found = idx < 0
-    # The column word (32 tokens) holding the r-th bit. The words are loaded independently, not
-    # each only when the earlier ones fell short: no chain of dependent loads (H200, T=2^20,
-    # E=128, k=8: C of route 177 vs 185 us, of index_shuffling 96 vs 100).
-    for h in tl.static_range(TP // 32):
-        w = tl.load(cw + 32 * h, mask=ok, other=0)
-        c = _popc(w, ASM)
-        here = ~found & (r < c)
-        word = tl.where(here, w, word)
-        tok = tl.where(here, 32 * h, tok)
-        r = tl.where(found | here, r, r - c)
-        found = found | here
-    tok += _select_bit(word, r, ASM)
-    pos = idx + b_le
-    tl.store(expert_ptr + pos, le, mask=ok)
-    tl.store(token_ptr + pos, pid * TP + tok, mask=ok)
-    if WEIGHTS:
-        tl.store(weight_ptr + offs, tl.zeros([NP], tl.float32), mask=tail)
-        # the pair's entry in its token's list (_store_choices): its weight, its rank
-        mine_ent = _find_choice(lst_ptr + (pid * TP + tok) * K_PAD, e, ok, K, ASM and K_PAD == 8)
-        tl.store(weight_ptr + pos, _bits16_to_f32(mine_ent >> 16, IS_BF16), mask=ok)
-        if INV_BY_TOKEN:
-            _place_token_inverse(col_ptr, lst_ptr, base + lb, inverse_ptr, T, K, pid, start,
-                                 K_PAD, L_PAD, TP, E_PAD, ASM)  # fmt: skip
-        else:
-            tl.store(inverse_ptr + (pid * TP + tok) * K + ((mine_ent >> 8) & 7), pos, mask=ok)
-            if not ALL_ROUTED:  # -1 for the program's choices outside the range / valid count
-                own = pid * TP + tl.arange(0, TP)
-                for q in tl.static_range(K):
-                    ent = tl.load(lst_ptr + own * K_PAD + q, mask=own < T, other=1 << 11)
-                    off = (ent & (1 << 11)) == 0
-                    tl.store(
-                        inverse_ptr + own * K + ((ent >> 8) & 7),
-                        tl.full([TP], -1, tl.int32),
-                        mask=off,
-                    )
-
-
-@triton.jit
 def _place_presorted(
     srt_ptr, base, mine, expert_ptr, token_ptr, weight_ptr, inverse_ptr, T, K, n, pid,
     K_PAD: tl.constexpr, TP: tl.constexpr, IS_BF16: tl.constexpr, WEIGHTS: tl.constexpr,
@@ -1672,7 +1512,7 @@ def _expert_runs_chunk(pack_ptr, expert_ptr, token_ptr, weight_ptr, le, first, c
 
 @triton.jit
 def _expert_runs_kernel(
-    pack_ptr,  # A's placed pairs (PRESORT): TP * K slots a program, then (programs, E_PAD) starts
+    pack_ptr,  # A's placed pairs: TP * K slots a program, then (programs, E_PAD) run starts
     hist_ptr,  # (L, n_programs) int32: exclusive prefix over programs (the scan's)
     counts_ptr,  # (L,) int32: pairs per local expert
     expert_ptr,  # (T*K,) int32 out
@@ -1691,7 +1531,7 @@ def _expert_runs_kernel(
     IS_BF16: tl.constexpr,
     WHILE_LOOPS: tl.constexpr,
 ):
-    """The sorted pairs after PRESORT, one program per (group of P A-programs, local expert):
+    """The sorted pairs placed by A', one program per (group of P A-programs, local expert):
     the group's pairs of the expert form one contiguous run of the output, which this program
     writes in order, whole 32-byte sectors but at its two ends (C's stores per A-program were
     runs of ~8 pairs, misaligned: H200, T=2^20, E=128, k=8, C's stores cost ~100 us of 165).
@@ -1724,97 +1564,6 @@ def _expert_runs_kernel(
         for q0 in range(0, S, QB):
             _expert_runs_chunk(pack_ptr, expert_ptr, token_ptr, weight_ptr, le, first, cum, src0,
                                tok0, q0, S, P, TP, QB, WEIGHTS, IS_BF16)  # fmt: skip
-
-
-@triton.jit
-def _ld_v4(ptr, ok):
-    """Four int32 at a 16-byte aligned ``ptr`` in one load (0 where not ``ok``)."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        setp.ne.b32 p, $5, 0;
-        mov.b32 $0, 0;
-        mov.b32 $1, 0;
-        mov.b32 $2, 0;
-        mov.b32 $3, 0;
-        @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];
-        }""",
-        "=r,=r,=r,=r,l,r",
-        [ptr.to(tl.int64), ok.to(tl.int32)],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-        is_pure=True,
-        pack=1,
-    )
-
-
-@triton.jit
-def _pick(ent, e, found):
-    """``ent`` where its expert (low byte) is ``e``, else ``found``."""
-    return tl.where((ent & 0xFF) == e, ent, found)
-
-
-@triton.jit
-def _pick4(v0, v1, v2, v3, e, found, FIRST: tl.constexpr, K: tl.constexpr):
-    """``_pick`` over list slots FIRST..FIRST+3, those below K (the rest were never written)."""
-    if K > FIRST:
-        found = _pick(v0, e, found)
-    if K > FIRST + 1:
-        found = _pick(v1, e, found)
-    if K > FIRST + 2:
-        found = _pick(v2, e, found)
-    if K > FIRST + 3:
-        found = _pick(v3, e, found)
-    return found
-
-
-@triton.jit
-def _find_choice(lst, e, ok, K: tl.constexpr, V4: tl.constexpr):
-    """The entry of expert ``e`` among the K at ``lst`` (a token's list, ``_store_choices``); a
-    token picks an expert at most once. V4: two 16-byte loads (K_PAD = 8), else K 4-byte ones."""
-    found = tl.zeros_like(e)
-    if V4:
-        a0, a1, a2, a3 = _ld_v4(lst, ok)
-        b0, b1, b2, b3 = _ld_v4(lst + 4, ok)
-        found = _pick4(a0, a1, a2, a3, e, found, 0, K)
-        found = _pick4(b0, b1, b2, b3, e, found, 4, K)
-    else:
-        for q in tl.static_range(K):
-            found = _pick(tl.load(lst + q, mask=ok, other=-1), e, found)
-    return found
-
-
-@triton.jit
-def _place_token_inverse(
-    col_ptr, lst_ptr, first, inverse_ptr, T, K, pid, start, K_PAD: tl.constexpr,
-    L_PAD: tl.constexpr, TP: tl.constexpr, E_PAD: tl.constexpr, ASM: tl.constexpr,
-):  # fmt: skip
-    """route's ``inverse`` on the token columns, in token order: each of a token's choices (its
-    list from ``_store_choices``) sits at ``first[e]`` (where local expert e's run of this
-    program starts) plus the number of the program's earlier tokens that chose e: the counts of
-    e's earlier 32-token groups plus the popcount of e's word for the token's group below the
-    token's bit. One table of the program's column words, each beside its expert's run start
-    plus the earlier groups' counts (int64), answers both in one gather. Rows of ``inverse`` are
-    written whole (-1 where not routed), where the sorted pass would scatter them."""
-    NWT: tl.constexpr = E_PAD // 32 * TP  # column words: m * TP + 32 * group + lane
-    w3 = tl.reshape(tl.load(col_ptr + pid * NWT + tl.arange(0, NWT)), [E_PAD // 32, TP // 32, 32])
-    n = _popc(w3, ASM)
-    ev = tl.arange(0, E_PAD)  # expert 32 m + lane; outside the range: not routed, never used
-    fe = tl.gather(first, tl.minimum(tl.maximum(ev - start, 0), L_PAD - 1), 0)
-    hi = tl.cumsum(n, axis=1) - n + tl.reshape(fe, [E_PAD // 32, 1, 32])
-    table = tl.reshape((hi.to(tl.int64) << 32) | (w3.to(tl.int64) & 0xFFFFFFFF), [NWT])
-    loc = tl.arange(0, TP)
-    own = pid * TP + loc
-    qs = tl.arange(0, K_PAD)
-    m = (own < T)[:, None] & (qs[None, :] < K)
-    ent = tl.load(lst_ptr + own[:, None] * K_PAD + qs[None, :], mask=m, other=0)  # (TP, K_PAD)
-    routed = (ent & (1 << 11)) != 0
-    e = ent & 0xFF
-    at = (e // 32) * TP + (loc // 32 * 32)[:, None] + e % 32
-    v = tl.reshape(tl.gather(table, tl.reshape(at, [TP * K_PAD]), 0), [TP, K_PAD])
-    below = ~(-1 << (loc % 32))[:, None]  # the token's lower lanes in its group's word
-    rank = _popc(v.to(tl.int32) & below, ASM)
-    pos = tl.where(routed, (v >> 32).to(tl.int32) + rank, -1)
-    tl.store(inverse_ptr + own[:, None] * K + ((ent >> 8) & 7), pos, mask=m)
 
 
 @triton.jit
@@ -1973,28 +1722,24 @@ def _launch_plan(
     # 552 -> 445 us, route 676 -> 489 us; T=65536 fp32 route 99 -> 70 us).
     insert = bool(cfg.get("INSERT", True)) and sort and k_pad <= 8
     user = dict(config) if config else {}
-    # index_shuffling from 16-bit scores read as int32 pairs (``words``: 4-byte aligned rows),
-    # 64 or 128 experts, k <= 8: A by threshold into per-expert token columns, C from them
-    # (H200, T=2^20, k=8, bf16, gpu/routing_ablation.py: E=128 221 us against 349 us sorting,
-    # A 112 vs 173 and C 101 vs 163 with 128-token programs, 253 us with 64; E=64 155 us with
-    # 64-token programs, 182 with 128, 265 sorting).
-    # route (weights, inverse) too unless it renormalizes (COLS_ROUTE; H200, T=2^20, k=8,
-    # bf16: E=128 343 vs 380 us on the sorted plan, E=64 245 vs 283).
+    # The token-column plan: 16-bit scores read as int32 pairs (``words``: 4-byte aligned rows),
+    # 64 or 128 experts, k <= 8, route unless it renormalizes (COLS_ROUTE). A by threshold into
+    # per-expert token columns, whose popcounts place each pair among its program's pairs in
+    # sorted order (route: and the inverse entries); C (small T) or D (after the scan's launch,
+    # ``RUNS``) writes them out. H200, T=2^20, k=8, bf16, gpu/routing_ablation.py: E=128 route
+    # 279 us and index_shuffling 183, against 380 / 349 on the sorted plan and 321 / 216 with C
+    # placing the pairs from the stored columns (and route's per-token lists; session 10's plan,
+    # commit 5035caa); E=64 210 / 124 against 240 / 152.
     cols = insert and words and kind != 0 and E in (64, 128) and k_pad <= 8
     cols = cols and (
         not with_weights or (bool(cfg.get("COLS_ROUTE", _COLS_ROUTE)) and not renormalize)
     )
     cols = cols and "BLOCK_T" not in user and bool(cfg.get("COLS", True))
-    # A places each program's pairs in sorted order (route: and writes the inverse entries);
-    # C (small T) or D (after the scan's launch, ``RUNS``) writes them out (PRESORT). Else C
-    # places them from the columns (route: and the token lists). H200, T=2^20, k=8, bf16,
-    # gpu/routing_ablation.py: E=128 route 321 -> 279 us, index_shuffling 216 -> 183; E=64 (with
-    # 128-token programs) 240 -> 210 and 152 -> 124.
-    presort = cols and bool(cfg.get("PRESORT", True))
-    # tokens a program, one a thread (E=64 without PRESORT: 64, 155 vs 182 us for 128)
-    cols_t = int(cfg.get("COLS_T", 128 if presort or E == 128 else 64))
-    if cols_t not in ((64, 128, 256) if presort else (64, 128)):  # the sizes checked on the GPU
-        raise ValueError(f"COLS_T must be 64 or 128 (or 256 with PRESORT): {cols_t}")
+    # tokens a program, one a thread (H200, T=2^20, k=8: 256 ran route 294 against 279 us at
+    # E=128, index_shuffling 140 against 124 at E=64; 64 slower at E=64 too)
+    cols_t = int(cfg.get("COLS_T", 128))
+    if cols_t not in (64, 128, 256):  # the sizes checked on the GPU
+        raise ValueError(f"COLS_T must be 64, 128 or 256: {cols_t}")
     if cols:  # one token a thread
         cfg.update(BLOCK_T=cols_t, SUB=1, num_warps=1 if INTERPRET else cols_t // 32)
     elif insert and "BLOCK_T" not in user:  # one row per thread, ~512 pairs per program
@@ -2029,8 +1774,6 @@ def _launch_plan(
     )  # fmt: skip
     P = T * K
     n_hist = Lm * n_prog
-    if cols and with_weights:  # the choices' lists (scr_w) start 16-byte aligned
-        n_hist += -n_hist % 4
     sizes = [
         P, P, P if with_weights else 0, P if with_weights else 0, Lm,
         L + 1 if with_offsets else 0, E + 2 if with_tcpe else 0, 0,
@@ -2065,14 +1808,10 @@ def _launch_plan(
     if cols:
         mode = (2 if kind == 1 else 3) + (2 if INTERPRET else 0)
         a = dict(K=K, E_PAD=e_pad, TP=cols_t, HAS_VTC=has_vtc,
-                 FULL_RANGE=start == 0 and end == E, MODE=mode, WEIGHTS=with_weights,
-                 K_PAD=k_pad, PRESORT=presort)  # fmt: skip
-        if presort:  # TP * K slots a program for its sorted pairs, then its E_PAD run starts
-            sizes[_SEG["packed"]] = n_prog * (cols_t * K + e_pad)
-            sizes[_SEG["scr_w"]] = 0
-        else:
-            sizes[_SEG["packed"]] = n_prog * e_pad * cols_t // 32
-            sizes[_SEG["scr_w"]] = T * k_pad if with_weights else 0  # the choices' lists
+                 FULL_RANGE=start == 0 and end == E, MODE=mode, WEIGHTS=with_weights)  # fmt: skip
+        # TP * K slots a program for its sorted pairs, then its E_PAD run starts
+        sizes[_SEG["packed"]] = n_prog * (cols_t * K + e_pad)
+        sizes[_SEG["scr_w"]] = 0
     scan = None
     if L > 0 and not fuse_scan:
         # Long hist rows in one or two chunks with 8 warps (H200, T=2^20, E=128: 16384 programs;
@@ -2098,9 +1837,6 @@ def _launch_plan(
     cumsum = bool(cumsum and cfg.get("CUMSUM", in_range))
     count = count and not cumsum and not cols
     cumsum = cumsum and not cols
-    route_cols = cols and with_weights and not presort
-    all_routed = route_cols and start == 0 and end == E and not has_vtc
-    all_routed = all_routed and bool(cfg.get("ALL_ROUTED", True))
     c = dict(
         K=K,
         K_PAD=k_pad,
@@ -2127,30 +1863,18 @@ def _launch_plan(
         CUMSUM=cumsum,
         TOK_BITS=(tok_per_prog - 1).bit_length(),
         COLS=cols,
-        E_PAD=e_pad,
-        ASM=not INTERPRET,
-        # route on columns: inverse by token (a gather of the column table, rows written whole)
-        # or in sorted order (looked up with the weight, stores scattered). H200, T=2^20, k=8,
-        # bf16, C of route: E=128 (128-token programs) 177 us sorted vs 189 by token; E=64
-        # (64-token programs) 143.5 by token vs 159 (gpu/routing_ablation.py).
-        # (Both False where C does not read them, so they add no compiled variants there.)
-        INV_BY_TOKEN=route_cols and bool(cfg.get("COLS_INV_BY_TOKEN", e_pad != 128)),
-        # no pass for the choices not routed where none can be (H200, T=2^20, E=128, k=8, bf16:
-        # C of route 179 vs 191 us)
-        ALL_ROUTED=all_routed,
-        PRESORT=presort,
         RUNS=False,
     )
     if INTERPRET:
         c_warps = 1
-    elif cols:  # H200, T=2^20, k=8, E=128: C 101 us with 8 warps, 125 with 4, 127 with 16
+    elif cols:  # (H200, T=2^20, k=8, E=128, session 10's C: 8 warps 101 us, 4 125, 16 127)
         c_warps = cfg.get("C_WARPS", max(1, min(8, tok_per_prog * k_pad // 128)))
     elif sort:
         c_warps = cfg.get("C_WARPS", max(1, min(4, tok_per_prog * k_pad // 128)))
     else:
         c_warps = cfg.get("C_WARPS", max(1, min(4, chunk_t * k_pad // 256)))
     runs = None
-    if presort and scan is not None and bool(cfg.get("RUNS", True)):
+    if cols and scan is not None and bool(cfg.get("RUNS", True)):
         # The sorted pairs by (group of P A-programs, local expert): one contiguous run each
         # (H200, T=2^20, E=128, k=8: C's stores in runs of ~8 pairs a program cost ~100 us).
         c["RUNS"] = True
@@ -2230,7 +1954,7 @@ def _kernel_args(
         tcpe = counts
     L = end - start
     stride_w = strides[0] // 2 if p.c["COLS"] else 0  # _topk_cols_kernel's
-    a_w = inverse if p.c["PRESORT"] else scr_w  # PRESORT: A writes inverse entries
+    a_w = inverse if p.c["COLS"] else scr_w  # COLS: A writes route's inverse entries
     a = (x, *strides, stride_w, expert if vtc is None else vtc, packed, a_w, hist, T, E, start,
          end, p.n_prog)  # fmt: skip
     b = (hist, counts, L, p.n_prog)
