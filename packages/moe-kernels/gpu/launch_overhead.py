@@ -71,7 +71,7 @@ def _stub_kernels() -> None:
             def get_current_stream(dev) -> int:
                 return 0
 
-    for name in ("_topk_rank", "_topk_cols", "_scan", "_place"):
+    for name in ("_topk_rank", "_topk_cols", "_scan", "_place", "_expert_runs"):
         setattr(R, name, launch.FastKernel(Jit(getattr(R, name).fn)))
     launch.FastKernel.enabled = True
     launch.driver = Driver
