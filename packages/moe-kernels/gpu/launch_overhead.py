@@ -9,6 +9,10 @@ torch-native routing (topk + stable sort + bincount), once with the bound relaun
 (``_triton/routing.py``'s ``_BOUND``) and once with it off.
 Without a GPU (or with ``--stub``): the host time of a public eager call, with stand-in kernels
 whose launches do nothing, on CPU tensors.
+``--eager-profile`` (GPU): the kernel timeline of ``do_bench``-style calls (flush, call), eager
+against the custom-op path: our kernels' device time, their span, and how long the GPU waits
+for the host after the flush (whether the eager T=4096 rows are bound by the host or by the
+eager plan's kernels).
 """
 
 from __future__ import annotations
@@ -115,7 +119,88 @@ def _breakdown(T: int = 4096, E: int = 128, k: int = 8) -> None:
         print(f"| {name} | {_per_call_us(fn):.1f} |", flush=True)
 
 
+_OURS = ("_topk_", "_scan", "_place", "_expert_runs")
+
+
+def _timeline(fn, iters: int = 50) -> dict[str, float]:
+    """Kernel timeline of ``do_bench``-style calls (an L2 flush, then ``fn``), averaged over
+    ``iters``: the device time of our kernels, the span from the first's start to the last's
+    end, and the gap between the flush's end and our first kernel's start (GPU idle, waiting
+    for the host: the eager rows' host cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    kernels = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return _per_call(kernels)
+
+
+def _per_call(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
+    """(name, start, end) of GPU kernels, us -> medians per call of ours (the kernels between
+    two others): device time, span, and the idle time since the kernel before (the flush)."""
+    busy, span, gap = [], [], []
+    flush_end, first, last, total = None, None, None, 0.0
+    for name, start, end in sorted(kernels, key=lambda e: e[1]) + [("", 0.0, 0.0)]:
+        ours = any(k in name for k in _OURS)
+        if not ours and first is not None:  # one call ended
+            busy.append(total)
+            span.append(last - first)
+            if flush_end is not None:
+                gap.append(max(0.0, first - flush_end))
+            first, total = None, 0.0
+        if ours:
+            first = start if first is None else first
+            last = end
+            total += end - start
+        else:
+            flush_end = end
+    med = statistics.median
+    nan = float("nan")
+    return {
+        "kernels": med(busy) if busy else nan,
+        "span": med(span) if span else nan,
+        "gap": med(gap) if gap else nan,
+    }
+
+
+def _eager_profile() -> None:
+    """Eager calls against the custom-op path (the plan CUDA graphs and compiled code take), at
+    T=4096: device time, span and the GPU's wait for the host after the flush, us."""
+    print("\n# do_bench-style timeline (flush, call), medians over 50 calls, us")
+    print("| op | E | path | kernels | span | wait after flush |")
+    print("| --- | ---: | --- | ---: | ---: | ---: |")
+    for T, E, k in SHAPES:
+        s = torch.randn(T, E, device="cuda").softmax(-1).to(torch.bfloat16)
+        paths = {
+            ("index_shuffling", "eager"): lambda s=s, k=k: MR.index_shuffling(s, top_k=k),
+            ("index_shuffling", "op"): lambda s=s, E=E, k=k: MR._index_shuffling_op(
+                s, 0, E, None, k
+            ),
+            ("route", "eager"): lambda s=s, k=k: MR.route(s, k),
+            ("route", "op"): lambda s=s, E=E, k=k: MR._route_op(s, k, None, 0, E, False),
+        }
+        for (op, path), fn in paths.items():
+            t = _timeline(fn)
+            print(f"| {op} | {E} | {path} | {t['kernels']:.1f} | {t['span']:.1f} | "
+                  f"{t['gap']:.1f} |", flush=True)  # fmt: skip
+
+
 def main() -> int:
+    if "--eager-profile" in sys.argv:
+        _eager_profile()
+        return 0
     stub = "--stub" in sys.argv or not torch.cuda.is_available()
     if stub:
         _stub_kernels()
