@@ -9,6 +9,8 @@ torch-native routing (topk + stable sort + bincount), once with the bound relaun
 (``_triton/routing.py``'s ``_BOUND``) and once with it off.
 Without a GPU (or with ``--stub``): the host time of a public eager call, with stand-in kernels
 whose launches do nothing, on CPU tensors.
+``--host-bound`` (GPU): ``do_bench``'s loop timed from the host and from the GPU side by side
+(whether the GPU waits for the host), beside do_bench's own median and torch's.
 ``--eager-profile`` (GPU): the kernel timeline of ``do_bench``-style calls (flush, call), eager
 against the custom-op path: our kernels' device time, their span, and how long the GPU waits
 for the host after the flush (whether the eager T=4096 rows are bound by the host or by the
@@ -86,40 +88,39 @@ def _stub_kernels() -> None:
 def _breakdown(T: int = 4096, E: int = 128, k: int = 8) -> None:
     """Where an eager index_shuffling call's host time goes (GPU only): the public call, the
     launcher alone, its pieces, and a one-kernel torch op for scale."""
-    from triton.runtime import driver
-
     x = torch.randn(T, E, device="cuda").softmax(-1).to(torch.bfloat16)
     R._BOUND = {}
     args = (x, 8, None, 0, E, False, False, False, True, None, True)
     R.routing_triton(*args)
-    key, (ha, hb, hc, _) = next(iter(R._BOUND.items()))
-    p = R._launch_plan(*key[0])
-    n = sum(p.sizes)
-    buf = torch.empty(n, dtype=torch.int32, device="cuda")
-    addrs = [buf.data_ptr() + 4 * s for s in p.starts]
-    a, _, c, _ = R._kernel_args(p, addrs, x.data_ptr(), x.stride(), None, T, E, 0, E, False, False,
-                             True)  # fmt: skip
+    e = next(iter(R._BOUND.values()))
+    buf = torch.empty(e.n, dtype=torch.int32, device="cuda")
+    bases = (buf.data_ptr(), x.data_ptr(), 0, 0)
+    if e.barrier:
+        bases = (*bases[:3], R.barrier_words(0, launch.current_stream(0)).data_ptr())
+    stream = launch.current_stream(0)
     small = torch.zeros(16, device="cuda")
     parts = {
         "public index_shuffling": lambda: MR.index_shuffling(x, top_k=k),
         "argument checks (_check)": lambda: MR._check(x, "routing_scores", k, None, None, None),
+        "eager_direct": lambda: MR.eager_direct(x, None),
         "routing_triton, bound": lambda: R.routing_triton(*args),
-        f"torch.empty({n}, int32)": lambda: torch.empty(n, dtype=torch.int32, device="cuda"),
-        "get_current_stream": lambda: driver.active.get_current_stream(0),
-        "kernel A relaunch (run)": lambda: launch.run(ha, (p.n_prog,), 0, a),
-        "kernel C relaunch (run)": lambda: launch.run(hc, (p.n_prog,), 0, c),
-        "output views (_outputs)": lambda: R._outputs(
-            R._slicer(buf, p), T, k, E, False, False, True
-        ),
+        "the key (_eager_key)": lambda: R._eager_key(x, k, None, 0, E, False, False, False, True,
+                                                     None),  # fmt: skip
+        f"torch.empty({e.n}, int32)": lambda: torch.empty(e.n, dtype=torch.int32, device="cuda"),
+        "current_stream": lambda: launch.current_stream(0),
+        f"the launches ({'one, fused' if e.barrier else 'bound'})": lambda: e.launches(bases,
+                                                                                       stream),
+        "outputs (split, _assemble)": lambda: R._assemble(buf.split_with_sizes(e.split),
+                                                          e.pieces, T, k),
         "torch small.add_(1)": lambda: small.add_(1),
-    }
-    print(f"\n# host time per call, T={T} E={E} k={k} bf16 (B {'fused' if hb is None else 'own'})")
+    }  # fmt: skip
+    print(f"\n# host time per call, T={T} E={E} k={k} bf16")
     print("| piece | us |\n| --- | ---: |")
     for name, fn in parts.items():
         print(f"| {name} | {_per_call_us(fn):.1f} |", flush=True)
 
 
-_OURS = ("_topk_", "_scan", "_place", "_expert_runs")
+_OURS = ("_topk_", "_scan", "_place", "_expert_runs", "_fused")
 
 
 def _timeline(fn, iters: int = 50) -> dict[str, float]:
@@ -190,6 +191,12 @@ def _eager_profile() -> None:
             ),
             ("route", "eager"): lambda s=s, k=k: MR.route(s, k),
             ("route", "op"): lambda s=s, E=E, k=k: MR._route_op(s, k, None, 0, E, False),
+            ("index_shuffling", "eager, unfused"): lambda s=s, E=E, k=k: R.routing_triton(
+                s, k, None, 0, E, False, False, False, True, {"FUSED": 0}, True
+            ),
+            ("route", "eager, unfused"): lambda s=s, E=E, k=k: R.routing_triton(
+                s, k, None, 0, E, False, True, True, False, {"FUSED": 0}, True
+            ),
         }
         for (op, path), fn in paths.items():
             t = _timeline(fn)
@@ -197,9 +204,73 @@ def _eager_profile() -> None:
                   f"{t['gap']:.1f} |", flush=True)  # fmt: skip
 
 
+def _bench_loop(fn, n: int = 400) -> dict[str, float]:
+    """``do_bench``'s loop (flush, start event, call, end event) timed from both sides: the
+    host's wall time per iteration to enqueue it, the GPU's time per iteration (events around the
+    whole loop), the flush alone, and the median of the per-call events (what do_bench reports).
+    Host per iteration above the GPU's means the GPU waits for the host: host-bound."""
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    for _ in range(20):
+        flush.zero_()
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(n)]  # fmt: skip
+    g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g0.record()
+    t0 = time.perf_counter()
+    for s, e in ev:
+        flush.zero_()
+        s.record()
+        fn()
+        e.record()
+    t1 = time.perf_counter()
+    g1.record()
+    torch.cuda.synchronize()
+    f0, f1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    f0.record()
+    for _ in range(50):
+        flush.zero_()
+    f1.record()
+    torch.cuda.synchronize()
+    return {
+        "host_iter": (t1 - t0) / n * 1e6,
+        "gpu_iter": g0.elapsed_time(g1) / n * 1e3,
+        "flush": f0.elapsed_time(f1) / 50 * 1e3,
+        "call": statistics.median(s.elapsed_time(e) for s, e in ev) * 1e3,
+    }
+
+
+def _host_bound_table() -> None:
+    """Per op and shape at T=4096: the public eager call's host time back to back, the
+    do_bench-style loop from both sides, do_bench's median, and torch-native routing's."""
+    from triton.testing import do_bench
+
+    from moe_tools.kernels import torch_route
+
+    print("\n# do_bench-style loops, T=4096, k=8, bf16, us (host_iter > gpu_iter: host-bound)")
+    print("| op | E | host per call | loop host/iter | loop GPU/iter | flush | loop call median "
+          "| do_bench | torch do_bench | speedup |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for T, E, k in SHAPES:
+        s = torch.randn(T, E, device="cuda").softmax(-1).to(torch.bfloat16)
+        ref = do_bench(lambda s=s, k=k: torch_route(s, k), return_mode="median") * 1e3
+        for op, fn in (("index_shuffling", lambda s=s, k=k: MR.index_shuffling(s, top_k=k)),
+                       ("route", lambda s=s, k=k: MR.route(s, k))):  # fmt: skip
+            host = _per_call_us(fn, n=1000, repeats=3)
+            loop = _bench_loop(fn)
+            med = do_bench(fn, return_mode="median") * 1e3
+            print(f"| {op} | {E} | {host:.1f} | {loop['host_iter']:.1f} | {loop['gpu_iter']:.1f} "
+                  f"| {loop['flush']:.1f} | {loop['call']:.1f} | {med:.1f} | {ref:.1f} | "
+                  f"{ref / med:.1f}x |", flush=True)  # fmt: skip
+
+
 def main() -> int:
     if "--eager-profile" in sys.argv:
         _eager_profile()
+        return 0
+    if "--host-bound" in sys.argv:
+        _host_bound_table()
         return 0
     stub = "--stub" in sys.argv or not torch.cuda.is_available()
     if stub:

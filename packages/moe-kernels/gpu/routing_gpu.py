@@ -10,10 +10,12 @@ replayed on new inputs; compiled with ``fullgraph=True``. Then times index_shuff
 (``do_bench`` medians, which flush L2 and so show GPU time; plus back-to-back eager calls, which
 show the host's launch cost too; plus a CUDA-graph replay) beside torch-native routing (topk +
 stable sort + bincount) and a clone of the scores, and sweeps launch configs.
+``fused_stress`` drives the eager calls that take the fused launch (A, grid barrier, C) hundreds
+of times back to back and on two streams at once.
 ``ROUTING_GPU_DRY_RUN=1 TRITON_INTERPRET=1`` runs a tiny version on CPU. ``ROUTING_GPU_PARTS``
-picks parts (e.g. ``correctness,no_sync_graph_compile``), ``ROUTING_GPU_CASES=cols`` only the
-token-column plans' shapes, ``ROUTING_GPU_JOBS=N`` checks the shapes in N worker processes (each
-compiles its own kernels), ``ROUTING_COLS_ROUTE=0/1`` forces route's plan.
+picks parts (e.g. ``correctness,no_sync_graph_compile,fused_stress``), ``ROUTING_GPU_CASES=cols``
+only the token-column plans' shapes, ``ROUTING_GPU_JOBS=N`` checks the shapes in N worker
+processes (each compiles its own kernels), ``ROUTING_COLS_ROUTE=0/1`` forces route's plan.
 """
 
 from __future__ import annotations
@@ -277,6 +279,53 @@ def _no_sync_graph_compile(T: int, E: int, k: int, renorm: bool) -> None:
         check("compile", False, "raised")
 
 
+def fused_stress() -> None:
+    """Eager calls that take the fused launch (A, grid barrier, C in one cooperative kernel):
+    hundreds back to back on rotating inputs without a sync, then on two streams at once; every
+    kept result bit-exact, and the fused launch really taken (a bound entry with a barrier)."""
+    cases = [(4096, 16, 8, torch.bfloat16), (4096, 128, 8, torch.bfloat16),
+             (8192, 128, 8, torch.float16), (1000, 7, 3, torch.float16),
+             (4096, 128, 8, torch.float32), (77, 64, 5, torch.bfloat16)]  # fmt: skip
+    n_calls = 8 if DRY else 400
+    for T, E, k, dtype in cases:
+        T = min(T, 40) if DRY else T
+        tag = f"T={T} E={E} k={k} {str(dtype)[6:]}"
+        xs = [scores(T, E, dtype, kind="ties" if s % 2 else "softmax", seed=s) for s in range(5)]
+        vtc = torch.tensor([T - 7], device=dev, dtype=torch.int32)
+        wants = [(route_reference(x, k, None, 0, E, False),
+                  index_shuffling_reference(x, 0, E, vtc, k)) for x in xs]  # fmt: skip
+        tri._BOUND.clear()
+        kept: list = []
+        for i in range(n_calls):
+            j = i % len(xs)
+            kept.append((j, route(xs[j], k), index_shuffling(xs[j], None, None, vtc, k)))
+            kept = kept[-2 * len(xs) :]
+        if not DRY:
+            torch.cuda.synchronize()
+        ok = all(
+            all(same(a, b) for a, b in zip(r, wants[j][0], strict=True))
+            and all(same(a, b) for a, b in zip(i_, wants[j][1], strict=True))
+            for j, r, i_ in kept
+        )
+        fused = sum(e.barrier for e in tri._BOUND.values())
+        ok = ok and (DRY or fused > 0)  # the GPU must have taken the fused launch
+        check(f"fused, {n_calls} back-to-back calls {tag}", ok, f"(fused plans bound: {fused})")
+        if DRY:
+            continue
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        for st in streams:
+            st.wait_stream(torch.cuda.current_stream())
+        outs: list = [None, None]
+        for _ in range(100):
+            for w, st in enumerate(streams):
+                with torch.cuda.stream(st):
+                    outs[w] = route(xs[w], k)
+        torch.cuda.synchronize()
+        ok = all(all(same(a, b) for a, b in zip(outs[w], wants[w][0], strict=True))
+                 for w in range(2))  # fmt: skip
+        check(f"fused on two streams at once {tag}", ok)
+
+
 def torch_native(x: torch.Tensor, k: int):
     """topk + stable sort of the expert ids + bincount (what the kernels replace)."""
     idx = torch.topk(x, k, dim=1).indices.flatten()
@@ -433,7 +482,7 @@ def main() -> int:
     print(f"torch {torch.__version__} triton {triton.__version__} device {dev}")
     if not DRY:
         print(torch.cuda.get_device_name())
-    parts = [correctness, no_sync_graph_compile]
+    parts = [correctness, no_sync_graph_compile, fused_stress]
     if not DRY:
         parts += [timings, sweep, profile]
     if os.environ.get("ROUTING_COLS_ROUTE") is not None:

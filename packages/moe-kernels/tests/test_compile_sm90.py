@@ -77,6 +77,31 @@ def test_routing_plans_compile(can_compile, plan, weights, eager):
     _compile_plan(plan, weights, eager, None)
 
 
+def test_grid_sync_compiles_to_gpu_scoped_atomics_around_cta_barriers(can_compile):
+    """The barrier's PTX: its atomics at GPU scope with acquire/release semantics, done by one
+    thread (the scalar atomics' broadcast), CTA barriers on both sides."""
+    import triton
+    import triton.language as tl
+
+    from moe_kernels._triton.grid_sync import grid_sync
+
+    @triton.jit
+    def _probe(x_ptr, bar_ptr, n_programs):
+        tl.store(x_ptr + tl.program_id(0), 1)
+        grid_sync(bar_ptr, n_programs)
+        tl.store(x_ptr + n_programs + tl.program_id(0), tl.load(x_ptr + n_programs - 1))
+
+    k = _compile(_probe, {"x_ptr": "*i32", "bar_ptr": "*i32", "n_programs": "i32"}, {}, 4, 1)
+    ptx = k.asm["ptx"]
+    # the barrier words' accesses (an atomic add of 0 may compile to an atomic load)
+    ops = [line.strip() for line in ptx.splitlines() if ".global.gpu." in line]
+    assert any(".gpu.acq_rel.add" in op for op in ops), ops  # arrive
+    assert any(".gpu.release.exch" in op for op in ops), ops  # the next generation
+    assert any(".gpu.acquire" in op for op in ops), ops  # the spin
+    assert all(op.startswith("@") for op in ops), ops  # predicated: one thread
+    assert ptx.count("bar.sync") >= 2
+
+
 @pytest.mark.parametrize("plan", COLS_ROUTE, ids=str)
 @pytest.mark.parametrize("config", list(COLS_ROUTE_CONFIGS))
 def test_route_token_column_plans_compile(can_compile, plan, config):
@@ -92,7 +117,8 @@ def _compile_plan(plan, weights, eager, config):
     args = (T, E, k, start, end, kind, renorm, True, weights, weights, not weights, config)
     # words: the scores' rows as 4-byte aligned pairs (contiguous 16-bit scores)
     p = tri._launch_plan(*args, eager, kind != 0)
-    if eager and p == tri._launch_plan(*args, False, kind != 0):
+    fusable = p.scan is None and p.runs is None and p.c["FUSE_SCAN"]
+    if eager and p == tri._launch_plan(*args, False, kind != 0) and not fusable:
         pytest.skip("the same plan as the op's")
     x_t = "*fp32" if kind == 0 else "*i16"
     ints = dict.fromkeys(["T", "E", "start", "end", "n_programs"], "i32")
@@ -115,6 +141,14 @@ def _compile_plan(plan, weights, eager, config):
                    token_ptr="*i32", weight_ptr="*fp32", L="i32", start="i32",
                    n_programs="i32")  # fmt: skip
         _compile(tri._expert_runs_kernel, sig, dict(consts), warps)
+    if eager and p.scan is None and p.runs is None and p.c["FUSE_SCAN"]:
+        # eager calls launch A and C as one kernel where the programs fit on the GPU at once
+        f_sig = dict(a_sig, a_w_ptr=a_sig["scr_w_ptr"], scr_w_ptr="*fp32", inverse_ptr="*i32",
+                     counts_ptr="*i32", expert_ptr="*i32", token_ptr="*i32",
+                     weight_ptr="*fp32", offsets_ptr="*i32", tcpe_ptr="*i32", L="i32",
+                     bar_ptr="*i32")  # fmt: skip
+        f_sig = {name: f_sig[name] for name in tri._fused_kernel.arg_names if name in f_sig}
+        _compile(tri._fused_kernel, f_sig, tri._fused_constexprs(p), p.a_warps)
     return p
 
 

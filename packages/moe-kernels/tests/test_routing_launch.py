@@ -32,12 +32,14 @@ class _Jit:
 
     def __init__(self, real, name: str, calls: list) -> None:
         self.arg_names, self.name, self.calls = real.arg_names, name, calls
+        self.cooperative: list[bool] = []
 
     def __getitem__(self, grid):
-        def go(*args, num_warps=None, **constexprs):
+        def go(*args, num_warps=None, launch_cooperative_grid=False, **constexprs):
             tail = tuple(constexprs[n] for n in self.arg_names[len(args) :])
             grid3 = (*grid, *(1,) * (3 - len(grid)))
             self.calls.append((self.name, "jit", grid3, args + tail))
+            self.cooperative.append(launch_cooperative_grid)
             return _Compiled(self.name, self.calls)
 
         return go
@@ -54,7 +56,7 @@ class _Stream:
 def calls(monkeypatch):
     calls: list = []
     kernels = (("_topk_rank", "A"), ("_topk_cols", "A"), ("_scan", "B"), ("_place", "C"),
-               ("_expert_runs", "D"))  # fmt: skip
+               ("_expert_runs", "D"), ("_fused", "AC"))  # fmt: skip
     for attr, name in kernels:
         real = getattr(R, attr).fn
         monkeypatch.setattr(R, attr, launch.FastKernel(_Jit(real, name, calls)))
@@ -93,9 +95,20 @@ CASES = [
 ]
 
 
+def _fuse_where_gpu_would(monkeypatch) -> torch.Tensor:
+    """Make the CPU launcher take the fused launch wherever the GPU's may (no scan or D launch;
+    the SM bound aside), with stand-in barrier words; returns them."""
+    bar = torch.zeros(2, dtype=torch.int32)
+    monkeypatch.setattr(R, "_fusable", lambda p, dev, config: p.scan is None and p.runs is None)
+    monkeypatch.setattr(R, "barrier_words", lambda dev, stream: bar)
+    return bar
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["launches", "fused"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-{c[5]}")
-def test_bound_relaunch_matches_the_full_launch(calls, case):
+def test_bound_relaunch_matches_the_full_launch(calls, case, fused, monkeypatch):
     T, E, k, start, end, dtype, renorm, with_vtc, ww, wo, wt, config = case
+    bar = _fuse_where_gpu_would(monkeypatch) if fused else None
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(T, E, generator=gen).to(dtype)
     vtc = torch.tensor([T - 3], dtype=torch.int32) if with_vtc else None
@@ -116,14 +129,19 @@ def test_bound_relaunch_matches_the_full_launch(calls, case):
     assert [c[1] for c in second] == ["run"] * len(second)
     assert [(c[0], c[2]) for c in second] == [(c[0], c[2]) for c in first]
 
-    plan = next(iter(R._BOUND))[0]
-    p = R._launch_plan(*plan)
+    cfg = tuple(sorted(config.items())) if config else None
+    p = R._launch_plan(T, E, k, start, end, R._KIND[dtype], renorm, with_vtc, ww, wo, wt, cfg,
+                       True, dtype != torch.float32)  # fmt: skip
     assert ("MODE" in p.a) == (E == 128 and dtype == torch.bfloat16)  # the token-column plan
+    one = fused and p.scan is None and p.runs is None
+    assert [c[0] for c in first] == (["AC"] if one else [c[0] for c in first if c[0] != "AC"])
     nbytes = 4 * sum(p.sizes)
     base1, base2 = out1[2].data_ptr(), out2[2].data_ptr()  # expert_indices opens the buffer
     assert base1 != base2  # a new buffer per call
     named1 = {scores.data_ptr(): "scores"}
     named2 = {scores2.data_ptr(): "scores"}
+    if bar is not None:
+        named1[bar.data_ptr()] = named2[bar.data_ptr()] = "barrier"
     if vtc is not None:
         named1[vtc.data_ptr()], named2[vtc2.data_ptr()] = "vtc", "vtc"
     for (_, _, _, a1), (_, _, _, a2) in zip(first, second, strict=True):
@@ -136,6 +154,49 @@ def test_bound_relaunch_matches_the_full_launch(calls, case):
         if o1 is not None:
             assert (o1.shape, o1.dtype, o1.stride()) == (o2.shape, o2.dtype, o2.stride())
             assert o1.data_ptr() - base1 == o2.data_ptr() - base2
+
+
+def _named_args(kernel, args, base, nbytes, named):
+    """A recorded call's arguments (runtime, then constexprs) by the kernel's parameter names."""
+    is_ptr = [isinstance(a, torch.Tensor) for a in args]
+    return dict(zip(kernel.arg_names, _normalise(args, is_ptr, base, nbytes, named), strict=True))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == 4096 or c[0] == 64],
+                         ids=lambda c: f"T{c[0]}-E{c[1]}-{c[5]}")  # fmt: skip
+def test_fused_launch_hands_a_and_c_what_their_own_launches_get(calls, case, monkeypatch):
+    """``_fused_kernel`` runs A's and C's bodies: by parameter name, every runtime argument and
+    constexpr A and C get in two launches reaches the fused launch with the same value (A's
+    ``scr_w_ptr`` as ``a_w_ptr``), and the launch is cooperative."""
+    T, E, k, start, end, dtype, renorm, with_vtc, ww, wo, wt, config = case
+    scores = torch.randn(T, E, generator=torch.Generator().manual_seed(1)).to(dtype)
+    vtc = torch.tensor([T - 3], dtype=torch.int32) if with_vtc else None
+    named = {scores.data_ptr(): "scores"}
+    if vtc is not None:
+        named[vtc.data_ptr()] = "vtc"
+
+    def launch():
+        calls.clear()
+        out = R.routing_triton(scores, k, vtc, start, end, renorm, ww, wo, wt, config=config,
+                               one_buffer=True)  # fmt: skip
+        buf = out[2]._base  # expert_indices opens the one buffer
+        return {c[0]: c[3] for c in calls}, buf.data_ptr(), 4 * buf.numel()
+
+    two, base2, n2 = launch()
+    assert sorted(two) == ["A", "C"]
+    R._BOUND.clear()
+    bar = _fuse_where_gpu_would(monkeypatch)
+    named[bar.data_ptr()] = "barrier"
+    one, base1, n1 = launch()
+    assert list(one) == ["AC"] and R._fused.fn.cooperative == [True]
+    fused = _named_args(R._fused.fn, one["AC"], base1, n1, named)
+    ka = R._topk_cols if "MODE" in fused and fused["COLS_A"] else R._topk_rank
+    a = _named_args(ka.fn, two["A"], base2, n2, named)
+    c = _named_args(R._place.fn, two["C"], base2, n2, named)
+    a["a_w_ptr"] = a.pop("scr_w_ptr")
+    for name, value in (*a.items(), *c.items()):
+        assert fused[name] == value, name
+    assert fused["bar_ptr"] == "barrier" and fused["COLS_A"] == ("MODE" in a)
 
 
 def test_bound_relaunch_keys_alignment_strides_and_plan(calls):

@@ -116,6 +116,11 @@ def fast_path_open() -> bool:
     return FastKernel.enabled and not _hooked(_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook)
 
 
+def current_stream(dev: int) -> int:
+    """The raw handle of device ``dev``'s current stream."""
+    return driver.active.get_current_stream(dev)
+
+
 def run(h: Handle, grid: tuple[int, ...], dev: int, args: tuple) -> None:
     """Launch handle ``h`` on device ``dev``'s current stream. ``args`` must give Triton the same
     specialisation as the launch that returned ``h`` (dtypes, 16-byte alignment of every pointer,
@@ -131,3 +136,49 @@ def run(h: Handle, grid: tuple[int, ...], dev: int, args: tuple) -> None:
 def fast(fn: Any) -> FastKernel:
     """Decorator form: ``@fast`` above ``@triton.jit``."""
     return FastKernel(fn)
+
+
+class Rel(NamedTuple):
+    """A pointer argument of a bound launch: ``offset`` bytes into one of the call's bases
+    (``BoundLaunches.__call__``'s ``bases``, by index)."""
+
+    base: int
+    offset: int
+
+
+class BoundLaunches:
+    """A fixed sequence of compiled kernels, relaunched with new base addresses.
+
+    ``launches``: (handle, 1-D grid, runtime arguments) per kernel, the arguments holding a
+    ``Rel`` where a pointer goes and plain values elsewhere. A call passes the bases (ints) and
+    the stream; each kernel then gets its fixed arguments with the ``Rel`` slots filled in, then
+    its handle's constexprs, straight into the compiled kernel's launcher. Where a kernel's
+    pointers all come first, they are computed in one pass and the rest is passed as is. The
+    caller's key must pin everything Triton specialised the handles on (see ``run``)."""
+
+    __slots__ = ("_launches",)
+
+    def __init__(self, launches: list[tuple[Handle, int, tuple]]) -> None:
+        bound = []
+        for h, g0, args in launches:
+            rel = tuple((i, a.base, a.offset) for i, a in enumerate(args) if isinstance(a, Rel))
+            n = len(rel)
+            if all(i < n for i, _, _ in rel):  # pointers first: (base, offset) pairs, then values
+                head = tuple((b, off) for _, b, off in rel)
+                bound.append((h.kernel, g0, head, (*args[n:], *h.tail), None))
+            else:
+                fixed = [0 if isinstance(a, Rel) else a for a in args] + list(h.tail)
+                bound.append((h.kernel, g0, None, fixed, rel))
+        self._launches = tuple(bound)
+
+    def __call__(self, bases: tuple[int, ...], stream: int) -> None:
+        for k, g0, head, fixed, rel in self._launches:
+            if head is not None:
+                ptrs = [bases[b] + off for b, off in head]
+                k.run(g0, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *ptrs,
+                      *fixed)  # fmt: skip
+                continue
+            args = fixed.copy()
+            for i, b, off in rel:
+                args[i] = bases[b] + off
+            k.run(g0, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args)

@@ -94,7 +94,8 @@ import triton
 import triton.language as tl
 
 from .._dispatch import INTERPRET
-from .launch import FastKernel, Handle, fast_path_open, run
+from .grid_sync import barrier_words, grid_sync
+from .launch import BoundLaunches, FastKernel, Rel, current_stream, fast_path_open
 
 
 @triton.jit
@@ -1567,6 +1568,56 @@ def _expert_runs_kernel(
 
 
 @triton.jit
+def _fused_kernel(
+    # pointers first (a bound relaunch computes them in one pass), then the ints
+    x_ptr, vtc_ptr,
+    bar_ptr,  # this stream's grid_sync words
+    pack_ptr, a_w_ptr,  # a_w_ptr: kernel A's scr_w_ptr
+    hist_ptr, scr_w_ptr, inverse_ptr, counts_ptr, expert_ptr, token_ptr, weight_ptr, offsets_ptr,
+    tcpe_ptr, stride_t, stride_e, stride_w, T, E, L, start, end, n_programs,
+    COLS_A: tl.constexpr,  # A is _topk_cols_kernel (else _topk_rank_kernel)
+    # _topk_rank_kernel's constexprs, then _topk_cols_kernel's others (dummies for the other A)
+    K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, L_BITS: tl.constexpr,
+    BLOCK_T: tl.constexpr, SUB: tl.constexpr, KIND: tl.constexpr, HAS_VTC: tl.constexpr,
+    WEIGHTS: tl.constexpr, RENORM: tl.constexpr, EVEN_E: tl.constexpr, FULL_RANGE: tl.constexpr,
+    SENT: tl.constexpr, RANKS: tl.constexpr, HB: tl.constexpr, OLD_INTERP: tl.constexpr,
+    INSERT: tl.constexpr, W: tl.constexpr, FKEY: tl.constexpr, MERGE: tl.constexpr,
+    PACK_W: tl.constexpr, TP: tl.constexpr, MODE: tl.constexpr,
+    # _place_kernel's others
+    L_PAD: tl.constexpr, NP_PAD: tl.constexpr, TOK_PER_PROG: tl.constexpr,
+    CHUNK_T: tl.constexpr, FUSE_SCAN: tl.constexpr, INVERSE: tl.constexpr,
+    OFFSETS: tl.constexpr, TCPE: tl.constexpr, WHILE_LOOPS: tl.constexpr, SORTED: tl.constexpr,
+    IDX_BITS: tl.constexpr, KEY64: tl.constexpr, IS_BF16: tl.constexpr, COUNT: tl.constexpr,
+    NW: tl.constexpr, CUMSUM: tl.constexpr, TOK_BITS: tl.constexpr, COLS: tl.constexpr,
+    RUNS: tl.constexpr,
+):  # fmt: skip
+    """A, then C, in one launch (eager calls of plans with no scan launch whose programs fit on
+    the GPU at once): each program runs kernel A's body for its tokens, waits at a grid barrier
+    until every program's ``hist`` column and placed pairs are written, then runs kernel C's
+    body (FUSE_SCAN: it reduces the whole ``hist`` itself). The same code as the two launches,
+    so the same results; launched cooperatively (``grid_sync``)."""
+    if COLS_A:
+        _topk_cols_kernel(
+            x_ptr, stride_t, stride_e, stride_w, vtc_ptr, pack_ptr, a_w_ptr, hist_ptr, T, E,
+            start, end, n_programs, K, E_PAD, TP, HAS_VTC, FULL_RANGE, MODE, WEIGHTS,
+        )  # fmt: skip
+    else:
+        _topk_rank_kernel(
+            x_ptr, stride_t, stride_e, stride_w, vtc_ptr, pack_ptr, a_w_ptr, hist_ptr, T, E,
+            start, end, n_programs, K, K_PAD, E_PAD, L_BITS, BLOCK_T, SUB, KIND, HAS_VTC,
+            WEIGHTS, RENORM, EVEN_E, FULL_RANGE, SENT, RANKS, HB, OLD_INTERP, INSERT, W, FKEY,
+            MERGE, PACK_W,
+        )  # fmt: skip
+    grid_sync(bar_ptr, n_programs)
+    _place_kernel(
+        pack_ptr, scr_w_ptr, inverse_ptr, hist_ptr, counts_ptr, expert_ptr, token_ptr,
+        weight_ptr, offsets_ptr, tcpe_ptr, T, E, L, start, n_programs, K, K_PAD, L_PAD, L_BITS,
+        NP_PAD, TOK_PER_PROG, CHUNK_T, FUSE_SCAN, WEIGHTS, INVERSE, OFFSETS, TCPE, WHILE_LOOPS,
+        SORTED, IDX_BITS, KEY64, PACK_W, IS_BF16, COUNT, NW, CUMSUM, TOK_BITS, COLS, RUNS,
+    )  # fmt: skip
+
+
+@triton.jit
 def _place_counted_pairs(
     pack_ptr, scr_w_ptr, inverse_ptr, base, expert_ptr, token_ptr, weight_ptr, T, K, n, pid,
     K_PAD: tl.constexpr, NW: tl.constexpr, TOK_PER_PROG: tl.constexpr,
@@ -1660,6 +1711,7 @@ _topk_cols = FastKernel(_topk_cols_kernel)
 _scan = FastKernel(_scan_kernel)
 _place = FastKernel(_place_kernel)
 _expert_runs = FastKernel(_expert_runs_kernel)
+_fused = FastKernel(_fused_kernel)
 
 
 class _Launch(NamedTuple):
@@ -1898,31 +1950,95 @@ def _launch_plan(
     return _Launch(n_prog, tuple(sizes), starts, a, cfg["num_warps"], scan, c, c_warps, runs)
 
 
-# Eager calls at small T are bound by host time (H200, T=4096: 25-45 us per call against 6-11 us
-# of GPU time). Once a one-buffer call has launched every kernel of its plan through FastKernel,
-# later calls with the same plan, device, strides and pointer alignments relaunch the same
-# compiled handles with int addresses into the new buffer: no per-argument keys, no views of the
-# scratch segments (``_bound_key`` pins everything Triton specialised on). Keys hold exact sizes,
-# so the table holds at most _MAX_BOUND of them and starts over when full.
-_BOUND: dict[tuple, tuple[Handle, Handle | None, Handle, Handle | None]] = {}
+# Eager calls at small T are bound by the host (H200 host, T=4096: 40-65 us a call through the
+# full path, ~6 us of it a launch, against 5-10 us of GPU time). Once a one-buffer call has
+# launched its plan through FastKernel, later calls with the same key (``_eager_key``: sizes,
+# flags, dtype, strides, pointer alignments, device; everything Triton specialised on) relaunch
+# the same compiled handles with int addresses into a new buffer (``BoundLaunches``) and split
+# the buffer into the outputs in one op. Where the plan is A and C alone and its programs fit on
+# the GPU at once, that is one launch (``_fused_kernel``). The table holds at most _MAX_BOUND
+# keys and starts over when full.
+_BOUND: dict[tuple, _Eager] = {}
 _MAX_BOUND = 256
 
 
-def _bound_key(
-    plan_key: tuple, x: torch.Tensor, vtc: torch.Tensor | None, buf: torch.Tensor
+class _Eager(NamedTuple):
+    """A bound eager call: the buffer's int32 size, its split into the outputs (then the rest),
+    which split piece each output is (-1: none; routing_triton's order), the launches, whether
+    they need this stream's barrier words, and the device."""
+
+    n: int
+    split: tuple[int, ...]
+    pieces: tuple[int, ...]
+    launches: BoundLaunches
+    barrier: bool
+    dev: int
+
+
+def _eager_key(
+    x: torch.Tensor, top_k: int, vtc: torch.Tensor | None, start: int, end: int, *flags: object
 ) -> tuple:
-    """The plan's arguments (sizes, dtype kind, flags: every constexpr and int argument but the
-    strides), then the device, the strides and the 16-byte alignment of every pointer: the
-    scores, the valid count and the buffer (the segments sit at fixed offsets from its start)."""
+    """Everything a one-buffer call's plan and the compiled kernels' specialisation depend on,
+    but the buffer's alignment (checked per call): sizes, flags, the dtype, strides and 16-byte
+    alignment of the scores and the valid count, the device, and whether a CUDA graph is being
+    captured (no fused launch then)."""
     return (
-        plan_key,
+        x.shape,
+        x.stride(),
+        x.dtype,
+        x.data_ptr() & 15,
         x.get_device(),
-        x.stride(0),
-        x.stride(1),
-        x.data_ptr() % 16 == 0,
-        None if vtc is None else (vtc.dtype, vtc.data_ptr() % 16 == 0),
-        buf.data_ptr() % 16 == 0,
+        top_k,
+        start,
+        end,
+        None if vtc is None else (vtc.dtype, vtc.data_ptr() & 15),
+        x.is_cuda and torch.cuda.is_current_stream_capturing(),
+        *flags,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(dev: int) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def _fusable(p: _Launch, dev: torch.device, config: dict | None) -> bool:
+    """Whether a one-buffer call runs A and C as one launch (``_fused_kernel``): on the GPU, no
+    scan or D launch, at most one program per SM (so a cooperative launch always fits), not
+    while a CUDA graph is captured (the barrier words are per stream), unless config FUSED=0."""
+    return (
+        not INTERPRET
+        and p.scan is None
+        and p.runs is None
+        and p.c["FUSE_SCAN"]
+        and bool((config or {}).get("FUSED", True))
+        and dev.type == "cuda"
+        and p.n_prog <= _sm_count(dev.index if dev.index is not None else 0)
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def _fused_constexprs(p: _Launch) -> dict:
+    """``_fused_kernel``'s constexprs: A's and C's (shared names agree), the other A's dummies."""
+    cols = p.c["COLS"]
+    dummies = dict(
+        K_PAD=p.c["K_PAD"], E_PAD=4, L_BITS=p.c["L_BITS"], BLOCK_T=1, SUB=1, KIND=0,
+        HAS_VTC=False, RENORM=False, EVEN_E=True, FULL_RANGE=True, SENT=0, RANKS=False, HB=2,
+        OLD_INTERP=False, INSERT=False, W=1, FKEY=False, MERGE=False, PACK_W=p.c["PACK_W"],
+        TP=32, MODE=0,
+    )  # fmt: skip
+    shared = set(p.a) & set(p.c)
+    if any(p.a[n] != p.c[n] for n in shared):  # pragma: no cover - a plan-building bug
+        raise AssertionError(f"A's and C's constexprs disagree: {sorted(shared)}")
+    return {"COLS_A": cols, **dummies, **p.a, **p.c}
+
+
+def _fused_args(a: tuple, c: tuple, bar: object) -> tuple:
+    """``_fused_kernel``'s runtime arguments from A's and C's (``_kernel_args``)."""
+    x, stride_t, stride_e, stride_w, vtc, packed, a_w, hist, T, E, start, end, n_prog = a
+    _, scr_w, inverse, _, counts, expert, token, weights, offsets, tcpe, _, _, L, _, _ = c
+    return (x, vtc, bar, packed, a_w, hist, scr_w, inverse, counts, expert, token, weights,
+            offsets, tcpe, stride_t, stride_e, stride_w, T, E, L, start, end, n_prog)  # fmt: skip
 
 
 def _kernel_args(
@@ -1964,10 +2080,41 @@ def _kernel_args(
     return a, b, c, d
 
 
-def _slicer(buf: torch.Tensor, p: _Launch) -> Callable[[int], torch.Tensor]:
-    """Segment i of the one buffer (a slice per output used: cheaper than splitting all)."""
-    starts, sizes = p.starts, p.sizes
-    return lambda i: buf[starts[i] : starts[i] + sizes[i]]
+def _out_split(
+    p: _Launch, with_weights: bool, with_offsets: bool, with_tcpe: bool
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The one buffer split into its output segments (in buffer order; ``counts`` always, it is
+    C's scratch for index_shuffling), then the rest; and which piece is each of routing_triton's
+    outputs (counts, offsets, expert, token, weights, inverse, tcpe), -1 for None."""
+    wanted = {
+        "expert": True, "token": True, "weights": with_weights, "inverse": with_weights,
+        "counts": with_weights or with_offsets, "offsets": with_offsets, "tcpe": with_tcpe,
+    }  # fmt: skip
+    split: list[int] = []
+    index: dict[str, int] = {}
+    for name in _SEGMENTS[:_N_OUT]:
+        size = p.sizes[_SEG[name]]
+        if wanted[name]:
+            index[name] = len(split)
+        if size or wanted[name]:
+            split.append(size)
+    split.append(sum(p.sizes) - sum(split))
+    order = ("counts", "offsets", "expert", "token", "weights", "inverse", "tcpe")
+    return tuple(split), tuple(index.get(name, -1) for name in order)
+
+
+def _assemble(parts: tuple, pieces: tuple[int, ...], T: int, top_k: int) -> tuple:
+    """routing_triton's outputs from the split pieces (``_out_split``)."""
+    c, o, e, t, w, i, tc = pieces
+    return (
+        parts[c] if c >= 0 else None,
+        parts[o] if o >= 0 else None,
+        parts[e],
+        parts[t],
+        parts[w].view(torch.float32) if w >= 0 else None,
+        parts[i].view(T, top_k) if i >= 0 else None,
+        parts[tc] if tc >= 0 else None,
+    )
 
 
 def _outputs(
@@ -2015,49 +2162,43 @@ def routing_triton(
     (E+2,) unless ``with_tcpe``.
 
     ``one_buffer`` allocates outputs and scratch at once and returns views of it (eager calls:
-    one allocation instead of eight; not for custom ops, whose outputs must not alias).
-    ``config`` overrides the launcher's block sizes (tests, benchmarks)."""
+    one allocation instead of eight; not for custom ops, whose outputs must not alias); such
+    calls bind their launches for the next call with the same key (``_BOUND``) and may run A
+    and C as one launch (``_fusable``). ``config`` overrides the launcher's block sizes (tests,
+    benchmarks)."""
     T, E = scores_TE.shape
     if scores_TE.dtype != torch.float32 and E > 2**16:
         scores_TE = scores_TE.float()  # 16-bit keys hold the expert in 16 bits; fp32 is exact
-    kind = _KIND[scores_TE.dtype]
     vtc = valid_token_count
+    flags = (with_weights, with_offsets, with_tcpe)
+    cfg_key = tuple(sorted(config.items())) if config else None
+    key = None
+    if one_buffer and fast_path_open():
+        key = _eager_key(scores_TE, top_k, vtc, start, end, renormalize, *flags, cfg_key)
+        e = _BOUND.get(key)
+        if e is not None:
+            buf = torch.empty(e.n, dtype=torch.int32, device=scores_TE.device)
+            base = buf.data_ptr()
+            if not base & 15:  # as when bound (the caching allocator's blocks always are)
+                stream = current_stream(e.dev)
+                bar = barrier_words(e.dev, stream).data_ptr() if e.barrier else 0
+                vp = base if vtc is None else vtc.data_ptr()
+                e.launches((base, scores_TE.data_ptr(), vp, bar), stream)
+                return _assemble(buf.split_with_sizes(e.split), e.pieces, T, top_k)
+    kind = _KIND[scores_TE.dtype]
     plan_key = (
-        T, E, top_k, start, end, kind, renormalize, vtc is not None, with_weights,
-        with_offsets, with_tcpe, tuple(sorted(config.items())) if config else None, one_buffer,
+        T, E, top_k, start, end, kind, renormalize, vtc is not None, *flags, cfg_key, one_buffer,
     )  # fmt: skip
     words = (
         kind != 0 and scores_TE.stride(1) == 1 and scores_TE.stride(0) % 2 == 0
         and scores_TE.data_ptr() % 4 == 0
     )  # fmt: skip
-    plan_key = (*plan_key, words)
-    p = _launch_plan(*plan_key)
+    p = _launch_plan(*plan_key, words)
     dev = scores_TE.device
-    flags = (with_weights, with_offsets, with_tcpe)
-    grids = (
-        (p.n_prog,), (p.scan[0],) if p.scan else None, (p.n_prog,),
-        (p.runs[0],) if p.runs else None,
-    )  # fmt: skip
+    grids = (p.n_prog, p.scan[0] if p.scan else 0, p.n_prog, p.runs[0] if p.runs else 0)
     i32 = torch.int32
-    bound_key = None
     if one_buffer:
         buf = torch.empty(sum(p.sizes), dtype=i32, device=dev)
-        if fast_path_open():
-            bound_key = _bound_key(plan_key, scores_TE, vtc, buf)
-            handles = _BOUND.get(bound_key)
-            if handles is not None:
-                base = buf.data_ptr()
-                addrs = [base + 4 * s for s in p.starts]
-                vtc_addr = None if vtc is None else vtc.data_ptr()
-                all_args = _kernel_args(
-                    p, addrs, scores_TE.data_ptr(), scores_TE.stride(), vtc_addr, T, E, start,
-                    end, *flags,
-                )  # fmt: skip
-                d = bound_key[1]
-                for h, grid, args in zip(handles, grids, all_args, strict=True):
-                    if h is not None:
-                        run(h, grid, d, args)
-                return _outputs(_slicer(buf, p), T, top_k, end - start, *flags)
         seg = list(buf.split_with_sizes(p.sizes))
     else:
         out = [torch.empty(n, dtype=i32, device=dev) for n in p.sizes[:_N_OUT]]
@@ -2070,20 +2211,42 @@ def routing_triton(
     for i in (_SEG["weights"], _SEG["scr_w"]):  # fp32 bits
         seg[i] = seg[i].view(torch.float32)
     x = scores_TE if kind == 0 else scores_TE.view(torch.int16)
-    args_a, args_b, args_c, args_d = _kernel_args(
-        p, seg, x, scores_TE.stride(), vtc, T, E, start, end, *flags
-    )
+    strides = scores_TE.stride()
+    args = _kernel_args(p, seg, x, strides, vtc, T, E, start, end, *flags)
     ka = _topk_cols if p.c["COLS"] else _topk_rank
-    ha = ka.launch(grids[0], args_a, p.a, num_warps=p.a_warps)
-    hb = None
-    if p.scan is not None:
-        hb = _scan.launch(grids[1], args_b, p.scan[1], num_warps=p.scan[2])
-    hc = _place.launch(grids[2], args_c, p.c, num_warps=p.c_warps)
-    hd = None
-    if p.runs is not None:
-        hd = _expert_runs.launch(grids[3], args_d, p.runs[1], num_warps=p.runs[2])
-    if bound_key is not None and ha and hc and (hb or p.scan is None) and (hd or p.runs is None):
-        if len(_BOUND) >= _MAX_BOUND:
-            _BOUND.clear()  # start over (one atomic call: safe beside other threads)
-        _BOUND[bound_key] = (ha, hb, hc, hd)
+    # (kernel, grid, constexprs, options, runtime arguments as tensors / as Rel markers)
+    launches: list[tuple[FastKernel, int, dict, dict, Callable[[tuple, object], tuple]]] = []
+    if one_buffer and _fusable(p, dev, config):
+        bar = barrier_words(dev.index, current_stream(dev.index))
+        opts = dict(num_warps=p.a_warps, launch_cooperative_grid=True)
+        launches.append((_fused, p.n_prog, _fused_constexprs(p), opts,
+                         lambda a, b: _fused_args(a[0], a[2], b)))  # fmt: skip
+    else:
+        bar = None
+        launches.append((ka, grids[0], p.a, dict(num_warps=p.a_warps), lambda a, b: a[0]))
+        if p.scan is not None:
+            launches.append((_scan, grids[1], p.scan[1], dict(num_warps=p.scan[2]),
+                             lambda a, b: a[1]))  # fmt: skip
+        launches.append((_place, grids[2], p.c, dict(num_warps=p.c_warps), lambda a, b: a[2]))
+        if p.runs is not None:
+            launches.append((_expert_runs, grids[3], p.runs[1], dict(num_warps=p.runs[2]),
+                             lambda a, b: a[3]))  # fmt: skip
+    handles = [kern.launch((g,), pick(args, bar), consts, **opts)
+               for kern, g, consts, opts, pick in launches]  # fmt: skip
+    if one_buffer and end > start:  # (an empty range's counts are an empty slice: below)
+        split, pieces = _out_split(p, *flags)
+        outs = _assemble(buf.split_with_sizes(split), pieces, T, top_k)
+        if key is not None and all(handles) and not buf.data_ptr() & 15:
+            marks = _kernel_args(
+                p, [Rel(0, 4 * s) for s in p.starts], Rel(1, 0), strides,
+                None if vtc is None else Rel(2, 0), T, E, start, end, *flags,
+            )  # fmt: skip
+            bound = BoundLaunches([
+                (h, g, pick(marks, Rel(3, 0)))
+                for h, (_, g, _, _, pick) in zip(handles, launches, strict=True)
+            ])  # fmt: skip
+            if len(_BOUND) >= _MAX_BOUND:
+                _BOUND.clear()  # start over (one atomic call: safe beside other threads)
+            _BOUND[key] = _Eager(sum(p.sizes), split, pieces, bound, bar is not None, dev.index)
+        return outs
     return _outputs(seg.__getitem__, T, top_k, end - start, *flags)
