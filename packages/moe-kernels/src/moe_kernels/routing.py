@@ -5,7 +5,8 @@ expert, so a row of all -inf still picks ``top_k`` distinct experts 0..k-1) and 
 (expert, token) pairs whose expert lies in ``[expert_index_start, expert_index_end)`` by expert,
 then token. Rows at or past ``valid_token_count`` (a one-element device tensor, clamped to [0, T],
 never read on the host) are not routed. CUDA runs the Triton kernels of ``_triton/routing.py``
-(two or three launches, no atomics, no sync), CPU the torch reference of ``_reference/routing.py``.
+(two to four launches; one for small eager calls; no sync), CPU the torch reference of
+``_reference/routing.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Triton routing kernels and their launchers (top-k, per-expert bucket sort, routing plan).
 
-Two to four launches, no atomics, no host sync; the result is a pure function of the inputs:
+Two to four launches (one for small eager calls, below), no host sync, no atomics but the fused
+launch's grid barrier; the result is a pure function of the inputs:
 
 A. ``_topk_rank_kernel``: one program per run of ``SUB`` blocks of ``BLOCK_T`` (<= 32) tokens. Per
    block it loads the (BLOCK_T, E) scores, turns each into a unique integer key (order-preserving
@@ -64,12 +65,15 @@ and sort keys (``PACK_W``) and B's wider chunks to 344 and 382 us, index_shuffli
 columns (A', 128-token programs, C placing from the stored columns) to 222 us (A 112, C 101),
 and route on them (C looking up per-token lists) to 343 us, then 322 (C 177); with A' placing
 the pairs and D, to 280 us (A 181, C 35, D 54) and index_shuffling to 187 (A 128, C 7, D 42).
-At T=4096 the kernels take 6-12 us and eager calls are bound by the host's launch cost. So
-eager calls after a plan's first relaunch its compiled handles with int addresses
-(``_BOUND``). With stand-in kernels on a 2-core CPU host (``gpu/launch_overhead.py --stub``)
-that took an eager call from 31-37 to 18-19 us (route) and from 29-35 to 16-17 us
-(index_shuffling); on the H200 1.3-2.2x less host time per call. Eager calls also take the
-sorted plan where it saves the scan's launch (``_launch_plan``'s ``eager``).
+At T=4096 the kernels take 5-11 us and eager calls are bound by the host (H200 host: ~6 us a
+launch, 2.5 an allocation, 7-10 a torch op). So an eager call after the first of its kind
+(``_eager_key``) relaunches the compiled handles with int addresses into one new buffer
+(``_BOUND``, ``BoundLaunches``) and splits it into the outputs in one op; and where the plan is
+A and C alone (no scan launch, C reducing ``hist`` itself) and its programs fit one per SM, A
+and C run as one cooperative launch, ``_fused_kernel``: A's body, a grid barrier
+(``grid_sync.py``), C's body. H200, T=4096, k=8: index_shuffling's host time 41 -> 25 us a call
+(E=128), the device time 5.3-10.7 us against the two launches' 6.4-10.9. Eager calls also take
+the sorted plan where it saves the scan's launch (``_launch_plan``'s ``eager``).
 
 ``OLD_INTERP`` (only under triton < 3.6's interpreter): kernel A's per-program histogram by
 one-hot sums instead of ``tl.histogram`` (wrong counts for program 0 there), and NaN scores
