@@ -14,9 +14,10 @@ non-empty ``HookChain`` on Triton >= 3.5, whose empty chains are not None), or o
 without the compiled-kernel attributes used here, every call takes the plain path. Arguments
 without a stable key (e.g. TMA descriptors, new objects per call) never hit the cache either.
 
-A caller that can key a whole group of launches itself (the routing launcher: one key per launch
-plan, strides and pointer alignments) keeps the ``Handle`` that ``launch`` returns and relaunches
-it with ``run``, skipping the per-argument key as well.
+A caller that can key a whole group of launches itself (the routing launcher: one key per call
+signature: sizes, strides, dtype, pointer alignments) keeps the ``Handle`` that ``launch``
+returns and relaunches it with ``run``, or a whole sequence of them with new base addresses
+through ``BoundLaunches``, skipping the per-argument key as well.
 """
 
 from __future__ import annotations
