@@ -2217,8 +2217,8 @@ def routing_triton(
     x = scores_TE if kind == 0 else scores_TE.view(torch.int16)
     strides = scores_TE.stride()
     args = _kernel_args(p, seg, x, strides, vtc, T, E, start, end, *flags)
-    ka = _topk_cols if p.c["COLS"] else _topk_rank
-    # (kernel, grid, constexprs, options, runtime arguments as tensors / as Rel markers)
+    # (kernel, grid, constexprs, options, its runtime arguments from _kernel_args' and the
+    # barrier words: as tensors now, as Rel markers for the bound relaunch)
     launches: list[tuple[FastKernel, int, dict, dict, Callable[[tuple, object], tuple]]] = []
     if one_buffer and _fusable(p, dev, config):
         bar = barrier_words(dev.index, current_stream(dev.index))
@@ -2227,6 +2227,7 @@ def routing_triton(
                          lambda a, b: _fused_args(a[0], a[2], b)))  # fmt: skip
     else:
         bar = None
+        ka = _topk_cols if p.c["COLS"] else _topk_rank
         launches.append((ka, grids[0], p.a, dict(num_warps=p.a_warps), lambda a, b: a[0]))
         if p.scan is not None:
             launches.append((_scan, grids[1], p.scan[1], dict(num_warps=p.scan[2]),
