@@ -117,7 +117,9 @@ def _compile_plan(plan, weights, eager, config):
     args = (T, E, k, start, end, kind, renorm, True, weights, weights, not weights, config)
     # words: the scores' rows as 4-byte aligned pairs (contiguous 16-bit scores)
     p = tri._launch_plan(*args, eager, kind != 0)
-    fusable = p.scan is None and p.runs is None and p.c["FUSE_SCAN"]
+    # eager calls launch A and C as one kernel where there is no scan or D launch and the
+    # programs fit one per SM (_fusable; 132 on an H200)
+    fusable = p.scan is None and p.runs is None and p.c["FUSE_SCAN"] and p.n_prog <= 132
     if eager and p == tri._launch_plan(*args, False, kind != 0) and not fusable:
         pytest.skip("the same plan as the op's")
     x_t = "*fp32" if kind == 0 else "*i16"
@@ -141,8 +143,7 @@ def _compile_plan(plan, weights, eager, config):
                    token_ptr="*i32", weight_ptr="*fp32", L="i32", start="i32",
                    n_programs="i32")  # fmt: skip
         _compile(tri._expert_runs_kernel, sig, dict(consts), warps)
-    if eager and p.scan is None and p.runs is None and p.c["FUSE_SCAN"]:
-        # eager calls launch A and C as one kernel where the programs fit on the GPU at once
+    if eager and fusable:
         f_sig = dict(a_sig, a_w_ptr=a_sig["scr_w_ptr"], scr_w_ptr="*fp32", inverse_ptr="*i32",
                      counts_ptr="*i32", expert_ptr="*i32", token_ptr="*i32",
                      weight_ptr="*fp32", offsets_ptr="*i32", tcpe_ptr="*i32", L="i32",
