@@ -94,10 +94,9 @@ def _breakdown(T: int = 4096, E: int = 128, k: int = 8) -> None:
     R.routing_triton(*args)
     e = next(iter(R._BOUND.values()))
     buf = torch.empty(e.n, dtype=torch.int32, device="cuda")
-    bases = (buf.data_ptr(), x.data_ptr(), 0, 0)
-    if e.barrier:
-        bases = (*bases[:3], R.barrier_words(0, launch.current_stream(0)).data_ptr())
     stream = launch.current_stream(0)
+    bar = R.barrier_words(0, stream).data_ptr() if e.barrier else 0
+    bases = (buf.data_ptr(), x.data_ptr(), 0, bar)
     small = torch.zeros(16, device="cuda")
     parts = {
         "public index_shuffling": lambda: MR.index_shuffling(x, top_k=k),

@@ -90,7 +90,7 @@ compiles the ``for`` loops (same sm_90 PTX as without the flag).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -2084,31 +2084,38 @@ def _kernel_args(
     return a, b, c, d
 
 
+# routing_triton's outputs, in its order, and which of them a call returns
+_OUTPUTS = ("counts", "offsets", "expert", "token", "weights", "inverse", "tcpe")
+
+
+def _returned(with_weights: bool, with_offsets: bool, with_tcpe: bool) -> tuple[bool, ...]:
+    """Per name of ``_OUTPUTS``: whether it is returned (``counts`` only for route, with
+    weights or offsets; index_shuffling's ``counts`` is C's scratch)."""
+    ww, wo = with_weights, with_offsets
+    return (ww or wo, wo, True, True, ww, ww, with_tcpe)
+
+
 def _out_split(
     p: _Launch, with_weights: bool, with_offsets: bool, with_tcpe: bool
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The one buffer split into its output segments (in buffer order; ``counts`` always, it is
-    C's scratch for index_shuffling), then the rest; and which piece is each of routing_triton's
-    outputs (counts, offsets, expert, token, weights, inverse, tcpe), -1 for None."""
-    wanted = {
-        "expert": True, "token": True, "weights": with_weights, "inverse": with_weights,
-        "counts": with_weights or with_offsets, "offsets": with_offsets, "tcpe": with_tcpe,
-    }  # fmt: skip
+    """The one buffer split into its output segments (in buffer order, every non-empty one),
+    then the rest; and which piece is each of ``_OUTPUTS``, -1 where it is not returned."""
+    returned = dict(zip(_OUTPUTS, _returned(with_weights, with_offsets, with_tcpe), strict=True))
     split: list[int] = []
     index: dict[str, int] = {}
     for name in _SEGMENTS[:_N_OUT]:
         size = p.sizes[_SEG[name]]
-        if wanted[name]:
+        if returned[name]:
             index[name] = len(split)
-        if size or wanted[name]:
+        if size or returned[name]:
             split.append(size)
     split.append(sum(p.sizes) - sum(split))
-    order = ("counts", "offsets", "expert", "token", "weights", "inverse", "tcpe")
-    return tuple(split), tuple(index.get(name, -1) for name in order)
+    return tuple(split), tuple(index.get(name, -1) for name in _OUTPUTS)
 
 
-def _assemble(parts: tuple, pieces: tuple[int, ...], T: int, top_k: int) -> tuple:
-    """routing_triton's outputs from the split pieces (``_out_split``)."""
+def _assemble(parts: Sequence, pieces: tuple[int, ...], T: int, top_k: int) -> tuple:
+    """routing_triton's outputs (``_OUTPUTS``) from ``parts``, int32 tensors, by index
+    (``pieces``, -1 for None): weights viewed as fp32, inverse as (T, top_k)."""
     c, o, e, t, w, i, tc = pieces
     return (
         parts[c] if c >= 0 else None,
@@ -2121,30 +2128,15 @@ def _assemble(parts: tuple, pieces: tuple[int, ...], T: int, top_k: int) -> tupl
     )
 
 
-def _outputs(
-    segment: Callable[[int], torch.Tensor],
-    T: int,
-    top_k: int,
-    L: int,
-    with_weights: bool,
-    with_offsets: bool,
-    with_tcpe: bool,
-) -> tuple[torch.Tensor | None, ...]:
-    """routing_triton's outputs from ``segment(i)``, the i-th buffer segment (int32 or fp32);
-    ``counts`` only with weights or offsets (route), which is where it is used."""
-    counts = None
-    if with_weights or with_offsets:
-        counts = segment(_SEG["counts"])
-        counts = counts[:L] if L == 0 else counts
-    return (
-        counts,
-        segment(_SEG["offsets"]) if with_offsets else None,
-        segment(_SEG["expert"]),
-        segment(_SEG["token"]),
-        segment(_SEG["weights"]).view(torch.float32) if with_weights else None,
-        segment(_SEG["inverse"]).view(T, top_k) if with_weights else None,
-        segment(_SEG["tcpe"]) if with_tcpe else None,
+def _outputs(seg: list, T: int, top_k: int, L: int, *flags: bool) -> tuple:
+    """routing_triton's outputs from the typed launch's segments (``_SEGMENTS`` order)."""
+    pieces = tuple(
+        _SEG[name] if ret else -1 for name, ret in zip(_OUTPUTS, _returned(*flags), strict=True)
     )
+    out = _assemble(seg, pieces, T, top_k)
+    if L == 0 and out[0] is not None:  # an empty expert range: no counts (the segment holds 1)
+        out = (out[0][:0], *out[1:])
+    return out
 
 
 def routing_triton(
@@ -2212,11 +2204,12 @@ def routing_triton(
             + [out[0][:0]]
             + list(torch.empty(sum(scratch), dtype=i32, device=dev).split(scratch))
         )
-    for i in (_SEG["weights"], _SEG["scr_w"]):  # fp32 bits
-        seg[i] = seg[i].view(torch.float32)
     x = scores_TE if kind == 0 else scores_TE.view(torch.int16)
     strides = scores_TE.stride()
-    args = _kernel_args(p, seg, x, strides, vtc, T, E, start, end, *flags)
+    typed = list(seg)
+    for i in (_SEG["weights"], _SEG["scr_w"]):  # fp32 bits
+        typed[i] = seg[i].view(torch.float32)
+    args = _kernel_args(p, typed, x, strides, vtc, T, E, start, end, *flags)
     # (kernel, grid, constexprs, options, its runtime arguments from _kernel_args' and the
     # barrier words: as tensors now, as Rel markers for the bound relaunch)
     launches: list[tuple[FastKernel, int, dict, dict, Callable[[tuple, object], tuple]]] = []
@@ -2238,20 +2231,18 @@ def routing_triton(
                              lambda a, b: a[3]))  # fmt: skip
     handles = [kern.launch((g,), pick(args, bar), consts, **opts)
                for kern, g, consts, opts, pick in launches]  # fmt: skip
-    if one_buffer and end > start:  # (an empty range's counts are an empty slice: below)
+    # an empty expert range is not bound: its counts output is a slice of its segment
+    if key is not None and end > start and all(handles) and not buf.data_ptr() & 15:
         split, pieces = _out_split(p, *flags)
-        outs = _assemble(buf.split_with_sizes(split), pieces, T, top_k)
-        if key is not None and all(handles) and not buf.data_ptr() & 15:
-            marks = _kernel_args(
-                p, [Rel(0, 4 * s) for s in p.starts], Rel(1, 0), strides,
-                None if vtc is None else Rel(2, 0), T, E, start, end, *flags,
-            )  # fmt: skip
-            bound = BoundLaunches([
-                (h, g, pick(marks, Rel(3, 0)))
-                for h, (_, g, _, _, pick) in zip(handles, launches, strict=True)
-            ])  # fmt: skip
-            if len(_BOUND) >= _MAX_BOUND:
-                _BOUND.clear()  # start over (one atomic call: safe beside other threads)
-            _BOUND[key] = _Eager(sum(p.sizes), split, pieces, bound, bar is not None, dev.index)
-        return outs
-    return _outputs(seg.__getitem__, T, top_k, end - start, *flags)
+        marks = _kernel_args(
+            p, [Rel(0, 4 * s) for s in p.starts], Rel(1, 0), strides,
+            None if vtc is None else Rel(2, 0), T, E, start, end, *flags,
+        )  # fmt: skip
+        bound = BoundLaunches([
+            (h, g, pick(marks, Rel(3, 0)))
+            for h, (_, g, _, _, pick) in zip(handles, launches, strict=True)
+        ])  # fmt: skip
+        if len(_BOUND) >= _MAX_BOUND:
+            _BOUND.clear()  # start over (one atomic call: safe beside other threads)
+        _BOUND[key] = _Eager(sum(p.sizes), split, pieces, bound, bar is not None, dev.index)
+    return _outputs(seg, T, top_k, end - start, *flags)
