@@ -6,7 +6,7 @@ PYTHONPATH=packages/moe-kernels/src:packages/moe-tools/src \
 On a GPU: per call, back-to-back eager calls (no L2 flush, so the host's launch cost shows),
 ``do_bench`` medians (L2 flushed between calls, as ``moe-bench kernels`` times them) and
 torch-native routing (topk + stable sort + bincount), once with the bound relaunch
-(``_triton/routing.py``'s ``_BOUND``) and once with it off.
+(``_triton/routing_eager.py``'s ``_BOUND``) and once with it off.
 Without a GPU (or with ``--stub``): the host time of a public eager call, with stand-in kernels
 whose launches do nothing, on CPU tensors.
 ``--host-bound`` (GPU): ``do_bench``'s loop timed from the host and from the GPU side by side
@@ -27,6 +27,7 @@ import torch
 
 import moe_kernels._triton.launch as launch
 import moe_kernels._triton.routing as R
+import moe_kernels._triton.routing_eager as lane
 import moe_kernels.routing as MR
 
 SHAPES = [(4096, 16, 8), (4096, 128, 8)]
@@ -82,6 +83,7 @@ def _stub_kernels() -> None:
     launch.FastKernel.enabled = True
     launch.driver = Driver
     MR.eager_direct = lambda *tensors: True  # CPU tensors through the eager path
+    MR._LANE_ON_CPU = True
     MR.use_triton = lambda device: True
 
 
@@ -89,13 +91,13 @@ def _breakdown(T: int = 4096, E: int = 128, k: int = 8) -> None:
     """Where an eager index_shuffling call's host time goes (GPU only): the public call, the
     launcher alone, its pieces, and a one-kernel torch op for scale."""
     x = torch.randn(T, E, device="cuda").softmax(-1).to(torch.bfloat16)
-    R._BOUND = {}
+    lane._BOUND = {}
     args = (x, 8, None, 0, E, False, False, False, True, None, True)
     R.routing_triton(*args)
-    e = next(iter(R._BOUND.values()))
+    e = next(iter(lane._BOUND.values()))
     buf = torch.empty(e.n, dtype=torch.int32, device="cuda")
     stream = launch.current_stream(0)
-    bar = R.barrier_words(0, stream).data_ptr() if e.barrier else 0
+    bar = 0 if e.barrier is None else e.barrier(0, stream).data_ptr()
     bases = (buf.data_ptr(), x.data_ptr(), 0, bar)
     small = torch.zeros(16, device="cuda")
     parts = {
@@ -103,13 +105,14 @@ def _breakdown(T: int = 4096, E: int = 128, k: int = 8) -> None:
         "argument checks (_check)": lambda: MR._check(x, "routing_scores", k, None, None, None),
         "eager_direct": lambda: MR.eager_direct(x, None),
         "routing_triton, bound": lambda: R.routing_triton(*args),
-        "the key (_eager_key)": lambda: R._eager_key(x, k, None, 0, E, False, False, False, True,
+        "the key (eager_key)": lambda: lane.eager_key(x, k, None, 0, E, False, False, False, True,
                                                      None),  # fmt: skip
         f"torch.empty({e.n}, int32)": lambda: torch.empty(e.n, dtype=torch.int32, device="cuda"),
         "current_stream": lambda: launch.current_stream(0),
-        f"the launches ({'one, fused' if e.barrier else 'bound'})": lambda: e.launches(bases,
-                                                                                       stream),
-        "outputs (split, _assemble)": lambda: R._assemble(buf.split_with_sizes(e.split),
+        f"the launches ({'one, fused' if e.barrier is not None else 'bound'})": (
+            lambda: e.launches(bases, stream)
+        ),
+        "outputs (split, assemble)": lambda: lane.assemble(buf.split_with_sizes(e.split),
                                                           e.pieces, T, k),
         "torch small.add_(1)": lambda: small.add_(1),
     }  # fmt: skip
@@ -287,9 +290,9 @@ def main() -> int:
             "index_shuffling": lambda s=scores, k=k: MR.index_shuffling(s, top_k=k),
         }
         for name, fn in ops.items():
-            R._BOUND = _NoStore()
+            lane._BOUND = _NoStore()
             full = _per_call_us(fn)
-            R._BOUND = {}
+            lane._BOUND = {}
             bound = _per_call_us(fn)
             row = f"| {name} | {T} | {E} | {bound:.1f} | {full:.1f} | {full / bound:.2f}x |"
             if not stub:

@@ -30,6 +30,7 @@ from triton.testing import do_bench
 
 from moe_kernels._reference.routing import index_shuffling_reference, route_reference
 from moe_kernels._triton import routing as tri
+from moe_kernels._triton import routing_eager as lane
 from moe_kernels.routing import index_shuffling, route
 
 DRY = os.environ.get("ROUTING_GPU_DRY_RUN") == "1"
@@ -294,7 +295,7 @@ def fused_stress() -> None:
         vtc = torch.tensor([T - 7], device=dev, dtype=torch.int32)
         wants = [(route_reference(x, k, None, 0, E, False),
                   index_shuffling_reference(x, 0, E, vtc, k)) for x in xs]  # fmt: skip
-        tri._BOUND.clear()
+        lane._BOUND.clear()
         kept: list = []
         for i in range(n_calls):
             j = i % len(xs)
@@ -307,9 +308,12 @@ def fused_stress() -> None:
             and all(same(a, b) for a, b in zip(i_, wants[j][1], strict=True))
             for j, r, i_ in kept
         )
-        fused = sum(e.barrier for e in tri._BOUND.values())
+        fused = sum(e.barrier is not None for e in lane._BOUND.values())
+        public = sum(key[6] is None for key in lane._BOUND)  # the public lane's keys (start None)
         ok = ok and (DRY or fused > 0)  # the GPU must have taken the fused launch
-        check(f"fused, {n_calls} back-to-back calls {tag}", ok, f"(fused plans bound: {fused})")
+        ok = ok and (DRY or public == 2)  # route's and index_shuffling's, by their public calls
+        check(f"fused, {n_calls} back-to-back calls {tag}", ok,
+              f"(fused plans bound: {fused}, public keys: {public})")  # fmt: skip
         if DRY:
             continue
         streams = [torch.cuda.Stream(), torch.cuda.Stream()]

@@ -57,16 +57,17 @@ def test_hook_detection_reads_hook_chains():
         def __init__(self, calls):
             self.calls = calls
 
-    assert not _hooked(None, None)
-    assert not _hooked(Chain([]), Chain([]))
-    assert _hooked(Chain([print]), Chain([]))
-    assert _hooked(None, print)
+    assert not _hooked(None)
+    assert not _hooked(Chain([]))
+    assert _hooked(Chain([print]))
+    assert _hooked(print)
     try:
         from triton import knobs
     except ImportError:
         return
     if knobs.runtime.launch_enter_hook is not None:  # this Triton's default: no hook installed
-        assert not _hooked(knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+        assert not _hooked(knobs.runtime.launch_enter_hook)
+        assert not _hooked(knobs.runtime.launch_exit_hook)
 
 
 def test_unkeyable_arguments_take_the_plain_path():
@@ -74,3 +75,64 @@ def test_unkeyable_arguments_take_the_plain_path():
 
     assert _arg_key(object()) is _NO_KEY  # e.g. a TMA descriptor, a new object per call
     assert _arg_key(0.5) == _arg_key(2.0) and _arg_key(0.5) is not _NO_KEY
+
+
+class _Kernel:
+    """A compiled kernel with a given launcher."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+
+def _launchers(scratch: int = 0):
+    """Stand-ins for CudaLauncher: 3.5/3.6's call form (which passes its arguments on to the C
+    function with the scratch it allocates, None for none) and 3.8's."""
+    calls: list = []
+
+    class CudaLauncher:  # triton 3.5 / 3.6
+        launch_cooperative_grid, launch_pdl = True, False
+        global_scratch_size = profile_scratch_size = scratch
+
+        def __init__(self) -> None:
+            self.launch = lambda *args: calls.append(args)  # the C function
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            glob = object() if self.global_scratch_size else None
+            prof = object() if self.profile_scratch_size else None
+            self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid,
+                        self.launch_pdl, glob, prof, *args)  # fmt: skip
+
+    class NewLauncher(CudaLauncher):  # triton 3.8: named metadata and hook parameters
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata,
+                     launch_metadata, launch_enter_hook, launch_exit_hook, *args):  # fmt: skip
+            calls.append(("3.8", gridX, kernel_metadata, *args))
+
+    NewLauncher.__name__ = "CudaLauncher"
+    return CudaLauncher(), NewLauncher(), calls
+
+
+def test_direct_launch_passes_what_the_launcher_would(monkeypatch):
+    import moe_kernels._triton.launch as L
+
+    monkeypatch.setattr(L, "_TRITON_VERSION", "3.6.0")
+    old, _, calls = _launchers()
+    k = _Kernel(old)
+    go, pre = L.launcher(k)
+    assert go is not old  # the C function, not the launcher
+    go(7, 1, 1, 99, *pre, "x", 3, "C")
+    k.run(7, 1, 1, 99, k.function, k.packed_metadata, None, None, None, "x", 3, "C")
+    assert len(calls) == 2 and calls[0] == calls[1]
+
+
+@pytest.mark.parametrize("case", ["3.8 launcher", "scratch", "triton 3.8", "triton 3.4"])
+def test_launcher_elsewhere_is_the_triton_launcher(monkeypatch, case):
+    import moe_kernels._triton.launch as L
+
+    version = {"triton 3.8": "3.8.0", "triton 3.4": "3.4.0"}.get(case, "3.6.0")
+    monkeypatch.setattr(L, "_TRITON_VERSION", version)
+    old, new, calls = _launchers(scratch=16 if case == "scratch" else 0)
+    k = _Kernel(new if case == "3.8 launcher" else old)
+    go, pre = L.launcher(k)
+    assert go is k.run and pre == (k.function, k.packed_metadata, None, None, None)

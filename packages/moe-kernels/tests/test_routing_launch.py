@@ -9,6 +9,8 @@ import torch
 
 import moe_kernels._triton.launch as launch
 import moe_kernels._triton.routing as R
+import moe_kernels._triton.routing_eager as lane
+import moe_kernels.routing as MR
 
 pytestmark = pytest.mark.skipif(launch._HOOKS is None, reason="this Triton has no launch knobs")
 
@@ -62,7 +64,7 @@ def calls(monkeypatch):
         monkeypatch.setattr(R, attr, launch.FastKernel(_Jit(real, name, calls)))
     monkeypatch.setattr(launch.FastKernel, "enabled", True)
     monkeypatch.setattr(launch, "driver", _Stream)
-    monkeypatch.setattr(R, "_BOUND", {})
+    monkeypatch.setattr(lane, "_BOUND", {})
     return calls
 
 
@@ -120,7 +122,7 @@ def test_bound_relaunch_matches_the_full_launch(calls, case, fused, monkeypatch)
 
     out1 = call(scores, vtc)
     first = list(calls)
-    assert [c[1] for c in first] == ["jit"] * len(first) and len(R._BOUND) == 1
+    assert [c[1] for c in first] == ["jit"] * len(first) and len(lane._BOUND) == 1
     calls.clear()
     # new inputs of the same kind: the bound launches must read them, not the first ones
     scores2, vtc2 = scores.clone(), None if vtc is None else vtc.clone()
@@ -184,7 +186,7 @@ def test_fused_launch_hands_a_and_c_what_their_own_launches_get(calls, case, mon
 
     two, base2, n2 = launch()
     assert sorted(two) == ["A", "C"]
-    R._BOUND.clear()
+    lane._BOUND.clear()
     bar = _fuse_where_gpu_would(monkeypatch)
     named[bar.data_ptr()] = "barrier"
     one, base1, n1 = launch()
@@ -208,7 +210,7 @@ def test_bound_relaunch_keys_alignment_strides_and_plan(calls):
     bound = []
     for scores in (aligned, aligned, shifted, column_major, aligned[:2048]):
         R.routing_triton(scores, 8, None, 0, 16, False, True, True, False, one_buffer=True)
-        bound.append(len(R._BOUND))
+        bound.append(len(lane._BOUND))
     # each call but the repeat of the first needs (and binds) a key of its own
     assert bound == [1, 1, 2, 3, 4]
     assert (shifted.data_ptr() % 16, column_major.stride()) == (2, (1, 4096))
@@ -218,13 +220,112 @@ def test_custom_op_path_never_binds(calls):
     scores = torch.randn(64, 16)
     for _ in range(2):
         R.routing_triton(scores, 4, None, 0, 16, False, True, True, False)
-    assert R._BOUND == {} and {c[1] for c in calls} == {"jit", "run"}
+    assert lane._BOUND == {} and {c[1] for c in calls} == {"jit", "run"}
 
 
 def test_bound_table_is_bounded(calls, monkeypatch):
-    monkeypatch.setattr(R, "_MAX_BOUND", 3)
+    monkeypatch.setattr(lane, "_MAX_BOUND", 3)
     for T in (16, 32, 48, 64, 80):
         R.routing_triton(torch.randn(T, 8), 2, None, 0, 8, False, True, True, False,
                          one_buffer=True)  # fmt: skip
     # full after 48: starts over with 64, then binds 80
-    assert [key[0][0] for key in R._BOUND] == [64, 80]  # T of each bound plan
+    assert [key[0][0] for key in lane._BOUND] == [64, 80]  # T of each bound plan
+
+
+# ---------------------------------------------------------------------------------------------
+# The public ops' fast lane (routing_eager.py): tried before the argument checks, so a bound key
+# must imply them; checked with CPU tensors let through the lane and the stand-in kernels.
+
+
+@pytest.fixture
+def public(calls, monkeypatch):
+    """The public ops on CPU tensors through the eager path and the lane; returns the recorded
+    launches and the names of the calls that ran the argument checks."""
+    monkeypatch.setattr(MR, "_LANE_ON_CPU", True)
+    monkeypatch.setattr(MR, "eager_direct", lambda *tensors: True)
+    monkeypatch.setattr(MR, "use_triton", lambda device: True)
+    checked: list = []
+    check = MR._check
+    monkeypatch.setattr(MR, "_check", lambda *a: checked.append(a[1]) or check(*a))
+    return calls, checked
+
+
+def _call(op, scores, vtc, **kw):
+    if op == "route":
+        return tuple(MR.route(scores, 8, valid_token_count=vtc, **kw))
+    return MR.index_shuffling(scores, valid_token_count=vtc, top_k=8, **kw)
+
+
+@pytest.mark.parametrize("with_vtc", [False, True])
+@pytest.mark.parametrize("op", ["route", "index_shuffling"])
+def test_public_calls_take_the_lane_once_bound(public, op, with_vtc):
+    """The first call checks its arguments and launches through Triton (binding its key); the
+    next one of the same kind skips both and relaunches the same kernels on its own tensors,
+    with outputs laid out alike."""
+    calls, checked = public
+    gen = torch.Generator().manual_seed(2)
+    scores = [torch.randn(256, 16, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    vtcs = [torch.tensor([n], dtype=torch.int32) if with_vtc else None for n in (200, 100)]
+    out1 = _call(op, scores[0], vtcs[0])
+    first = list(calls)
+    assert checked and {c[1] for c in first} == {"jit"} and len(lane._BOUND) == 1
+    calls.clear(), checked.clear()
+    out2 = _call(op, scores[1], vtcs[1])
+    second = list(calls)
+    assert not checked and {c[1] for c in second} == {"run"}
+    assert [(c[0], c[2]) for c in second] == [(c[0], c[2]) for c in first]
+    base1, base2 = out1[-1]._base.data_ptr(), out2[-1]._base.data_ptr()
+    nbytes = 4 * out1[-1]._base.numel()
+    named1, named2 = {scores[0].data_ptr(): "scores"}, {scores[1].data_ptr(): "scores"}
+    if with_vtc:
+        named1[vtcs[0].data_ptr()], named2[vtcs[1].data_ptr()] = "vtc", "vtc"
+    for (_, _, _, a1), (_, _, _, a2) in zip(first, second, strict=True):
+        is_ptr = [isinstance(a, torch.Tensor) for a in a1]
+        assert _normalise(a1, is_ptr, base1, nbytes, named1) == _normalise(
+            a2, is_ptr, base2, nbytes, named2
+        )
+    assert len(out1) == len(out2) == (6 if op == "route" else 3)
+    for o1, o2 in zip(out1, out2, strict=True):
+        assert (o1.shape, o1.dtype, o1.stride()) == (o2.shape, o2.dtype, o2.stride())
+        assert o1.data_ptr() - base1 == o2.data_ptr() - base2
+
+
+@pytest.mark.parametrize(
+    "kw, error",
+    [
+        (dict(top_k=True), TypeError),  # == 1 and hashes like it: the key must tell them apart
+        (dict(top_k=17), ValueError),
+        (dict(expert_index_start=2.0), TypeError),
+        (dict(expert_index_end=17), ValueError),
+        (dict(valid_token_count=torch.tensor([3, 4], dtype=torch.int32)), ValueError),
+        (dict(valid_token_count=torch.tensor([3.0])), TypeError),
+        (dict(renormalize=1), TypeError),  # route: == True
+    ],
+    ids=lambda v: "-".join(v) if isinstance(v, dict) else v.__name__,
+)
+def test_bound_keys_keep_the_argument_checks(public, kw, error):
+    """After binding the valid call each variant differs from, the variant still raises."""
+    scores = torch.randn(64, 16).to(torch.bfloat16)
+    vtc = torch.tensor([50], dtype=torch.int32)
+    good = dict(top_k=1, expert_index_start=2, expert_index_end=16, valid_token_count=vtc)
+    op = MR.route if "renormalize" in kw else MR.index_shuffling
+    if op is MR.route:
+        good["renormalize"] = True
+    for _ in range(2):  # bind, then hit
+        op(scores, **good)
+    assert len(lane._BOUND) == 1
+    with pytest.raises(error):
+        op(scores, **{**good, **kw})
+
+
+def test_lane_is_off_for_autograd_fake_tensors_and_compilation(public, monkeypatch):
+    scores = torch.randn(64, 16)
+    args = (None, 8, None, None, *MR._IS_FLAGS)
+    assert lane.lane_key(scores, *args) is not None
+    assert lane.lane_key(scores.clone().requires_grad_(), *args) is None
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert lane.lane_key(scores, *args) is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert lane.lane_key(scores, *args) is None

@@ -6,11 +6,13 @@ expert, so a row of all -inf still picks ``top_k`` distinct experts 0..k-1) and 
 then token. Rows at or past ``valid_token_count`` (a one-element device tensor, clamped to [0, T],
 never read on the host) are not routed. CUDA runs the Triton kernels of ``_triton/routing.py``
 (two to four launches; one for small eager calls; no sync), CPU the torch reference of
-``_reference/routing.py``.
+``_reference/routing.py``. Eager CUDA calls of a kind seen before take the fast lane of
+``_triton/routing_eager.py`` before anything else: one allocation and the launches.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -47,6 +49,31 @@ class RoutingPlan(NamedTuple):
     inverse: torch.Tensor
 
 
+_LANE_ON_CPU = False  # tests: CPU tensors through the lane, with stand-in kernels
+
+
+@functools.cache
+def _triton():
+    """The Triton launcher and its eager fast lane (imported on first use: triton only when a
+    CUDA call needs it)."""
+    from ._triton import routing, routing_eager
+
+    return routing, routing_eager
+
+
+def _fast(
+    x: object, vtc: object, top_k: object, start: object, end: object, flags: tuple
+) -> tuple[tuple | None, tuple | None]:
+    """(key, outputs) of the eager fast lane (``_triton/routing_eager.py``): the outputs where
+    the call's key is bound, else None; the key None where the lane does not apply. ``flags``:
+    (renormalize, with_weights, with_offsets, with_tcpe), plain bools."""
+    if type(x) is not torch.Tensor or not (x.is_cuda or _LANE_ON_CPU):
+        return None, None
+    lane = _triton()[1]
+    key = lane.lane_key(x, vtc, top_k, start, end, *flags)
+    return key, (None if key is None else lane.bound_call(key, x, vtc))
+
+
 def _check(
     scores: object,
     name: str,
@@ -77,6 +104,8 @@ def _check(
 # ---------------------------------------------------------------------------------------------
 # index_shuffling
 
+_IS_FLAGS = (False, False, False, True)  # renormalize, with_weights, with_offsets, with_tcpe
+
 
 def _index_shuffling_run(
     routing_scores: torch.Tensor,
@@ -85,25 +114,22 @@ def _index_shuffling_run(
     valid_token_count: torch.Tensor | None,
     top_k: int,
     one_buffer: bool = False,
+    eager_key: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, E = routing_scores.shape
     if T == 0 or not use_triton(routing_scores.device):
         return index_shuffling_reference(
             routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k
         )
-    from ._triton.routing import routing_triton
-
-    _, _, expert, token, _, _, tcpe = routing_triton(
+    _, _, expert, token, _, _, tcpe = _triton()[0].routing_triton(
         routing_scores,
         top_k,
         valid_token_count,
         expert_index_start,
         expert_index_end,
-        renormalize=False,
-        with_weights=False,
-        with_offsets=False,
-        with_tcpe=True,
+        *_IS_FLAGS,
         one_buffer=one_buffer,
+        eager_key=eager_key,
     )
     return tcpe, expert, token
 
@@ -158,6 +184,11 @@ def index_shuffling(
         expert_indices: (T*top_k,) int32: expert - start of each sorted pair, -1 past n.
         token_indices: (T*top_k,) int32: token of each sorted pair, -1 past n.
     """
+    key, out = _fast(
+        routing_scores, valid_token_count, top_k, expert_index_start, expert_index_end, _IS_FLAGS
+    )
+    if out is not None:
+        return out[6], out[2], out[3]
     scores, top_k, start, end = _check(
         routing_scores,
         "routing_scores",
@@ -166,13 +197,15 @@ def index_shuffling(
         expert_index_end,
         valid_token_count,
     )
-    if eager_direct(scores, valid_token_count):  # one allocation, no dispatcher
-        return _index_shuffling_run(scores, start, end, valid_token_count, top_k, one_buffer=True)
+    if key is not None or eager_direct(scores, valid_token_count):  # one allocation, no dispatcher
+        return _index_shuffling_run(scores, start, end, valid_token_count, top_k, True, key)
     return _index_shuffling_op(scores, start, end, valid_token_count, top_k)
 
 
 # ---------------------------------------------------------------------------------------------
 # route
+
+_ROUTE_FLAGS = (True, True, False)  # with_weights, with_offsets, with_tcpe
 
 
 def _route_run(
@@ -183,25 +216,23 @@ def _route_run(
     expert_index_end: int,
     renormalize: bool,
     one_buffer: bool = False,
+    eager_key: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     T, _ = scores.shape
     if T == 0 or not use_triton(scores.device):
         return route_reference(
             scores, top_k, valid_token_count, expert_index_start, expert_index_end, renormalize
         )
-    from ._triton.routing import routing_triton
-
-    return routing_triton(
+    return _triton()[0].routing_triton(
         scores,
         top_k,
         valid_token_count,
         expert_index_start,
         expert_index_end,
-        renormalize=renormalize,
-        with_weights=True,
-        with_offsets=True,
-        with_tcpe=False,
+        renormalize,
+        *_ROUTE_FLAGS,
         one_buffer=one_buffer,
+        eager_key=eager_key,
     )[:6]
 
 
@@ -255,13 +286,21 @@ def route(
     k choices, also those outside the expert range, in descending-score order). The other
     arguments are those of ``index_shuffling``; L = expert_index_end - expert_index_start.
     """
+    key = None
+    if type(renormalize) is bool:
+        key, out = _fast(
+            scores, valid_token_count, top_k, expert_index_start, expert_index_end,
+            (renormalize, *_ROUTE_FLAGS),
+        )  # fmt: skip
+        if out is not None:
+            return RoutingPlan(*out[:6])
     scores, top_k, start, end = _check(
         scores, "scores", top_k, expert_index_start, expert_index_end, valid_token_count
     )
     if not isinstance(renormalize, bool):
         raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
-    if eager_direct(scores, valid_token_count):  # one allocation, no dispatcher
+    if key is not None or eager_direct(scores, valid_token_count):  # one allocation, no dispatcher
         return RoutingPlan(
-            *_route_run(scores, top_k, valid_token_count, start, end, renormalize, True)
+            *_route_run(scores, top_k, valid_token_count, start, end, renormalize, True, key)
         )
     return RoutingPlan(*_route_op(scores, top_k, valid_token_count, start, end, renormalize))

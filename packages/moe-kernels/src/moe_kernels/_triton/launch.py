@@ -4,7 +4,7 @@
 (argument binding, specialisation, cache key, launch metadata, then the C launcher), as much as a
 small routing problem's GPU time. ``FastKernel`` does the first launch of every specialisation
 through Triton (which compiles and caches it) and later ones straight through the compiled
-kernel's launcher.
+kernel's launcher (on Triton 3.5 and 3.6, its C launch function: ``launcher``).
 
 The specialisation key mirrors Triton's: per tensor its dtype and whether its address is 16-byte
 aligned; per int whether it is 1, whether it is a multiple of 16 and whether it needs 64 bits;
@@ -22,8 +22,11 @@ through ``BoundLaunches``, skipping the per-argument key as well.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import triton
 from triton.runtime import driver
 
 from .._dispatch import INTERPRET
@@ -35,11 +38,13 @@ try:
 except Exception:  # pragma: no cover - older triton: no knobs, no fast path
     _HOOKS = None
 
+_TRITON_VERSION: str = getattr(triton, "__version__", "")
 
-def _hooked(*hooks: object) -> bool:
-    """Whether a launch hook is installed. Triton >= 3.5 keeps each hook slot as a ``HookChain``
-    that is never None (empty: ``.calls == []``); older versions use None for no hook."""
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+def _hooked(hook: object) -> bool:
+    """Whether a launch hook is installed in a slot. Triton >= 3.5 keeps each slot as a
+    ``HookChain`` that is never None (empty: ``.calls == []``); older versions use None."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 _NO_KEY = object()  # an argument the cache cannot key (e.g. a TMA descriptor): plain path
@@ -59,10 +64,55 @@ def _arg_key(a: object) -> object:
 
 
 class Handle(NamedTuple):
-    """A compiled kernel and the constexpr values that follow the runtime arguments."""
+    """A compiled kernel, the constexpr values that follow the runtime arguments, and how to
+    launch it: ``go(grid0, grid1, grid2, stream, *pre, *args, *tail)`` (``launcher``)."""
 
     kernel: Any
     tail: tuple
+    go: Callable[..., None]
+    pre: tuple
+
+
+# Triton versions whose CudaLauncher.__call__(self, gridX, gridY, gridZ, stream, function,
+# *args) does nothing but pass (function, cooperative, pdl, global scratch, profile scratch,
+# *args) to its C launch function, scratch None where the kernel needs none (read in 3.5.1's
+# and 3.6.0's sources). Elsewhere the launcher itself is called.
+_DIRECT_VERSIONS = ("3.5.", "3.6.")
+
+
+def launcher(k: Any) -> tuple[Callable[..., None], tuple]:
+    """(go, pre) for compiled kernel ``k``: ``go(grid0, grid1, grid2, stream, *pre, *args)``
+    launches it with its runtime arguments and constexprs ``args``. Where this Triton's launcher
+    is known to hand its arguments straight to its C launch function and ``k`` needs no scratch,
+    that function (the launcher's Python frame costs 1.3-4.9 us of host time a launch on the
+    H200's host); else the launcher, with no launch metadata or hooks."""
+    run = k.run
+    meta = (k.packed_metadata, None, None, None)  # metadata, launch metadata, enter/exit hooks
+    direct = getattr(run, "launch", None)
+    if (
+        _TRITON_VERSION.startswith(_DIRECT_VERSIONS)
+        and type(run).__name__ == "CudaLauncher"
+        and callable(direct)
+        and _plain_call(type(run).__call__)
+        and getattr(run, "global_scratch_size", 1) == 0
+        and getattr(run, "profile_scratch_size", 1) == 0
+    ):
+        flags = (bool(run.launch_cooperative_grid), bool(run.launch_pdl))
+        return direct, (k.function, *flags, None, None, *meta)
+    return run, (k.function, *meta)
+
+
+def _plain_call(call: Any) -> bool:
+    """Whether ``call``'s parameters are (self, gridX, gridY, gridZ, stream, function, *args)."""
+    try:
+        params = list(inspect.signature(call).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    names = [p.name for p in params]
+    return (
+        names == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+        and params[-1].kind is inspect.Parameter.VAR_POSITIONAL
+    )
 
 
 class FastKernel:
@@ -105,7 +155,7 @@ class FastKernel:
             k = self.fn[grid](*args, **constexprs, **options)
             if all(hasattr(k, a) for a in ("run", "function", "packed_metadata")):
                 tail = tuple(constexprs[n] for n in self.fn.arg_names[len(args) :])
-                h = self.handles[key] = Handle(k, tail)
+                h = self.handles[key] = Handle(k, tail, *launcher(k))
             return h
         run(h, grid, dev, args)
         return h
@@ -114,7 +164,9 @@ class FastKernel:
 def fast_path_open() -> bool:
     """Whether compiled handles may be launched directly: the GPU (no interpreter), a Triton
     with launch hooks we can see, and none installed now."""
-    return FastKernel.enabled and not _hooked(_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook)
+    if not FastKernel.enabled:
+        return False
+    return not (_hooked(_HOOKS.launch_enter_hook) or _hooked(_HOOKS.launch_exit_hook))
 
 
 def current_stream(dev: int) -> int:
@@ -127,11 +179,10 @@ def run(h: Handle, grid: tuple[int, ...], dev: int, args: tuple) -> None:
     specialisation as the launch that returned ``h`` (dtypes, 16-byte alignment of every pointer,
     the properties of every int: the caller's key has to pin them); pointers may be passed as
     int addresses, which Triton's launcher accepts like tensors."""
-    k = h.kernel
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     stream = driver.active.get_current_stream(dev)
-    k.run(grid[0], g1, g2, stream, k.function, k.packed_metadata, None, None, None, *args, *h.tail)
+    h.go(grid[0], g1, g2, stream, *h.pre, *args, *h.tail)
 
 
 def fast(fn: Any) -> FastKernel:
@@ -153,7 +204,7 @@ class BoundLaunches:
     ``launches``: (handle, 1-D grid, runtime arguments) per kernel, the arguments holding a
     ``Rel`` where a pointer goes and plain values elsewhere. A call passes the bases (ints) and
     the stream; each kernel then gets its fixed arguments with the ``Rel`` slots filled in, then
-    its handle's constexprs, straight into the compiled kernel's launcher. Where a kernel's
+    its handle's constexprs, through the handle's ``launcher``. Where a kernel's
     pointers all come first, they are computed in one pass and the rest is passed as is. The
     caller's key must pin everything Triton specialised the handles on (see ``run``)."""
 
@@ -166,20 +217,18 @@ class BoundLaunches:
             n = len(rel)
             if all(i < n for i, _, _ in rel):  # pointers first: (base, offset) pairs, then values
                 head = tuple((b, off) for _, b, off in rel)
-                bound.append((h.kernel, g0, head, (*args[n:], *h.tail), None))
+                bound.append((h.go, g0, h.pre, head, (*args[n:], *h.tail), None))
             else:
                 fixed = [0 if isinstance(a, Rel) else a for a in args] + list(h.tail)
-                bound.append((h.kernel, g0, None, fixed, rel))
+                bound.append((h.go, g0, h.pre, None, fixed, rel))
         self._launches = tuple(bound)
 
     def __call__(self, bases: tuple[int, ...], stream: int) -> None:
-        for k, g0, head, fixed, rel in self._launches:
+        for go, g0, pre, head, fixed, rel in self._launches:
             if head is not None:
-                ptrs = [bases[b] + off for b, off in head]
-                k.run(g0, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *ptrs,
-                      *fixed)  # fmt: skip
+                go(g0, 1, 1, stream, *pre, *[bases[b] + off for b, off in head], *fixed)
                 continue
             args = fixed.copy()
             for i, b, off in rel:
                 args[i] = bases[b] + off
-            k.run(g0, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args)
+            go(g0, 1, 1, stream, *pre, *args)

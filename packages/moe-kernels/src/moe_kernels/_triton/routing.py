@@ -67,8 +67,8 @@ and route on them (C looking up per-token lists) to 343 us, then 322 (C 177); wi
 the pairs and D, to 280 us (A 181, C 35, D 54) and index_shuffling to 187 (A 128, C 7, D 42).
 At T=4096 the kernels take 5-11 us and eager calls are bound by the host (H200 host: ~6 us a
 launch, 2.5 an allocation, 7-10 a torch op). So an eager call after the first of its kind
-(``_eager_key``) relaunches the compiled handles with int addresses into one new buffer
-(``_BOUND``, ``BoundLaunches``) and splits it into the outputs in one op; and where the plan is
+relaunches the compiled handles with int addresses into one new buffer and splits it into the
+outputs in one op (``routing_eager.py``, the public ops' fast lane); and where the plan is
 A and C alone (no scan launch, C reducing ``hist`` itself) and its programs fit one per SM, A
 and C run as one cooperative launch, ``_fused_kernel``: A's body, a grid barrier
 (``grid_sync.py``), C's body. H200, T=4096, k=8: index_shuffling's host time 41 -> 25 us a call
@@ -90,7 +90,7 @@ compiles the ``for`` loops (same sm_90 PTX as without the flag).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -98,6 +98,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import INTERPRET
+from . import routing_eager as lane
 from .grid_sync import barrier_words, grid_sync
 from .launch import BoundLaunches, FastKernel, Rel, current_stream, fast_path_open
 
@@ -1732,9 +1733,10 @@ class _Launch(NamedTuple):
     runs: tuple[int, dict, int] | None  # (grid, constexprs, warps) of _expert_runs_kernel
 
 
-# Outputs first, then scratch; weights and scr_w hold fp32 bits.
+# Outputs first, then scratch; weights and scr_w hold fp32 bits. index_shuffling's counts are
+# C's scratch: after tcpe, so its eager split has one piece less (outputs, then the rest).
 _SEGMENTS = (
-    "expert", "token", "weights", "inverse", "counts", "offsets", "tcpe", "pad",
+    "expert", "token", "weights", "inverse", "tcpe", "counts", "offsets", "pad",
     "hist", "packed", "scr_w",
 )  # fmt: skip
 _N_OUT = _SEGMENTS.index("pad")
@@ -1831,9 +1833,8 @@ def _launch_plan(
     P = T * K
     n_hist = Lm * n_prog
     sizes = [
-        P, P, P if with_weights else 0, P if with_weights else 0, Lm,
-        L + 1 if with_offsets else 0, E + 2 if with_tcpe else 0, 0,
-        n_hist, P, P if with_weights and not pack_w else 0,
+        P, P, P if with_weights else 0, P if with_weights else 0, E + 2 if with_tcpe else 0,
+        Lm, L + 1 if with_offsets else 0, 0, n_hist, P, P if with_weights and not pack_w else 0,
     ]  # fmt: skip
     sizes[_N_OUT] = -sum(sizes[:_N_OUT]) % 4  # scratch starts 16-byte aligned
     a = dict(
@@ -1954,53 +1955,6 @@ def _launch_plan(
     return _Launch(n_prog, tuple(sizes), starts, a, cfg["num_warps"], scan, c, c_warps, runs)
 
 
-# Eager calls at small T are bound by the host (H200 host, T=4096: 40-65 us a call through the
-# full path, ~6 us of it a launch, against 5-10 us of GPU time). Once a one-buffer call has
-# launched its plan through FastKernel, later calls with the same key (``_eager_key``: sizes,
-# flags, dtype, strides, pointer alignments, device; everything Triton specialised on) relaunch
-# the same compiled handles with int addresses into a new buffer (``BoundLaunches``) and split
-# the buffer into the outputs in one op. Where the plan is A and C alone and its programs fit on
-# the GPU at once, that is one launch (``_fused_kernel``). The table holds at most _MAX_BOUND
-# keys and starts over when full.
-_BOUND: dict[tuple, _Eager] = {}
-_MAX_BOUND = 256
-
-
-class _Eager(NamedTuple):
-    """A bound eager call: the buffer's int32 size, its split into the outputs (then the rest),
-    which split piece each output is (-1: none; routing_triton's order), the launches, whether
-    they need this stream's barrier words, and the device."""
-
-    n: int
-    split: tuple[int, ...]
-    pieces: tuple[int, ...]
-    launches: BoundLaunches
-    barrier: bool
-    dev: int
-
-
-def _eager_key(
-    x: torch.Tensor, top_k: int, vtc: torch.Tensor | None, start: int, end: int, *flags: object
-) -> tuple:
-    """Everything a one-buffer call's plan and the compiled kernels' specialisation depend on,
-    but the buffer's alignment (checked per call): sizes, flags, the dtype, strides and 16-byte
-    alignment of the scores and the valid count, the device, and whether a CUDA graph is being
-    captured (no fused launch then)."""
-    return (
-        x.shape,
-        x.stride(),
-        x.dtype,
-        x.data_ptr() & 15,
-        x.get_device(),
-        top_k,
-        start,
-        end,
-        None if vtc is None else (vtc.dtype, vtc.data_ptr() & 15),
-        x.is_cuda and torch.cuda.is_current_stream_capturing(),
-        *flags,
-    )
-
-
 @functools.lru_cache(maxsize=16)
 def _sm_count(dev: int) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
@@ -2063,7 +2017,7 @@ def _kernel_args(
     ``seg`` holds the buffer segments in ``_SEGMENTS`` order, ``x`` the scores and ``vtc`` the
     valid count, either all as tensors (typed views) or all as int addresses. Unused pointers
     alias used ones."""
-    expert, token, weights, inverse, counts, offsets, tcpe, _, hist, packed, scr_w = seg
+    expert, token, weights, inverse, tcpe, counts, offsets, _, hist, packed, scr_w = seg
     if not p.sizes[_SEG["scr_w"]]:
         scr_w = packed
     if not with_weights:
@@ -2098,12 +2052,15 @@ def _returned(with_weights: bool, with_offsets: bool, with_tcpe: bool) -> tuple[
 def _out_split(
     p: _Launch, with_weights: bool, with_offsets: bool, with_tcpe: bool
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The one buffer split into its output segments (in buffer order, every non-empty one),
-    then the rest; and which piece is each of ``_OUTPUTS``, -1 where it is not returned."""
+    """The one buffer split into pieces (in buffer order): every returned output segment and
+    every non-empty one between them, then the rest; and which piece is each of ``_OUTPUTS``,
+    -1 where it is not returned."""
     returned = dict(zip(_OUTPUTS, _returned(with_weights, with_offsets, with_tcpe), strict=True))
+    names = _SEGMENTS[:_N_OUT]
+    last = max(i for i, name in enumerate(names) if returned[name])
     split: list[int] = []
     index: dict[str, int] = {}
-    for name in _SEGMENTS[:_N_OUT]:
+    for name in names[: last + 1]:
         size = p.sizes[_SEG[name]]
         if returned[name]:
             index[name] = len(split)
@@ -2113,27 +2070,12 @@ def _out_split(
     return tuple(split), tuple(index.get(name, -1) for name in _OUTPUTS)
 
 
-def _assemble(parts: Sequence, pieces: tuple[int, ...], T: int, top_k: int) -> tuple:
-    """routing_triton's outputs (``_OUTPUTS``) from ``parts``, int32 tensors, by index
-    (``pieces``, -1 for None): weights viewed as fp32, inverse as (T, top_k)."""
-    c, o, e, t, w, i, tc = pieces
-    return (
-        parts[c] if c >= 0 else None,
-        parts[o] if o >= 0 else None,
-        parts[e],
-        parts[t],
-        parts[w].view(torch.float32) if w >= 0 else None,
-        parts[i].view(T, top_k) if i >= 0 else None,
-        parts[tc] if tc >= 0 else None,
-    )
-
-
 def _outputs(seg: list, T: int, top_k: int, L: int, *flags: bool) -> tuple:
     """routing_triton's outputs from the typed launch's segments (``_SEGMENTS`` order)."""
     pieces = tuple(
         _SEG[name] if ret else -1 for name, ret in zip(_OUTPUTS, _returned(*flags), strict=True)
     )
-    out = _assemble(seg, pieces, T, top_k)
+    out = lane.assemble(seg, pieces, T, top_k)
     if L == 0 and out[0] is not None:  # an empty expert range: no counts (the segment holds 1)
         out = (out[0][:0], *out[1:])
     return out
@@ -2151,6 +2093,7 @@ def routing_triton(
     with_tcpe: bool,
     config: dict[str, int] | None = None,
     one_buffer: bool = False,
+    eager_key: tuple | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Launch the kernels for T > 0 (arguments already checked). Returns ``(counts, offsets,
     expert, token, weights, inverse, tcpe)``; ``offsets`` is None unless ``with_offsets``,
@@ -2159,28 +2102,25 @@ def routing_triton(
 
     ``one_buffer`` allocates outputs and scratch at once and returns views of it (eager calls:
     one allocation instead of eight; not for custom ops, whose outputs must not alias); such
-    calls bind their launches for the next call with the same key (``_BOUND``) and may run A
-    and C as one launch (``_fusable``). ``config`` overrides the launcher's block sizes (tests,
-    benchmarks)."""
+    calls bind their launches for the next call with the same key (``eager_key``, by default
+    ``routing_eager.eager_key`` of the arguments; see that module) and may run A and C as one
+    launch (``_fusable``). ``config`` overrides the launcher's block sizes (tests, benchmarks)."""
     T, E = scores_TE.shape
-    if scores_TE.dtype != torch.float32 and E > 2**16:
-        scores_TE = scores_TE.float()  # 16-bit keys hold the expert in 16 bits; fp32 is exact
+    converted = scores_TE.dtype != torch.float32 and E > 2**16
+    if converted:  # 16-bit keys hold the expert in 16 bits; fp32 is exact (never bound: a copy)
+        scores_TE = scores_TE.float()
     vtc = valid_token_count
     flags = (with_weights, with_offsets, with_tcpe)
     cfg_key = tuple(sorted(config.items())) if config else None
     key = None
-    if one_buffer and fast_path_open():
-        key = _eager_key(scores_TE, top_k, vtc, start, end, renormalize, *flags, cfg_key)
-        e = _BOUND.get(key)
-        if e is not None:
-            buf = torch.empty(e.n, dtype=torch.int32, device=scores_TE.device)
-            base = buf.data_ptr()
-            if not base & 15:  # as when bound (the caching allocator's blocks always are)
-                stream = current_stream(e.dev)
-                bar = barrier_words(e.dev, stream).data_ptr() if e.barrier else 0
-                vp = base if vtc is None else vtc.data_ptr()
-                e.launches((base, scores_TE.data_ptr(), vp, bar), stream)
-                return _assemble(buf.split_with_sizes(e.split), e.pieces, T, top_k)
+    if one_buffer and not converted and fast_path_open():
+        if eager_key is None:
+            eager_key = lane.eager_key(scores_TE, top_k, vtc, start, end, renormalize, *flags,
+                                       cfg_key)  # fmt: skip
+        key = eager_key
+        out = lane.bound_call(key, scores_TE, vtc)
+        if out is not None:
+            return out
     kind = _KIND[scores_TE.dtype]
     plan_key = (
         T, E, top_k, start, end, kind, renormalize, vtc is not None, *flags, cfg_key, one_buffer,
@@ -2242,7 +2182,8 @@ def routing_triton(
             (h, g, pick(marks, Rel(3, 0)))
             for h, (_, g, _, _, pick) in zip(handles, launches, strict=True)
         ])  # fmt: skip
-        if len(_BOUND) >= _MAX_BOUND:
-            _BOUND.clear()  # start over (one atomic call: safe beside other threads)
-        _BOUND[key] = _Eager(sum(p.sizes), split, pieces, bound, bar is not None, dev.index)
+        lane.bind(key, lane.Eager(
+            sum(p.sizes), split, pieces, bound, None if bar is None else barrier_words,
+            dev.index, dev, T, top_k,
+        ))  # fmt: skip
     return _outputs(seg, T, top_k, end - start, *flags)
