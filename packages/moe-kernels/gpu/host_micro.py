@@ -39,6 +39,24 @@ def host_us(fn, n: int = 300, repeats: int = 9) -> float:
     return statistics.median(times)
 
 
+def ab_us(fa, fb, n: int = 300, rounds: int = 21) -> tuple[float, float]:
+    """``fa`` and ``fb`` timed in alternating blocks of ``n`` calls (so both see the host in
+    the same state), ``rounds`` blocks each: medians per call, us."""
+    ta, tb = [], []
+    for f in (fa, fb):
+        for _ in range(50):
+            f()
+    for _ in range(rounds):
+        for f, t in ((fa, ta), (fb, tb)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                f()
+            t.append((time.perf_counter() - t0) / n * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(ta), statistics.median(tb)
+
+
 @triton.jit
 def _null(x_ptr):
     pass
@@ -137,10 +155,16 @@ def main() -> int:
     many = (*([bases[0]] * 14), *range(1, 10), 1, 2)
     row("null kernel, k.run, 14 ptrs + 9 ints + 2 constexprs",
         lambda: km.run(1, 1, 1, stream, *fm, None, None, None, *many))  # fmt: skip
-    # straight into the C launcher where launch.launcher finds it (triton 3.5 / 3.6)
-    go, pre = launch.launcher(kn)
-    row(f"null kernel, launch.launcher ({'C function' if go is not kn.run else 'k.run'})",
-        lambda: go(1, 1, 1, stream, *pre, bases[0]))  # fmt: skip
+    # k.run against launch.launcher's pick (the C function on triton 3.5 / 3.6), interleaved
+    for name, kern, a in (("1 int ptr", kn, (bases[0],)),
+                          ("14 ptrs + 9 ints + 2 constexprs", km, many)):  # fmt: skip
+        go, pre = launch.launcher(kern)
+        via = "C function" if go is not kern.run else "k.run"
+        meta = (kern.function, kern.packed_metadata, None, None, None)
+        t_run, t_go = ab_us(lambda k=kern, m=meta, a=a: k.run(1, 1, 1, stream, *m, *a),
+                            lambda g=go, p=pre, a=a: g(1, 1, 1, stream, *p, *a))  # fmt: skip
+        print(f"| null kernel, {name}: k.run / launch.launcher ({via}), interleaved | "
+              f"{t_run:.2f} / {t_go:.2f} |", flush=True)  # fmt: skip
     torch.cuda.synchronize()
     return 0
 

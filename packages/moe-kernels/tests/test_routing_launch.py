@@ -319,6 +319,8 @@ def test_bound_keys_keep_the_argument_checks(public, kw, error):
 
 
 def test_lane_is_off_for_autograd_fake_tensors_and_compilation(public, monkeypatch):
+    """The lane's key is None (the full path, through the custom op where it must) for scores
+    that need autograd, under a dispatch mode (fake tensors) and while compiling."""
     scores = torch.randn(64, 16)
     args = (None, 8, None, None, *MR._IS_FLAGS)
     assert lane.lane_key(scores, *args) is not None
@@ -327,5 +329,7 @@ def test_lane_is_off_for_autograd_fake_tensors_and_compilation(public, monkeypat
 
     with FakeTensorMode():
         assert lane.lane_key(scores, *args) is None
+    lane_args = (scores, None, 8, None, None, MR._IS_FLAGS)
+    assert MR._fast(*lane_args)[0] is not None
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert lane.lane_key(scores, *args) is None
+    assert MR._fast(*lane_args) == (None, None)

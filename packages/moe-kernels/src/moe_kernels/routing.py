@@ -69,6 +69,8 @@ def _fast(
     (renormalize, with_weights, with_offsets, with_tcpe), plain bools."""
     if type(x) is not torch.Tensor or not (x.is_cuda or _LANE_ON_CPU):
         return None, None
+    if torch.compiler.is_compiling():  # before the lane is imported: nothing for dynamo to trace
+        return None, None
     lane = _triton()[1]
     key = lane.lane_key(x, vtc, top_k, start, end, *flags)
     return key, (None if key is None else lane.bound_call(key, x, vtc))

@@ -12,10 +12,10 @@ checks depend on: the scores' shape, strides, dtype, 16-byte alignment and devic
 expert range as passed, the valid count's shape, dtype, device and alignment, the flags, and
 whether a CUDA graph is being captured (no fused launch then). So a public call whose key is
 bound (``lane_key``) is one that passed those checks before and launches exactly what the full
-path would: the public functions try it before anything else. ``lane_key`` returns None, and
-the call takes the full path, wherever the lane does not apply: tensor subclasses, CPU tensors,
-autograd, compilation, dispatch modes, functorch transforms, launch hooks, argument types other
-than plain ints and bools.
+path would: the public functions try it before anything else. The call takes the full path
+wherever the lane does not apply: tensor subclasses, CPU tensors, compilation (the caller checks
+those), autograd, dispatch modes, functorch transforms, launch hooks, argument types other than
+plain ints and bools (``lane_key`` is None then).
 
 The table holds at most ``_MAX_BOUND`` keys and starts over when full (one atomic ``clear``:
 safe beside other threads, which at worst bind a key again).
@@ -79,14 +79,15 @@ def lane_key(
     x: torch.Tensor, vtc: object, top_k: object, start: object, end: object, *flags: object
 ) -> tuple | None:
     """A public eager call's key, or None where the fast lane does not apply (see the module).
-    ``x`` must be a plain CUDA tensor (the caller checks); ``flags`` are plain bools."""
+    ``x`` must be a plain CUDA tensor and nothing compiling (the caller checks); ``flags`` are
+    plain bools."""
     if x.requires_grad or type(top_k) is not int:
         return None
     if not (start is None or type(start) is int) or not (end is None or type(end) is int):
         return None
     if vtc is not None and type(vtc) is not torch.Tensor:  # its device is in the key
         return None
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if _get_current_dispatch_mode() is not None:
         return None
     functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
     if functorch_active is not None and functorch_active():
