@@ -118,8 +118,6 @@ def main() -> int:
     row("buf.view(torch.float32)", lambda: buf.view(torch.float32))
     row("buf[:32768].view(4096, 8)", lambda: buf[:32768].view(4096, 8))
     row("buf.unflatten / as_strided((4096,8),(8,1))", lambda: buf.as_strided((4096, 8), (8, 1)))
-    pool = [(1, 2, 3)] * 400
-    row("list.pop() (a pooled entry)", lambda: pool.pop() if pool else None)
     row("buf.data_ptr()", lambda: buf.data_ptr())
     row("x.stride()", lambda: x.stride())
     row("x.shape", lambda: x.shape)

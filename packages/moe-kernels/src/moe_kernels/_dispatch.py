@@ -41,18 +41,25 @@ def op_name(name: str) -> str:
     return f"{NAMESPACE}::{name}"
 
 
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def plain_eager() -> bool:
+    """No compilation, dispatch mode (fake tensors, export) or functorch transform active."""
+    return not (
+        torch.compiler.is_compiling()
+        or _get_current_dispatch_mode() is not None
+        or _functorch_active()
+    )
+
+
 def eager_direct(*tensors: torch.Tensor | None) -> bool:
     """True when a public function may call an op's implementation directly instead of through
     the custom-op dispatcher, which costs tens of microseconds per call on the host (as much as
     the kernels themselves at small sizes): plain CUDA tensors that need no autograd, in eager
     mode, with no compilation, dispatch mode (fake tensors, export) or functorch transform active.
     Everything else goes through the registered op, which keeps compile and autograd honest."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    if functorch_active is not None and functorch_active():
-        return False
-    return all(
+    return plain_eager() and all(
         t is None or (type(t) is torch.Tensor and t.is_cuda and not t.requires_grad)
         for t in tensors
     )

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from . import _validate as V
-from ._dispatch import eager_direct, op_name, use_triton
+from ._dispatch import eager_direct, op_name, plain_eager, use_triton
 from ._reference.routing import index_shuffling_reference, route_reference
 
 __all__ = ["RoutingPlan", "index_shuffling", "route"]
@@ -69,7 +69,7 @@ def _fast(
     (renormalize, with_weights, with_offsets, with_tcpe), plain bools."""
     if type(x) is not torch.Tensor or not (x.is_cuda or _LANE_ON_CPU):
         return None, None
-    if torch.compiler.is_compiling():  # before the lane is imported: nothing for dynamo to trace
+    if not plain_eager():  # before the lane's import: nothing for dynamo to trace there
         return None, None
     lane = _triton()[1]
     key = lane.lane_key(x, vtc, top_k, start, end, *flags)

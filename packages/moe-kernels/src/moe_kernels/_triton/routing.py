@@ -2114,13 +2114,12 @@ def routing_triton(
     cfg_key = tuple(sorted(config.items())) if config else None
     key = None
     if one_buffer and not converted and fast_path_open():
-        if eager_key is None:
-            eager_key = lane.eager_key(scores_TE, top_k, vtc, start, end, renormalize, *flags,
-                                       cfg_key)  # fmt: skip
         key = eager_key
-        out = lane.bound_call(key, scores_TE, vtc)
-        if out is not None:
-            return out
+        if key is None:  # (a public call's lane has looked its own key up already)
+            key = lane.eager_key(scores_TE, top_k, vtc, start, end, renormalize, *flags, cfg_key)
+            out = lane.bound_call(key, scores_TE, vtc)
+            if out is not None:
+                return out
     kind = _KIND[scores_TE.dtype]
     plan_key = (
         T, E, top_k, start, end, kind, renormalize, vtc is not None, *flags, cfg_key, one_buffer,
@@ -2183,7 +2182,7 @@ def routing_triton(
             for h, (_, g, _, _, pick) in zip(handles, launches, strict=True)
         ])  # fmt: skip
         lane.bind(key, lane.Eager(
-            sum(p.sizes), split, pieces, bound, None if bar is None else barrier_words,
-            dev.index, dev, T, top_k,
+            sum(p.sizes), split, pieces, bound, None if bar is None else barrier_words, dev, T,
+            top_k,
         ))  # fmt: skip
     return _outputs(seg, T, top_k, end - start, *flags)

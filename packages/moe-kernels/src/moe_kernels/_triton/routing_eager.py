@@ -13,9 +13,9 @@ expert range as passed, the valid count's shape, dtype, device and alignment, th
 whether a CUDA graph is being captured (no fused launch then). So a public call whose key is
 bound (``lane_key``) is one that passed those checks before and launches exactly what the full
 path would: the public functions try it before anything else. The call takes the full path
-wherever the lane does not apply: tensor subclasses, CPU tensors, compilation (the caller checks
-those), autograd, dispatch modes, functorch transforms, launch hooks, argument types other than
-plain ints and bools (``lane_key`` is None then).
+wherever the lane does not apply: tensor subclasses, CPU tensors, compilation, dispatch modes,
+functorch transforms (the caller checks those), autograd, launch hooks, argument types other
+than plain ints and bools (``lane_key`` is None then).
 
 The table holds at most ``_MAX_BOUND`` keys and starts over when full (one atomic ``clear``:
 safe beside other threads, which at worst bind a key again).
@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .launch import BoundLaunches, current_stream, fast_path_open
 
@@ -35,15 +34,14 @@ from .launch import BoundLaunches, current_stream, fast_path_open
 class Eager(NamedTuple):
     """A bound eager call: the one buffer's int32 size, its split into the outputs (then the
     rest), which split piece each of routing_triton's outputs is (-1: none), the launches, the
-    barrier words' source where they need one (``grid_sync.barrier_words``), the device (index
-    and object) and the outputs' T and top_k."""
+    barrier words' source where they need one (``grid_sync.barrier_words``), the device and
+    the outputs' T and top_k."""
 
     n: int
     split: tuple[int, ...]
     pieces: tuple[int, ...]
     launches: BoundLaunches
     barrier: Callable[[int, int], torch.Tensor] | None
-    dev: int
     device: torch.device
     T: int
     top_k: int
@@ -79,18 +77,13 @@ def lane_key(
     x: torch.Tensor, vtc: object, top_k: object, start: object, end: object, *flags: object
 ) -> tuple | None:
     """A public eager call's key, or None where the fast lane does not apply (see the module).
-    ``x`` must be a plain CUDA tensor and nothing compiling (the caller checks); ``flags`` are
-    plain bools."""
+    ``x`` must be a plain CUDA tensor in plain eager mode (``_dispatch.plain_eager``: the
+    caller checks); ``flags`` are plain bools."""
     if x.requires_grad or type(top_k) is not int:
         return None
     if not (start is None or type(start) is int) or not (end is None or type(end) is int):
         return None
     if vtc is not None and type(vtc) is not torch.Tensor:  # its device is in the key
-        return None
-    if _get_current_dispatch_mode() is not None:
-        return None
-    functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    if functorch_active is not None and functorch_active():
         return None
     if not fast_path_open():
         return None
@@ -108,8 +101,9 @@ def bound_call(key: tuple, x: torch.Tensor, vtc: torch.Tensor | None) -> tuple |
     base = buf.data_ptr()
     if base & 15:
         return None
-    stream = current_stream(e.dev)
-    bar = 0 if e.barrier is None else e.barrier(e.dev, stream).data_ptr()
+    dev = e.device.index
+    stream = current_stream(dev)
+    bar = 0 if e.barrier is None else e.barrier(dev, stream).data_ptr()
     e.launches((base, x.data_ptr(), base if vtc is None else vtc.data_ptr(), bar), stream)
     return assemble(buf.split_with_sizes(e.split), e.pieces, e.T, e.top_k)
 
