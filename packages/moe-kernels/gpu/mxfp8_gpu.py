@@ -4,7 +4,9 @@ PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/sr
     python3 packages/moe-kernels/gpu/mxfp8_gpu.py
 
 Checks (bit-exact vs the torch reference, which runs on the CPU copy): casts (both modes, fp32 /
-bf16 / fp16, NaN / inf / zero / subnormal blocks, hardware and integer e4m3 rounding), dequant,
+bf16 / fp16, NaN / inf / zero / subnormal blocks, hardware and integer e4m3 rounding), the
+special-value table of tests/test_mxfp8_quant.py (every cast path, dim0 and dim1, against the
+reference and the table's bytes; its summary line: "special-value table: pass"), dequant,
 the three layouts (also at the benchmark shapes), the group offsets and the grouped GEMM (vs a
 float64 loop); outputs poisoned through the caching allocator; under
 ``set_sync_debug_mode("error")``; replayed from a captured CUDA graph; compiled with
@@ -15,7 +17,9 @@ on the GPU and torchao 0.18's Triton kernels (when importable), and a launch-con
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 import time
 import traceback
 
@@ -159,6 +163,166 @@ def check_casts() -> None:
             got = tq.from_mxfp8(data.to(dev), scale.to(dev), out_dtype, block_m=bm, block_k=bk)
             want = ref.from_mxfp8(data, scale, out_dtype)
             check(f"from_mxfp8 {bm}x{bk} all bytes -> {out_dtype}", same_float(got, want))
+
+
+# ------------------------------------------------------------- special values (a fixed table)
+# The table of tests/test_mxfp8_quant.py (SPECIAL_CASES: keep the two in step), written out here
+# so that this script needs no pytest. Each row: (name, input dtypes (F fp32, B bf16, H fp16),
+# the first values of a block of 32, the value filling the rest, expected (scale byte, data
+# bytes of the first values, data byte of the fill) for "floor", the same for "rceil"). The
+# bytes are torchao's rules after 0.18 (pytorch/ao #4725): inf or NaN -> scale 255, data 0x7F.
+
+
+def _f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+INF, NAN = math.inf, math.nan
+F32_MAX = _f32(0x7F7FFFFF)
+BF16_MAX = _f32(0x7F7F0000)
+P35 = _f32(0x40600001)  # 3.5 + 1 ulp: bf16 and fp16 round it to 3.5
+P512 = _f32(0x43FFFFFF)  # 512 - 1 ulp: bf16 and fp16 round it to 512
+INVALID = (255, [], 0x7F)
+# fmt: off
+SPECIAL_CASES = [
+    ("zero block", "FBH", [], 0.0, (0, [], 0x00), (0, [], 0x00)),
+    ("-0 block keeps the sign", "FBH", [], -0.0, (0, [], 0x80), (0, [], 0x80)),
+    ("+inf among ones", "FBH", [1.0, INF], 1.0, INVALID, INVALID),
+    ("-inf among zeros", "FBH", [-INF], 0.0, INVALID, INVALID),
+    ("+inf and -inf beside 448", "FBH", [INF, -INF], 448.0, INVALID, INVALID),
+    ("NaN among ones", "FBH", [NAN], 1.0, INVALID, INVALID),
+    ("negative NaN", "FBH", [-NAN], 0.0, INVALID, INVALID),
+    ("inf and NaN", "FBH", [2.0, INF, NAN], 0.0, INVALID, INVALID),
+    ("2**-126 block", "FB", [2**-126, -(2**-126)], 2**-126, (0, [0x40, 0xC0], 0x40),
+     (0, [0x40, 0xC0], 0x40)),
+    ("2**-133, bf16's smallest subnormal", "FB", [2**-133, -(2**-133)], 0.0,
+     (0, [0x08, 0x88], 0x00), (0, [0x08, 0x88], 0x00)),
+    ("2**-149, fp32's smallest subnormal", "F", [2**-149, -(2**-149)], 0.0,
+     (0, [0x00, 0x80], 0x00), (0, [0x00, 0x80], 0x00)),
+    ("448, e4m3's max", "FBH", [448.0, -448.0], 0.0, (127, [0x7E, 0xFE], 0),
+     (127, [0x7E, 0xFE], 0)),
+    ("fp32 max", "F", [F32_MAX, -F32_MAX], 0.0, (246, [0x7E, 0xFE], 0), (247, [0x78, 0xF8], 0)),
+    ("bf16 max", "FB", [BF16_MAX, -BF16_MAX], 0.0, (246, [0x7E, 0xFE], 0),
+     (247, [0x78, 0xF8], 0)),
+    ("480", "FBH", [480.0, -480.0], 0.0, (127, [0x7E, 0xFE], 0), (128, [0x77, 0xF7], 0)),
+    ("ones and fp32's smallest subnormal", "F", [2**-149, -(2**-149)], 1.0,
+     (119, [0x00, 0x80], 0x78), (119, [0x00, 0x80], 0x78)),
+    ("ones and bf16's smallest subnormal", "FB", [2**-133, -(2**-133)], 1.0,
+     (119, [0x00, 0x80], 0x78), (119, [0x00, 0x80], 0x78)),
+    ("ones and fp16's smallest subnormal", "FBH", [2**-24, -(2**-24)], 1.0,
+     (119, [0x00, 0x80], 0x78), (119, [0x00, 0x80], 0x78)),
+    ("0x40600001", "F", [P35], 0.0, (120, [0x7E], 0), (121, [0x76], 0)),
+    ("0x40600001 rounded to 3.5", "BH", [P35], 0.0, (120, [0x7E], 0), (120, [0x7E], 0)),
+    ("0x43FFFFFF", "F", [P512], 0.0, (127, [0x7E], 0), (128, [0x78], 0)),
+    ("0x43FFFFFF rounded to 512", "BH", [P512], 0.0, (128, [0x78], 0), (128, [0x78], 0)),
+    ("65504, fp16's max", "FH", [65504.0, -65504.0], 0.0, (134, [0x7E, 0xFE], 0),
+     (135, [0x78, 0xF8], 0)),
+    ("2**-24, fp16's smallest subnormal", "FBH", [2**-24, -(2**-24)], 0.0,
+     (95, [0x78, 0xF8], 0), (95, [0x78, 0xF8], 0)),
+    ("2**-14, fp16's smallest normal", "FBH", [2**-14], 0.0, (105, [0x78], 0), (105, [0x78], 0)),
+    ("1023 * 2**-24, fp16's largest subnormal", "FH", [1023 * 2**-24], 0.0, (104, [0x7E], 0),
+     (105, [0x78], 0)),
+]
+# fmt: on
+_DTYPE_LETTER = {torch.float32: "F", torch.bfloat16: "B", torch.float16: "H"}
+SPECIAL: list[tuple[str, bool]] = []  # (check name, ok) of the special-value checks
+
+
+def special_table(dtype: torch.dtype, mode: str, width: int = 0):
+    """(names, x (N, 32) on the CPU: one case a row, scale (N,) uint8, data (N, 32) uint8);
+    ``width`` > 0 repeats the cases cyclically to N = width rows."""
+    names, rows, scales, datas = [], [], [], []
+    for name, dtypes, head, fill, floor, rceil in SPECIAL_CASES:
+        if _DTYPE_LETTER[dtype] in dtypes:
+            scale, head_bytes, fill_byte = floor if mode == "floor" else rceil
+            names.append(name)
+            rows.append([*head, *[fill] * (32 - len(head))])
+            scales.append(scale)
+            datas.append([*head_bytes, *[fill_byte] * (32 - len(head_bytes))])
+    idx = [i % len(names) for i in range(width or len(names))]
+    x = torch.from_numpy(np.array(rows, dtype=np.float32)[idx]).to(dtype)  # one rounding
+    return [names[i] for i in idx], x, np.array(scales, np.uint8)[idx], np.array(datas)[idx]
+
+
+def special_check(name, names, d, s, want_d, want_s, blind=None) -> None:
+    """One check: bytes (data (N, 32), scale (N, 1)) equal to want_d / want_s; detail: the cases
+    that differ. ``blind``: data bytes not compared (dry runs only, see check_special_values)."""
+    gd, gs = u8(d).numpy(), u8(s).numpy()
+    if gd.shape != want_d.shape or gs.shape != (len(names), 1):
+        ok, detail = False, f"shapes {gd.shape} {gs.shape}"
+    else:
+        if blind is not None:
+            want_d = np.where(blind, gd, want_d)
+        bad = sorted(
+            {
+                n
+                for n, a, b, c, e in zip(names, gd, gs[:, 0], want_d, want_s, strict=True)
+                if b != e or not np.array_equal(a, c)
+            }
+        )
+        ok, detail = not bad, "; ".join(bad)
+    check(name, ok, detail[:300])
+    SPECIAL.append((name, ok))
+
+
+def _blind(x: torch.Tensor) -> np.ndarray | None:
+    """Data bytes a dry run cannot check: the interpreter's bf16 -> fp32 cast mangles bf16
+    subnormals (the GPU converts them exactly, so on the GPU every byte is checked)."""
+    if not DRY or x.dtype != torch.bfloat16:
+        return None
+    a = x.float().abs()
+    return ((a > 0) & (a < 2**-126)).numpy()
+
+
+def check_special_values() -> None:
+    """The special-value table on the device: the reference (CPU) against the table's bytes,
+    then every cast path (public ops, both e4m3 roundings, the dim1 kernels and layouts) against
+    the reference, bit for bit; dim1 gets the 32 values of a case down a column."""
+    print("special values", flush=True)
+    dim1_cfgs = [
+        None,  # the default launch ("regs", ASM_PACK on the GPU)
+        {"variant": "tload"},
+        {"ASM_PACK": False},
+        {"ASM_PACK": False, "SAT_CAST": True},
+        {"RPT": 32, "KV": 1, "K_FAST": False},
+        {"RPT": 8, "KV": 2, "OFFS64": True},
+    ]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for mode in ("floor", "rceil"):
+            floor = mode == "floor"
+            for width in (0, 64):  # the cases once (masked tiles), repeated to 64 (unmasked)
+                names, x, want_s, want_d = special_table(dtype, mode, width)
+                tag = f"{dtype} {mode} N={len(names)}"
+                rd, rs = ref.to_mxfp8(x, mode)
+                special_check(f"special reference = table {tag}", names, rd, rs, want_d, want_s)
+                rd1, rs1 = ref.to_mxfp8_dim1(x.t().contiguous(), mode)
+                special_check(
+                    f"special reference dim1 = table {tag}", names, rd1, rs1, want_d, want_s
+                )
+                rd, rs, rd1, rs1 = (u8(t).numpy() for t in (rd, rs, rd1, rs1))
+                xd, xtd = x.to(dev), x.t().contiguous().to(dev)
+                runs = [("to_mxfp8", mx.to_mxfp8(xd, scaling_mode=mode), rd, rs)]
+                runs.append(("to_mxfp8_dim1", mx.to_mxfp8_dim1(xtd, scaling_mode=mode), rd1, rs1))
+                for native in (True, False):
+                    if DRY and native:
+                        continue
+                    got = tq.to_mxfp8(xd, floor, native_cast=native)
+                    runs.append((f"to_mxfp8 native={native}", got, rd, rs))
+                    got = tq.to_mxfp8_dim1(xtd, floor, native_cast=native)
+                    runs.append((f"to_mxfp8_dim1 native={native}", got, rd1, rs1))
+                for cfg in dim1_cfgs:
+                    got = tq.to_mxfp8_dim1(xtd, floor, config=cfg)
+                    runs.append((f"to_mxfp8_dim1 config={cfg}", got, rd1, rs1))
+                for op, (d, s), want_d_ref, want_s_ref in runs:
+                    special_check(
+                        f"special {op} {tag}", names, d, s, want_d_ref, want_s_ref[:, 0], _blind(x)
+                    )
+                # dequantised: NaN exactly on the invalid blocks
+                d, s = mx.to_mxfp8(xd, scaling_mode=mode)
+                back_nan = torch.isnan(mx.from_mxfp8(d, s, torch.float32)).cpu().numpy()
+                ok = np.array_equal(back_nan, np.repeat((want_s == 255)[:, None], 32, axis=1))
+                check(f"special from_mxfp8 NaN blocks {tag}", ok)
+                SPECIAL.append((f"special from_mxfp8 NaN blocks {tag}", ok))
 
 
 def check_layouts() -> None:
@@ -462,7 +626,8 @@ def time_grouped_mm() -> None:
 def main() -> None:
     if not DRY:
         print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    for step in (check_casts, check_layouts, check_grouped_mm, check_sync_graph_compile):
+    checks = (check_casts, check_special_values, check_layouts, check_grouped_mm)
+    for step in (*checks, check_sync_graph_compile):
         try:
             step()
         except Exception:
@@ -492,7 +657,10 @@ def main() -> None:
         with open(os.path.join(out, "mxfp8_table.md"), "w") as f:
             f.write(table + "\n")
     print(table)
-    print("\nFAILS:", FAILS if FAILS else "none")
+    n_bad = sum(not ok for _, ok in SPECIAL)
+    verdict = "pass" if SPECIAL and not n_bad else "FAIL"
+    print(f"\nspecial-value table: {verdict} ({len(SPECIAL) - n_bad}/{len(SPECIAL)} checks ok)")
+    print("FAILS:", FAILS if FAILS else "none")
 
 
 if __name__ == "__main__":

@@ -7,15 +7,25 @@ CUDA runs Triton kernels, CPU the pure-torch reference (the kernels under ``TRIT
 both are bit-exact to each other (checked on an H200), except that the interpreter truncates where
 ``from_mxfp8`` rounds to bfloat16 (only bf16-subnormal results need rounding there).
 
-Numerics of the casts (``to_mxfp8``, ``to_mxfp8_dim1``), per block of 32 values with fp32 amax:
+Numerics of the casts (``to_mxfp8``, ``to_mxfp8_dim1``), per block of 32 values. They are
+torchao's rules after 0.18 (pytorch/ao #4725); 0.18 itself gave inf blocks scale 254 and data +-448.
 
+* amax: the largest |x| of the block, in fp32 (bf16 / fp16 inputs convert to fp32 exactly).
 * scale exponent e: ``"floor"`` (OCP MX) floor(log2(amax)) - 8; ``"rceil"`` the smallest e with
-  2**e >= amax / 448 (computed exactly from the fp32 bits); clamped to [-127, 127]. An all-zero
-  (or fp32-subnormal-amax) block gets e = -127. Scale byte = e + 127 (``torch.float8_e8m0fnu``).
-* data = round-to-nearest-even(x / 2**e) saturated to +-448 (``torch.float8_e4m3fn``).
-* a block holding a NaN: scale byte 255 (NaN) and every data byte 0x7F (NaN).
-* a block holding +-inf (no NaN): e = 127 (byte 254); +-inf -> +-448 (so it dequantises to +-inf
-  in fp32/bf16), the finite values -> x / 2**127 rounded as above (in practice 0).
+  2**e >= amax / 448 (computed exactly from the fp32 bits); clamped to [-127, 127]. Scale byte =
+  e + 127 (``torch.float8_e8m0fnu``). E.g. amax 448: byte 127 in both modes; 480: 127 (floor) /
+  128 (rceil); the fp32 or bf16 maximum: 246 / 247.
+* data = round-to-nearest-even(x / 2**e) to ``torch.float8_e4m3fn``, saturated to +-448 (bytes
+  0x7E / 0xFE), sign kept (also where a value rounds to zero: 0x80). E.g. 480 with the floor scale
+  2**0 saturates to 448 (0x7E); 1.0 in a block whose amax is 1.0: e = -8, data 256 (0x78).
+* a block that is all zero, or whose amax is below 2**-118 (floor) / at most 448 * 2**-127
+  (rceil), gets the clamped e = -127 (byte 0, the scale 2**-127): data x * 2**127, e.g. 2**-126
+  -> 2.0 (0x40), the smallest bf16 subnormal 2**-133 -> 2**-6 (0x08, negative 0x88), the smallest
+  fp32 subnormal 2**-149 -> 0 (0x00, negative 0x80). fp16 subnormals are fp32 normals: ordinary
+  scales.
+* a block holding any +-inf or any NaN is invalid: scale byte 255 (e8m0 NaN; e8m0 has no
+  infinity, so NaN is the consistent answer) and every data byte 0x7F (e4m3 NaN), so the whole
+  block dequantises to NaN.
 """
 
 from __future__ import annotations

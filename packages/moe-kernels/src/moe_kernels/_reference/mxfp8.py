@@ -26,8 +26,8 @@ def scale_exponent_from_amax_bits(amax_bits: torch.Tensor, scaling_mode: str) ->
     """Unbiased int32 scale exponent from the int32 bits of a non-negative fp32 block amax.
 
     floor: floor(log2(amax)) - 8; rceil: the smallest e with 2**e >= amax / 448; both clamped to
-    [-127, 127]; zero / fp32-subnormal amax -> -127, inf -> 127. NaN (bits > inf) is handled by the
-    caller (its value here is meaningless).
+    [-127, 127]; zero / fp32-subnormal amax -> -127. An inf or NaN amax (bits >= inf) makes the
+    block invalid: the caller handles it (the value returned for it here is meaningless).
     """
     biased = amax_bits >> 23  # amax >= 0, so no sign bit
     mant = amax_bits & 0x7FFFFF
@@ -37,7 +37,6 @@ def scale_exponent_from_amax_bits(amax_bits: torch.Tensor, scaling_mode: str) ->
         # 448 = 1.75 * 2**8: amax = 1.m * 2**E fits under 448 * 2**(E-8) iff 1.m <= 1.75.
         e = biased - 127 - 8 + (mant > 0x600000).to(torch.int32)
     e = torch.where(biased == 0, -127, e)
-    e = torch.where(amax_bits == _F32_INF_BITS, 127, e)
     return e.clamp(-127, 127)
 
 
@@ -64,12 +63,12 @@ def to_mxfp8(x_MK: torch.Tensor, scaling_mode: str = "rceil") -> tuple[torch.Ten
     x = x_MK.to(torch.float32).reshape(M, K // BLOCK, BLOCK)
     abs_bits = x.view(torch.int32) & 0x7FFFFFFF
     amax_bits = abs_bits.amax(dim=-1)  # integer max: NaN bits > inf bits > every finite value
-    is_nan = amax_bits > _F32_INF_BITS
+    invalid = amax_bits >= _F32_INF_BITS  # the block holds an inf or a NaN
     e = scale_exponent_from_amax_bits(amax_bits, scaling_mode)
     q = (x * _inv_scale_f32(e)[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
     data = q.to(torch.float8_e4m3fn).view(torch.uint8)
-    data = torch.where(is_nan[..., None], _E4M3_NAN, data)
-    scale = torch.where(is_nan, E8M0_NAN, e + 127).to(torch.uint8)
+    data = torch.where(invalid[..., None], _E4M3_NAN, data)
+    scale = torch.where(invalid, E8M0_NAN, e + 127).to(torch.uint8)
     return (
         data.reshape(M, K).view(torch.float8_e4m3fn),
         scale.view(torch.float8_e8m0fnu),

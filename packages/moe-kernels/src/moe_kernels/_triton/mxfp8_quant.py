@@ -37,21 +37,21 @@ def _e4m3_bits_rne(q):
 def _mx_exponent(amax, FLOOR: tl.constexpr):
     """Block scale from int32 ``|x|`` bit maxima (NaN > inf > finite as integers).
 
-    Returns (unbiased exponent e in [-127, 127] as int32, is_nan)."""
+    Returns (unbiased exponent e in [-127, 127] as int32, invalid): ``invalid`` marks a block
+    holding an inf or a NaN (its e is meaningless: the callers write NaN bytes instead)."""
     biased = amax >> 23
     e = biased - 135
     if not FLOOR:
         e += ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.where(biased == 0, -127, e)
-    e = tl.where(amax == 0x7F800000, 127, e)
     e = tl.minimum(tl.maximum(e, -127), 127)
-    return e, amax > 0x7F800000
+    return e, amax >= 0x7F800000
 
 
 @triton.jit
 def _mx_encode_raw(x, e, NATIVE_CAST: tl.constexpr, CLAMP: tl.constexpr = True):
-    """e4m3 bits (int32) of fp32 ``x / 2**e`` (``e`` broadcasts against ``x``), NaN blocks not
-    handled. ``CLAMP=False`` leaves the saturation to the hardware cast (``cvt.rn.satfinite``,
+    """e4m3 bits (int32) of fp32 ``x / 2**e`` (``e`` broadcasts against ``x``), inf / NaN blocks
+    not handled. ``CLAMP=False`` leaves the saturation to the hardware cast (``cvt.rn.satfinite``,
     which clamps out-of-range and infinite values to +-448); only with ``NATIVE_CAST``."""
     inv = tl.where(e == 127, 0x00400000, (127 - e) << 23).to(tl.float32, bitcast=True)
     q = x * inv
@@ -65,9 +65,10 @@ def _mx_encode_raw(x, e, NATIVE_CAST: tl.constexpr, CLAMP: tl.constexpr = True):
 
 
 @triton.jit
-def _mx_encode(x, e, is_nan, NATIVE_CAST: tl.constexpr):
-    """e4m3 bits (int32) of fp32 ``x / 2**e``; ``e`` and ``is_nan`` broadcast against ``x``."""
-    return tl.where(is_nan, 0x7F, _mx_encode_raw(x, e, NATIVE_CAST))
+def _mx_encode(x, e, invalid, NATIVE_CAST: tl.constexpr):
+    """e4m3 bits (int32) of fp32 ``x / 2**e``, 0x7F (NaN) where ``invalid``; ``e`` and
+    ``invalid`` broadcast against ``x``."""
+    return tl.where(invalid, 0x7F, _mx_encode_raw(x, e, NATIVE_CAST))
 
 
 @triton.jit
@@ -78,9 +79,9 @@ def _quantize_blocks(x, AXIS: tl.constexpr, FLOOR: tl.constexpr, NATIVE_CAST: tl
     along AXIS)."""
     bits = x.to(tl.int32, bitcast=True)
     amax = tl.max(bits & 0x7FFFFFFF, axis=AXIS)  # int max: NaN > inf > finite
-    e, is_nan = _mx_exponent(amax, FLOOR)
-    qbits = _mx_encode(x, tl.expand_dims(e, AXIS), tl.expand_dims(is_nan, AXIS), NATIVE_CAST)
-    scale = tl.where(is_nan, 255, e + 127)
+    e, invalid = _mx_exponent(amax, FLOOR)
+    qbits = _mx_encode(x, tl.expand_dims(e, AXIS), tl.expand_dims(invalid, AXIS), NATIVE_CAST)
+    scale = tl.where(invalid, 255, e + 127)
     return qbits.to(tl.uint8), scale.to(tl.uint8)
 
 
@@ -209,10 +210,11 @@ def _mxfp8_dim1_regs_kernel(
 
     Instruction diet (sm_90 SASS: the "tload" kernel spends ~37 instructions per element, enough
     to be issue-bound at the copy ceiling; this one 12-16): 64-bit tile bases, 32-bit offsets inside
-    the tile (unless OFFS64), no masks when the tiles divide the shape (MASKED=False), the NaN-block
-    select on packed words, and with SAT_CAST no clamp before the saturating hardware cast; with
-    ASM_PACK (GPU only) two ``cvt.rn.satfinite.e4m3x2.f32`` and one ``mov.b32`` turn 4 fp32 values
-    straight into a word instead of unpacking the bytes and shifting them back together."""
+    the tile (unless OFFS64), no masks when the tiles divide the shape (MASKED=False), the
+    invalid-block (inf/NaN) select on packed words, and with SAT_CAST no clamp before the
+    saturating hardware cast; with ASM_PACK (GPU only) two ``cvt.rn.satfinite.e4m3x2.f32`` and one
+    ``mov.b32`` turn 4 fp32 values straight into a word instead of unpacking the bytes and shifting
+    them back together."""
     S: tl.constexpr = BLOCK_M // RPT  # row groups
     NB: tl.constexpr = BLOCK_M // 32  # blocks of 32 rows
     LM: tl.constexpr = 32 // RPT  # row groups per block
@@ -246,9 +248,9 @@ def _mxfp8_dim1_regs_kernel(
     x = tl.reshape(x.to(tl.float32), (RPT, S, KL, KV))
     amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)  # (S, KL, KV)
     amax = tl.max(tl.reshape(amax, (NB, LM, KL, KV)), axis=1)  # (NB, KL, KV)
-    e, is_nan = _mx_exponent(amax, FLOOR)
+    e, invalid = _mx_exponent(amax, FLOOR)
     e_g = tl.reshape(tl.broadcast_to(e[:, None, :, :], (NB, LM, KL, KV)), (S, KL, KV))
-    nan_g = tl.reshape(tl.broadcast_to(is_nan[:, None, :, :], (NB, LM, KL, KV)), (S, KL, KV))
+    bad_g = tl.reshape(tl.broadcast_to(invalid[:, None, :, :], (NB, LM, KL, KV)), (S, KL, KV))
     # row r = (hh * VW + v) * 4 + byte: byte `byte` of word v of vector hh (little-endian)
     if ASM_PACK:
         inv = tl.where(e_g == 127, 0x00400000, (127 - e_g) << 23).to(tl.float32, bitcast=True)
@@ -263,7 +265,7 @@ def _mxfp8_dim1_regs_kernel(
         q = tl.reshape(q, (HH, VW, 4, S, KL, KV))
         shift = (tl.arange(0, 4) * 8)[None, None, :, None, None, None]
         words = tl.reduce(q << shift, 2, _bit_or)  # (HH, VW, S, KL, KV)
-    words = tl.where(nan_g[None, None], 0x7F7F7F7F, words)  # a NaN block: all bytes 0x7F
+    words = tl.where(bad_g[None, None], 0x7F7F7F7F, words)  # an inf/NaN block: all bytes 0x7F
     words = tl.reshape(tl.permute(words, (4, 0, 2, 3, 1)), (KV * HH * S * KL, VW))
     # store: cell c = ((j * HH + hh) * S + g) * KL + kl; word (g * WPT + hh * VW + v) of column
     # kl * KV + j, in the tile
@@ -281,7 +283,7 @@ def _mxfp8_dim1_regs_kernel(
     else:
         tl.store(d_ptrs, words)
     MB = M // 32
-    scale = tl.where(is_nan, 255, e + 127).to(tl.uint8)  # (NB, KL, KV)
+    scale = tl.where(invalid, 255, e + 127).to(tl.uint8)  # (NB, KL, KV)
     kk = k0 + tl.arange(0, KL)[None, :, None] * KV + tl.arange(0, KV)[None, None, :]
     nb = pid_m * NB + tl.arange(0, NB)[:, None, None]
     s_ptrs = scale_ptr + b * K * MB + kk.to(tl.int64) * MB + nb
