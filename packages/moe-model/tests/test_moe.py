@@ -205,6 +205,61 @@ def test_bad_arguments():
     assert layer.impl == "triton_bf16"
 
 
+def _layer(**kw) -> MoELayer:
+    return MoELayer(
+        **{"d_model": D, "n_experts": E, "top_k": K, "hidden": H, "impl": "torch", **kw}
+    )
+
+
+def _switch(impl: str, **kw) -> None:
+    _layer(**kw).impl = impl
+
+
+MXFP8 = "impl='mxfp8' needs d_model and hidden multiples of 32"
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: MoELayer(64, 4, 2, 48, impl="mxfp8"), ValueError, MXFP8),  # the case
+        (lambda: _layer(d_model=48, impl="mxfp8"), ValueError, MXFP8),
+        (lambda: _switch("mxfp8", hidden=48), ValueError, MXFP8),  # impl setter
+        (lambda: _layer(d_model=True), ValueError, "d_model must be a positive int"),
+        (lambda: _layer(n_experts=True), ValueError, "n_experts must be a positive int"),
+        (lambda: _layer(hidden=True), ValueError, "hidden must be a positive int"),
+        (lambda: _layer(top_k=True), ValueError, "top_k must be in"),
+        (lambda: _layer(gated="yes"), TypeError, "gated must be a bool"),
+        (lambda: _layer(renormalize=1), TypeError, "renormalize must be a bool"),
+        (lambda: _layer()([[0.0] * D]), TypeError, "x must be a torch.Tensor"),
+        (lambda: _layer()(torch.tensor(1.0)), ValueError, r"x must have shape \(\.\.\., d_model"),
+        (
+            lambda: _layer()(torch.ones(3, D, dtype=torch.int64)),
+            TypeError,
+            r"x\.dtype must be one of",
+        ),
+        (
+            lambda: _layer(impl="triton_bf16")(torch.ones(3, D, dtype=torch.float64)),
+            TypeError,
+            r"x\.dtype must be one of .* for impl 'triton_bf16'",
+        ),
+        (
+            lambda: _layer()(torch.ones(3, D, device="meta")),
+            ValueError,
+            "x is on meta, the layer on cpu",
+        ),
+        (lambda: _layer().scores(torch.ones(3, D + 1)), ValueError, r"x must have shape"),
+        (
+            lambda: _layer(impl="triton_fp32").scores(torch.ones(3, D, dtype=torch.int32)),
+            TypeError,
+            r"x\.dtype must be one of",
+        ),
+    ],
+)
+def test_bad_layer_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
 @pytest.mark.skipif(_fbgemm_available(), reason="fbgemm_gpu is installed")
 def test_fbgemm_unavailable_error():
     with pytest.raises(RuntimeError, match="unavailable: fbgemm_gpu not installed"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -178,11 +179,100 @@ def test_tiny_counts_match_engine():
         (dict(window=0), "window"),
         (dict(patch_size=3), "patch_size"),
         (dict(colour=1), "unknown config field"),
+        (dict(moe_impl="mxfp8", moe_hidden=48), "moe_impl='mxfp8' needs d_model and moe_hidden"),
+        (dict(moe_impl=["torch"]), "moe_impl must be one of"),
+        (dict(gated="yes"), "gated must be a bool"),
+        (dict(renormalize=1), "renormalize must be a bool"),
+        (dict(rope_theta=0.0), "rope_theta must be a positive finite number"),
+        (dict(rope_theta="big"), "rope_theta must be a positive finite number"),
+        (dict(norm_eps=-1e-6), "norm_eps must be a positive finite number"),
+        (dict(norm_eps=float("nan")), "norm_eps must be a positive finite number"),
     ],
 )
 def test_bad_configs(overrides, match):
     with pytest.raises(ValueError, match=match):
         WorldModelConfig.from_preset("tiny", **overrides)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: WorldModelConfig.from_preset(["tiny"]), ValueError, "unknown preset"),
+        (lambda: WorldModelConfig.from_dict([1, 2]), TypeError, "d must be a mapping"),
+        (lambda: WorldModelConfig.from_dict({"colour": 1}), ValueError, "unknown config field"),
+        (lambda: count_parameters(PRESETS["tiny"].to_dict()), TypeError, "cfg must be a World"),
+    ],
+)
+def test_bad_config_calls(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def _new(cfg=PRESETS["tiny"], **kw) -> WorldEngine:
+    return WorldEngine(cfg, **{"device": "cpu", **kw})
+
+
+def _load(path, text=None, **changes) -> WorldEngine:
+    """Save a tiny engine to ``path``, change its config.json (or replace it by ``text``), load."""
+    tiny_engine().save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(text or json.dumps({**config, **changes}))
+    return WorldEngine.from_pretrained(path, device="cpu", dtype=torch.float32)
+
+
+MXFP8 = "moe_impl='mxfp8' needs d_model and moe_hidden multiples of 32"
+TINY_48 = WorldModelConfig.from_preset("tiny", moe_hidden=48)
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda e, p: _new(device="meta"), ValueError, r"count_parameters\(cfg\)"),  # the issue
+        (lambda e, p: _new(TINY_48, impl="mxfp8"), ValueError, MXFP8),  # the issue, engine side
+        (lambda e, p: _new(e.config.to_dict()), TypeError, "config must be a WorldModelConfig"),
+        (lambda e, p: _new(device="gpu"), ValueError, "device='gpu'"),
+        pytest.param(lambda e, p: _new(device="cuda"), ValueError, "device='cuda'", marks=NO_CUDA),
+        (lambda e, p: _new(dtype=torch.int32), TypeError, "dtype must be one of"),
+        (lambda e, p: _new(dtype=torch.float64, impl="mxfp8"), TypeError, "for impl 'mxfp8'"),
+        (lambda e, p: _new(seed="a"), TypeError, "seed must be an int"),
+        (lambda e, p: _new(seed=2**64), ValueError, "seed must be in"),
+        (lambda e, p: _new(compile="no"), TypeError, "compile must be a bool"),
+        (lambda e, p: _new(cuda_graph=0), TypeError, "cuda_graph must be a bool"),
+        (lambda e, p: e.set_runtime(compile=1, cuda_graph=False), TypeError, "compile must be"),
+        (lambda e, p: e.gen_frame(return_img="no"), TypeError, "return_img must be a bool"),
+        (lambda e, p: e.gen_frame({"buttons": 3}), TypeError, "buttons must be button indices"),
+        (lambda e, p: e.gen_frame({"buttons": [1.5]}), TypeError, "button indices must be ints"),
+        (
+            lambda e, p: e.gen_frame({"buttons": torch.ones(2, 2, dtype=torch.int64)}),
+            ValueError,
+            "buttons index tensor must be 1-D",
+        ),
+        (
+            lambda e, p: e.gen_frame({"buttons": torch.full((4,), math.nan)}),
+            ValueError,
+            "buttons multi-hot must be finite",
+        ),
+        (lambda e, p: e.gen_frame({"mouse": "ab"}), TypeError, "mouse must be 2 numbers"),
+        (lambda e, p: e.gen_frame({"mouse": (math.inf, 0)}), ValueError, "mouse must hold 2 fin"),
+        (lambda e, p: e.rollout(-1), ValueError, "n_frames must be >= 0"),
+        (lambda e, p: e.rollout(1.5), TypeError, "n_frames must be an int"),
+        (lambda e, p: e.rollout(2, [None, {"buttons": [9]}]), ValueError, "button index 9"),
+        (
+            lambda e, p: WorldEngine.from_pretrained(p / "none"),
+            FileNotFoundError,
+            "holds no config.json",
+        ),
+        (lambda e, p: _load(p, colour=1), ValueError, "unknown config field"),
+        (lambda e, p: _load(p, text="{nope"), ValueError, "config.json is not valid JSON"),
+        (lambda e, p: _load(p, moe_hidden=64), ValueError, "checkpoint mismatch"),
+    ],
+)
+def test_bad_engine_input(call, exc, match, tmp_path):
+    eng = tiny_engine()
+    with pytest.raises(exc, match=match):
+        call(eng, tmp_path)
+    assert int(eng.frame_index) == 0  # nothing ran
 
 
 def test_bad_engine_arguments():

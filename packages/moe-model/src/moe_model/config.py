@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from moe_model.moe import IMPL_ALIASES, MOE_IMPLS, SCORE_FNS
+from moe_model.moe import IMPL_ALIASES, MOE_IMPLS, SCORE_FNS, check_impl_dims, check_size
 
 _POSITIVE_FIELDS = (
     *("n_layers", "d_model", "n_heads", "n_kv_heads", "n_experts", "top_k", "moe_hidden"),
     *("dense_hidden", "latent_channels", "latent_h", "latent_w", "patch_size", "window"),
     *("n_buttons", "cond_dim", "freq_dim", "denoise_steps", "decoder_channels"),
 )
+_POSITIVE_FLOAT_FIELDS = ("rope_theta", "norm_eps")
+_BOOL_FIELDS = ("gated", "renormalize")
 
 
 @dataclass
@@ -78,9 +82,15 @@ class WorldModelConfig:
     def validate(self) -> None:
         """Raise ValueError on an inconsistent configuration."""
         for name in _POSITIVE_FIELDS:
+            check_size(name, getattr(self, name))
+        for name in _POSITIVE_FLOAT_FIELDS:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+        for name in _BOOL_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool, got {v!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
         if self.n_heads % self.n_kv_heads:
@@ -91,8 +101,12 @@ class WorldModelConfig:
             raise ValueError(f"top_k={self.top_k} must be <= n_experts={self.n_experts}")
         if self.mlp not in ("moe", "dense"):
             raise ValueError(f"mlp must be 'moe' or 'dense', got {self.mlp!r}")
-        if IMPL_ALIASES.get(self.moe_impl, self.moe_impl) not in MOE_IMPLS:
-            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        impl = self.moe_impl
+        if not isinstance(impl, str) or IMPL_ALIASES.get(impl, impl) not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
+        if self.mlp == "moe":
+            names = ("moe_impl", "d_model", "moe_hidden")
+            check_impl_dims(impl, self.d_model, self.moe_hidden, names=names)
         if self.score_fn not in SCORE_FNS:
             raise ValueError(f"score_fn must be one of {SCORE_FNS}, got {self.score_fn!r}")
         if self.latent_h % self.patch_size or self.latent_w % self.patch_size:
@@ -106,21 +120,27 @@ class WorldModelConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides: object) -> WorldModelConfig:
         """A copy of ``PRESETS[name]`` with ``overrides`` applied (validated)."""
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        bad = sorted(set(overrides) - fields)
-        if bad:
-            raise ValueError(f"unknown config field(s) {bad}")
+        cls._check_field_names(overrides)
         return dataclasses.replace(PRESETS[name], **overrides)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> WorldModelConfig:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in fields})
+    def from_dict(cls, d: Mapping[str, object]) -> WorldModelConfig:
+        """The config of ``to_dict()`` output (validated); missing fields take their defaults."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"d must be a mapping of config fields, got {type(d).__name__}")
+        cls._check_field_names(d)
+        return cls(**d)
+
+    @classmethod
+    def _check_field_names(cls, names: Iterable[str]) -> None:
+        bad = sorted(set(names) - {f.name for f in dataclasses.fields(cls)}, key=str)
+        if bad:
+            raise ValueError(f"unknown config field(s) {bad}")
 
 
 PRESETS: dict[str, WorldModelConfig] = {

@@ -9,8 +9,10 @@ and advances the device frame counter; optionally the decoder turns the latent i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
+import numbers
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -22,7 +24,7 @@ from moe_model.autoencoder import LatentDecoder
 from moe_model.blocks import Block
 from moe_model.config import WorldModelConfig
 from moe_model.kv_cache import KVRingCache
-from moe_model.moe import MoELayer, check_impl
+from moe_model.moe import MoELayer, check_bool, check_dtype, check_impl
 from moe_model.rope import Rope3D
 
 Ctrl = Mapping[str, object] | None
@@ -120,8 +122,45 @@ class WorldModel(nn.Module):
         return self.unpatchify(self.final_proj(h.to(dtype)).float())
 
 
+def _check_config(config: object, name: str = "config") -> None:
+    """TypeError unless a WorldModelConfig; validated again (its fields may have changed)."""
+    if not isinstance(config, WorldModelConfig):
+        raise TypeError(f"{name} must be a WorldModelConfig, got {type(config).__name__}")
+    config.validate()
+
+
+def _check_device(device: object) -> torch.device:
+    """The engine's device: None picks CUDA when available, else the CPU. ValueError for what
+    torch cannot parse or reach here (no CUDA, an index past the last GPU), and for meta."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+            raise RuntimeError(f"torch sees {torch.cuda.device_count()} CUDA device(s)")
+        torch.empty(0, device=dev)  # raises for another device type this process cannot use
+    except (RuntimeError, TypeError, AssertionError) as exc:
+        raise ValueError(f"device={device!r} is not a device this process can use: {exc}") from None
+    if dev.type == "meta":
+        raise ValueError(
+            "device='meta': the engine needs a real device (it holds weights, a KV cache and a "
+            "noise generator); moe_model.count_parameters(cfg) sizes a config without memory"
+        )
+    return dev
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    """TypeError unless an int (a bool is not), ValueError unless in [lo, hi)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value >= hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
 def count_parameters(cfg: WorldModelConfig) -> tuple[int, int]:
     """(total, active) parameter counts of a config, built on the meta device (no memory)."""
+    _check_config(cfg, "cfg")
     with torch.device("meta"):
         model = WorldModel(cfg)
     return _counts(model, cfg)
@@ -155,15 +194,27 @@ def _ctrl_tensors(ctrl: Ctrl, n_buttons: int) -> tuple[torch.Tensor, torch.Tenso
                 f"buttons multi-hot must have shape ({n_buttons},), got {tuple(b.shape)}"
             )
         buttons = b.detach().float().cpu()
+        if not torch.isfinite(buttons).all():
+            raise ValueError(f"buttons multi-hot must be finite, got {buttons.tolist()}")
     elif b is not None:
-        for i in b.tolist() if isinstance(b, torch.Tensor) else b:
-            if not 0 <= int(i) < n_buttons:
+        if isinstance(b, torch.Tensor) and b.dim() > 1:
+            raise ValueError(f"buttons index tensor must be 1-D, got shape {tuple(b.shape)}")
+        indices = b.reshape(-1).tolist() if isinstance(b, torch.Tensor) else b
+        if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
+            raise TypeError(f"buttons must be button indices or a multi-hot tensor, got {b!r}")
+        for i in indices:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+                raise TypeError(f"button indices must be ints, got {i!r}")
+            if not 0 <= i < n_buttons:
                 raise ValueError(f"button index {i} out of range [0, {n_buttons})")
             buttons[int(i)] = 1.0
     if ctrl.get("mouse") is not None:
-        mouse = torch.as_tensor(ctrl["mouse"], dtype=torch.float32).detach().cpu().reshape(-1)
-        if mouse.numel() != 2:
-            raise ValueError(f"mouse must hold 2 floats (dx, dy), got {mouse.numel()}")
+        try:
+            mouse = torch.as_tensor(ctrl["mouse"], dtype=torch.float32).detach().cpu().reshape(-1)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"mouse must be 2 numbers (dx, dy), got {ctrl['mouse']!r}") from None
+        if mouse.numel() != 2 or not torch.isfinite(mouse).all():
+            raise ValueError(f"mouse must hold 2 finite floats (dx, dy), got {mouse.tolist()}")
     return buttons, mouse
 
 
@@ -182,15 +233,15 @@ class WorldEngine:
         seed: int = 0,
         _init_weights: bool = True,
     ) -> None:
+        _check_config(config)
         if impl is not None:
             config = dataclasses.replace(config, moe_impl=check_impl(impl))
-        config.validate()
-        if config.mlp == "moe":
-            check_impl(config.moe_impl)
+        moe_impl = check_impl(config.moe_impl) if config.mlp == "moe" else None
         self.config = cfg = config
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if cuda_graph and self.device.type != "cuda":
-            raise ValueError("cuda_graph=True needs a CUDA device")
+        self.device = _check_device(device)
+        check_dtype(dtype, moe_impl, name="dtype")
+        _check_int("seed", seed, -(2**63), 2**64)  # the range torch.manual_seed takes
+        self._check_runtime(compile, cuda_graph)
         self.dtype, self.seed = dtype, seed
         if _init_weights:
             with torch.random.fork_rng(devices=[]):
@@ -239,8 +290,7 @@ class WorldEngine:
         """Switch between eager, ``torch.compile(fullgraph=True)`` denoise and cache passes, and
         CUDA-graph replay (captured now, after a warm-up; the state is then reset). The decoder
         runs eager (inside its own CUDA graph when ``cuda_graph``)."""
-        if cuda_graph and self.device.type != "cuda":
-            raise ValueError("cuda_graph=True needs a CUDA device")
+        self._check_runtime(compile, cuda_graph)
         if compile and self.compiled:
             pass  # keep the compiled passes (and dynamo's cache)
         elif compile:
@@ -252,6 +302,12 @@ class WorldEngine:
         self._graphs, self._graph_dec = {}, None
         if cuda_graph:
             self._capture()
+
+    def _check_runtime(self, compile: object, cuda_graph: object) -> None:
+        check_bool("compile", compile)
+        check_bool("cuda_graph", cuda_graph)
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError("cuda_graph=True needs a CUDA device")
 
     # -- device work of one frame (static shapes, no host syncs) --------------------------------
 
@@ -339,6 +395,7 @@ class WorldEngine:
         Returns the RGB image (8*latent_h, 8*latent_w, 3) uint8 on the CPU when ``return_img``,
         else the clean latent (C, latent_h, latent_w) fp32 on the engine's device (a copy).
         """
+        check_bool("return_img", return_img)
         self._set_ctrl(ctrl)
         self._noise.normal_(generator=self._gen)
         masked = self._frames_done < self.config.window
@@ -359,16 +416,17 @@ class WorldEngine:
         self, n_frames: int, ctrl: Ctrl | Sequence[Ctrl] = None, return_img: bool = True
     ) -> Iterator[torch.Tensor]:
         """Yield ``n_frames`` frames (continuing from the current state; ``reset()`` to restart).
-        ctrl: one ctrl for every frame, or a sequence of ``n_frames`` ctrls."""
-        ctrls: Iterable[Ctrl]
-        if isinstance(ctrl, Sequence) and not isinstance(ctrl, (str, Mapping)):
-            if len(ctrl) != n_frames:
-                raise ValueError(f"got {len(ctrl)} ctrls for {n_frames} frames")
-            ctrls = ctrl
-        else:
-            ctrls = [ctrl] * n_frames
-        for c in ctrls:
-            yield self.gen_frame(c, return_img=return_img)
+        ctrl: one ctrl for every frame, or a sequence of ``n_frames`` ctrls. The arguments (every
+        ctrl included) are checked by this call, before the first frame."""
+        _check_int("n_frames", n_frames, 0)
+        check_bool("return_img", return_img)
+        seq = isinstance(ctrl, Sequence) and not isinstance(ctrl, (str, Mapping))
+        if seq and len(ctrl) != n_frames:
+            raise ValueError(f"got {len(ctrl)} ctrls for {n_frames} frames")
+        for c in ctrl if seq else (ctrl,):
+            _ctrl_tensors(c, self.config.n_buttons)
+        ctrls: Iterable[Ctrl] = ctrl if seq else itertools.repeat(ctrl, n_frames)
+        return (self.gen_frame(c, return_img=return_img) for c in ctrls)
 
     def num_parameters(self) -> int:
         """All parameters (transformer, embeddings, decoder)."""
@@ -404,8 +462,20 @@ class WorldEngine:
         stay fp32)."""
         from safetensors.torch import load_file
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         src = Path(path)
-        cfg = WorldModelConfig.from_dict(json.loads((src / "config.json").read_text()))
+        for name in ("config.json", "model.safetensors"):
+            if not (src / name).is_file():
+                raise FileNotFoundError(
+                    f"path={str(path)!r} holds no {name}: from_pretrained reads a folder written "
+                    "by save_pretrained"
+                )
+        try:
+            config = json.loads((src / "config.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{src / 'config.json'} is not valid JSON: {exc}") from None
+        cfg = WorldModelConfig.from_dict(config)
         state = load_file(str(src / "model.safetensors"))
         # Capture (if asked) only once the weights are loaded.
         eng = cls(
@@ -420,9 +490,11 @@ class WorldEngine:
         params = dict(eng.model.named_parameters())
         missing = set(params) - set(state)
         unexpected = set(state) - set(params)
-        if missing or unexpected:
+        shapes = sorted(n for n in set(params) & set(state) if params[n].shape != state[n].shape)
+        if missing or unexpected or shapes:
             raise ValueError(
-                f"checkpoint mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+                f"checkpoint mismatch: missing {sorted(missing)}, unexpected {sorted(unexpected)}, "
+                f"other shapes than config.json's {shapes}"
             )
         with torch.no_grad():
             for name, p in params.items():

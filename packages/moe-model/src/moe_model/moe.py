@@ -250,6 +250,48 @@ def check_impl(impl: str) -> str:
     return impl
 
 
+def check_impl_dims(
+    impl: str,
+    d_model: int,
+    hidden: int,
+    *,
+    names: tuple[str, str, str] = ("impl", "d_model", "hidden"),
+) -> None:
+    """ValueError if implementation ``impl`` cannot run a layer of these sizes: ``"mxfp8"`` scales
+    blocks of 32 along K, so both GEMMs' K dims (d_model, then hidden) must be multiples of 32.
+    ``names``: the caller's names of (impl, d_model, hidden), for the message."""
+    if IMPL_ALIASES.get(impl, impl) == "mxfp8" and (d_model % 32 or hidden % 32):
+        raise ValueError(
+            f"{names[0]}='mxfp8' needs {names[1]} and {names[2]} multiples of 32 (the K dims of "
+            f"its two grouped GEMMs), got {names[1]}={d_model}, {names[2]}={hidden}"
+        )
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_dtype(dtype: object, impl: str | None, *, name: str = "x.dtype") -> None:
+    """TypeError unless ``dtype`` is an activation dtype ``impl`` takes: float16, bfloat16, float32
+    (what the moe_kernels router and grouped GEMMs read), float64 too for ``"baseline"`` and
+    ``"torch"`` and for ``impl=None`` (no MoE layer)."""
+    ok = FLOAT_DTYPES if impl in (None, "baseline", "torch") else FLOAT_DTYPES[:3]
+    if dtype not in ok:
+        for_impl = f" for impl {impl!r}" if impl else ""
+        raise TypeError(f"{name} must be one of {ok}{for_impl}, got {dtype!r}")
+
+
+def check_size(name: str, value: object) -> None:
+    """ValueError unless ``value`` is a positive int (a bool is not a size)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_bool(name: str, value: object) -> None:
+    """TypeError unless ``value`` is a bool (a truthy string or int is not)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 class MoELayer(nn.Module):
     """Top-k Mixture-of-Experts MLP: ``x (..., d_model) -> (..., d_model)`` in x's dtype.
 
@@ -278,20 +320,21 @@ class MoELayer(nn.Module):
     ) -> None:
         super().__init__()
         for name, v in (("d_model", d_model), ("n_experts", n_experts), ("hidden", hidden)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+            check_size(name, v)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k!r}")
         if score_fn not in SCORE_FNS:
             raise ValueError(f"score_fn must be one of {SCORE_FNS}, got {score_fn!r}")
+        check_bool("gated", gated)
+        check_bool("renormalize", renormalize)
         self.d_model, self.n_experts, self.top_k, self.hidden = d_model, n_experts, top_k, hidden
         self.gated, self.score_fn, self.renormalize = gated, score_fn, renormalize
+        self.impl = impl  # checked against the sizes before any allocation
         self.router = nn.Linear(d_model, n_experts, bias=False, dtype=torch.float32)
         h_in = hidden * (2 if gated else 1)
         self.in_proj = nn.Parameter(torch.empty(n_experts, h_in, d_model))
         self.out_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.reset_parameters()
-        self.impl = impl
 
     @property
     def impl(self) -> str:
@@ -299,18 +342,37 @@ class MoELayer(nn.Module):
 
     @impl.setter
     def impl(self, name: str) -> None:
-        self._impl = check_impl(name)
+        impl = check_impl(name)
+        check_impl_dims(impl, self.d_model, self.hidden)
+        self._impl = impl
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.router.weight, std=1.0 / math.sqrt(self.d_model))
         nn.init.normal_(self.in_proj, std=1.0 / math.sqrt(self.d_model))
         nn.init.normal_(self.out_proj, std=1.0 / math.sqrt(self.hidden))
 
-    def scores(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """Router scores (T, E) fp32: softmax over all E logits, or sigmoid. The kernel
-        implementations in ``KERNEL_ROUTER_IMPLS`` with E <= ``KERNEL_ROUTER_MAX_E`` use
+    def _check_x(self, x: object) -> None:
+        """x (..., d_model): a tensor on the layer's device, in a dtype the implementation takes."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"x must have shape (..., d_model={self.d_model}), got {tuple(x.shape)}"
+            )
+        check_dtype(x.dtype, self._impl)
+        if x.device != self.router.weight.device:
+            raise ValueError(f"x is on {x.device}, the layer on {self.router.weight.device}")
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Router scores (..., E) fp32 of x (..., d_model): softmax over all E logits, or sigmoid.
+        The kernel implementations in ``KERNEL_ROUTER_IMPLS`` with E <= ``KERNEL_ROUTER_MAX_E`` use
         ``moe_kernels.router_scores`` (one kernel, the same fp32 math summed in another order);
         the others, the torch formula."""
+        self._check_x(x)
+        scores_TE = self._scores(x.reshape(-1, self.d_model))
+        return scores_TE.view(*x.shape[:-1], self.n_experts)
+
+    def _scores(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self._impl in KERNEL_ROUTER_IMPLS and self.n_experts <= KERNEL_ROUTER_MAX_E:
             from moe_kernels import router_scores
 
@@ -321,10 +383,9 @@ class MoELayer(nn.Module):
         return torch.sigmoid(logits_TE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have last dim d_model={self.d_model}, got {tuple(x.shape)}")
+        self._check_x(x)
         x_TD = x.reshape(-1, self.d_model)
-        y_TD = _IMPLS[self._impl](self, x_TD, self.scores(x_TD))
+        y_TD = _IMPLS[self._impl](self, x_TD, self._scores(x_TD))
         return y_TD.view(x.shape)
 
     def extra_repr(self) -> str:
