@@ -26,6 +26,14 @@ TORCH_TRITON = {
 }
 TORCH_VERSIONS = list(TORCH_TRITON)
 NEWEST_TORCH = TORCH_VERSIONS[0]
+# ``triton`` of a tests session: "pinned" (the torch release's own, what CUDA users get), or
+# "latest" (the newest Triton on PyPI, what ``pip install moe-kernels`` beside a CPU torch pulls;
+# that session runs only the kernel tests in the interpreter, the one place the version matters).
+TEST_MATRIX = [
+    (NEWEST_TORCH, "pinned"),
+    (NEWEST_TORCH, "latest"),
+    *[(v, "pinned") for v in TORCH_VERSIONS[1:]],
+]
 
 # On Linux x86_64 PyPI's torch wheels are CUDA builds: torch 2.9.1 with its nvidia-* wheels took
 # 6.7 GiB installed and peaked at 10.4 GiB of disk while pip installed it without a cache (pip's
@@ -37,8 +45,10 @@ nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "virtualenv"
 
 
-def _torch_requirements(torch_version: str) -> list[str]:
+def _torch_requirements(torch_version: str, triton: str = "pinned") -> list[str]:
     linux, windows = TORCH_TRITON[torch_version]
+    if triton == "latest":
+        linux, windows = "triton", "triton-windows"
     return [f"torch=={torch_version}", windows if sys.platform == "win32" else linux]
 
 
@@ -57,10 +67,10 @@ def _pulls_cuda_wheels(session: nox.Session, requirements: list[str]) -> bool:
     return any(name.lower().startswith("nvidia-") for name in names)
 
 
-def _install_torch(session: nox.Session, torch_version: str) -> None:
-    """torch and its triton; skips the session (see CUDA_TORCH_PEAK_GIB) where a CUDA build would
-    not fit on the disk."""
-    requirements = _torch_requirements(torch_version)
+def _install_torch(session: nox.Session, torch_version: str, triton: str = "pinned") -> None:
+    """torch and its triton (or the newest Triton); skips the session (see CUDA_TORCH_PEAK_GIB)
+    where a CUDA build would not fit on the disk."""
+    requirements = _torch_requirements(torch_version, triton)
     free_gib = shutil.disk_usage(session.virtualenv.location).free / 2**30
     if (
         free_gib < CUDA_TORCH_PEAK_GIB
@@ -74,7 +84,9 @@ def _install_torch(session: nox.Session, torch_version: str) -> None:
         if os.environ.get("MOE_NOX_STRICT", "0") not in ("", "0"):
             session.error(why)
         session.skip(why)
-    session.install(*requirements)
+    session.install(*(["--upgrade"] if triton == "latest" else []), *requirements)
+    session.run("python", "-c", "import torch, triton; print('torch', torch.__version__, "
+                "'triton', triton.__version__)")  # fmt: skip
 
 
 def _install_packages(session: nox.Session, *extras: str) -> None:
@@ -82,17 +94,23 @@ def _install_packages(session: nox.Session, *extras: str) -> None:
     args = []
     for pkg in PACKAGES:
         args += ["-e", str(ROOT / "packages" / pkg)]
-    session.install(*args, "pytest>=7", "hypothesis>=6", "numpy", *extras)
+    session.install(*args, "pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "numpy", *extras)
 
 
 @nox.session
-@nox.parametrize("torch", TORCH_VERSIONS)
-def tests(session: nox.Session, torch: str) -> None:
-    """Every package's tests; kernel tests on the reference path and in Triton's interpreter."""
-    _install_torch(session, torch)
+@nox.parametrize("torch,triton", TEST_MATRIX)
+def tests(session: nox.Session, torch: str, triton: str) -> None:
+    """Every package's tests; kernel tests on the reference path and in Triton's interpreter
+    (with ``triton="latest"``: the interpreter's kernel tests alone). Two pytest workers: the
+    interpreter is single-threaded numpy, and CI's machine has two cores."""
+    _install_torch(session, torch, triton)
     _install_packages(session)
-    pytest = ["pytest", "-q", "-p", "no:cacheprovider", *session.posargs]
+    workers = os.environ.get("MOE_TEST_WORKERS", "2")
+    pytest = ["pytest", "-q", "-p", "no:cacheprovider", "-n", workers, *session.posargs]
     env_ref = {"TRITON_INTERPRET": "0"}
+    if triton == "latest":
+        session.run(*pytest, "packages/moe-kernels/tests", env={"TRITON_INTERPRET": "1"})
+        return
     session.run(*pytest, "packages/moe-kernels/tests", env=env_ref)
     session.run(*pytest, "packages/moe-kernels/tests", env={"TRITON_INTERPRET": "1"})
     session.run(*pytest, "packages/moe-model/tests", env=env_ref)

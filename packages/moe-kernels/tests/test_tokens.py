@@ -8,6 +8,7 @@ other results are compared bit for bit.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -188,6 +189,35 @@ def test_scatter_add_matches_sequential_oracle(out_dtype, in_dtype, num_tokens, 
         assert bool(((out.float() - expected.float()).abs() <= slack).all())
     else:
         assert_matches(out, expected)
+
+
+@pytest.mark.parametrize(
+    ("out_dtype", "in_dtype"),
+    [(torch.int32, torch.int32), (torch.int32, torch.int64), (torch.int64, torch.int32),
+     (torch.int64, torch.int64)],
+)  # fmt: skip
+@pytest.mark.parametrize("vtc", [None, "partial"])
+def test_scatter_add_integer_tokens_are_exact(out_dtype, in_dtype, vtc):
+    """FBGEMM's integer scatter-add (its tests compare integer tokens exactly): adds in out's
+    dtype, wrapping on overflow (values span the whole range), against a numpy loop."""
+    g = torch.Generator().manual_seed(11)
+    num_tokens, dim, n = 9, 37, 50
+    tok = torch.randint(-1, num_tokens, (n,), generator=g, dtype=torch.int32)
+
+    def full_range(shape, dtype):
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(dtype)
+
+    src, out = full_range((n, dim), in_dtype), full_range((num_tokens, dim), out_dtype)
+    limit = n if vtc is None else n - n // 3
+    expected = out.numpy().copy()
+    for i in range(limit):
+        if tok[i] >= 0:  # numpy integer arrays wrap silently
+            expected[tok[i]] = expected[tok[i]] + src[i].numpy().astype(expected.dtype)
+    count = None if vtc is None else torch.tensor([limit], dtype=torch.int32)
+    scatter_add_dense_tokens(out, src, tok, count)
+    assert out.dtype == out_dtype
+    assert np.array_equal(out.numpy(), expected)
 
 
 @settings(max_examples=12, deadline=None)
@@ -415,7 +445,9 @@ def _bad_cases():
         ("scores", ValueError, lambda: gather_scale_dense_tokens(x, tok, exp, scores.to("meta"))),
         ("in_tokens", ValueError, lambda: scatter_add_dense_tokens(out, y[:, :5], tok)),
         ("in_tokens", ValueError, lambda: scatter_add_dense_tokens(out, y[:7], tok)),
-        ("out_tokens", TypeError, lambda: scatter_add_dense_tokens(out.long(), y, tok)),
+        ("out_tokens", TypeError, lambda: scatter_add_dense_tokens(out.short(), y, tok)),
+        ("in_tokens", TypeError, lambda: scatter_add_dense_tokens(out.long(), y, tok)),
+        ("in_tokens", TypeError, lambda: scatter_add_dense_tokens(out, y.int(), tok)),
         ("in_tokens", ValueError, lambda: scatter_add_dense_tokens(out, y.to("meta"), tok)),
         ("token_indices", ValueError, lambda: scatter_add_dense_tokens(meta, y.to("meta"), tok)),
         ("plan", TypeError, lambda: dispatch(x, tuple(plan))),

@@ -6,11 +6,18 @@
   That is how CI tests the kernels without a GPU.
 * ``MOE_KERNELS_BACKEND=reference`` forces the reference everywhere (handy to bisect a GPU issue);
   ``MOE_KERNELS_BACKEND=triton`` forces the kernels (CPU then needs ``TRITON_INTERPRET=1``).
+
+Triton is imported only where a kernel runs (``triton_kernels``), so ``import moe_kernels`` and
+every op's CPU path work without it (macOS, or any platform without Triton wheels); a call that
+would run a kernel then raises a ``RuntimeError`` naming the package to install.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
+from types import ModuleType
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -34,6 +41,26 @@ def use_triton(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and INTERPRET
+
+
+TRITON_MISSING = (
+    "moe_kernels needs Triton to run its kernels on {where}, and `import triton` failed ({why}). "
+    "Install it (`pip install triton` on Linux, `pip install triton-windows` on Windows), or run "
+    "on CPU tensors without TRITON_INTERPRET (the torch reference path needs no Triton)."
+)
+
+
+@functools.cache
+def triton_kernels(module: str) -> ModuleType:
+    """``moe_kernels._triton.<module>``, imported on first use (and then cached: no import
+    machinery per call). RuntimeError naming what to install when Triton cannot be imported."""
+    try:
+        return importlib.import_module(f"moe_kernels._triton.{module}")
+    except ImportError as exc:
+        if not (exc.name or "").startswith("triton"):
+            raise
+        where = "CPU tensors under TRITON_INTERPRET=1" if INTERPRET else "CUDA tensors"
+        raise RuntimeError(TRITON_MISSING.format(where=where, why=exc)) from exc
 
 
 def op_name(name: str) -> str:

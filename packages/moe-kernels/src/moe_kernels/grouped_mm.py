@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, op_name, use_triton
+from moe_kernels._dispatch import eager_direct, op_name, triton_kernels, use_triton
 from moe_kernels._reference import grouped_mm as _ref
 
 __all__ = ["ACTIVATIONS", "gather_grouped_mm"]
@@ -23,9 +23,7 @@ ACTIVATIONS: tuple[str | None, ...] = (None, "silu")
 
 
 def _triton():
-    from moe_kernels._triton import grouped_mm as tri  # imported lazily: triton only when used
-
-    return tri
+    return triton_kernels("grouped_mm")  # imported on first use: triton only when a kernel runs
 
 
 def _impl(

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate as v
-from ._dispatch import eager_direct, op_name, use_triton
+from ._dispatch import eager_direct, op_name, triton_kernels, use_triton
 from ._reference import mxfp8 as _ref
 
 __all__ = [
@@ -56,15 +56,11 @@ _ceil_to = _ref.ceil_to
 
 
 def _tq():
-    from ._triton import mxfp8_quant
-
-    return mxfp8_quant
+    return triton_kernels("mxfp8_quant")  # imported on first use: triton only when a kernel runs
 
 
 def _tl():
-    from ._triton import mxfp8_layout
-
-    return mxfp8_layout
+    return triton_kernels("mxfp8_layout")
 
 
 def _check_mode(scaling_mode: object) -> str:

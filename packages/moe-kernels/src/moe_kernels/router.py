@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, op_name, use_triton
+from moe_kernels._dispatch import eager_direct, op_name, triton_kernels, use_triton
 from moe_kernels._reference import router as _ref
 
 __all__ = ["SCORE_FNS", "router_scores"]
@@ -23,9 +23,7 @@ SCORE_FNS = ("softmax", "sigmoid")
 
 
 def _triton():
-    from moe_kernels._triton import router as tri  # imported lazily: triton only when used
-
-    return tri
+    return triton_kernels("router")  # imported on first use: triton only when a kernel runs
 
 
 def _router_impl(x: torch.Tensor, weight: torch.Tensor, score_fn: str) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from . import _validate as V
-from ._dispatch import eager_direct, op_name, plain_eager, use_triton
+from ._dispatch import eager_direct, op_name, plain_eager, triton_kernels, use_triton
 from ._reference.routing import index_shuffling_reference, route_reference
 
 __all__ = ["RoutingPlan", "index_shuffling", "route"]
@@ -55,10 +55,8 @@ _LANE_ON_CPU = False  # tests: CPU tensors through the lane, with stand-in kerne
 @functools.cache
 def _triton():
     """The Triton launcher and its eager fast lane (imported on first use: triton only when a
-    CUDA call needs it)."""
-    from ._triton import routing, routing_eager
-
-    return routing, routing_eager
+    call needs it)."""
+    return triton_kernels("routing"), triton_kernels("routing_eager")
 
 
 def _fast(

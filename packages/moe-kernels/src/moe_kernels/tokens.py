@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, op_name, use_triton
+from moe_kernels._dispatch import eager_direct, op_name, triton_kernels, use_triton
 from moe_kernels._reference import tokens as _ref
 from moe_kernels.routing import RoutingPlan
 
@@ -26,9 +26,7 @@ __all__ = ["combine", "dispatch", "gather_scale_dense_tokens", "scatter_add_dens
 
 
 def _triton():
-    from moe_kernels._triton import tokens as tri  # imported lazily: triton only when used
-
-    return tri
+    return triton_kernels("tokens")  # imported on first use: triton only when a kernel runs
 
 
 def _index_1d(name: str, t: object, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
@@ -145,18 +143,25 @@ def scatter_add_dense_tokens(
 ) -> None:
     """In place ``out_tokens[token_indices[i]] += in_tokens[i]``, deterministically.
 
-    out_tokens: (T, D) float32/bf16/fp16 (may be a strided view); in_tokens: (N, D) float (any of
-    the three, may differ from out's); token_indices: (N,) int32/int64; valid_token_count: as in
+    out_tokens: (T, D) float32/bf16/fp16, or int32/int64 (may be a strided view); in_tokens:
+    (N, D), float (any of the three, may differ from out's) for a float out, int32/int64 for an
+    integer out; token_indices: (N,) int32/int64; valid_token_count: as in
     ``gather_scale_dense_tokens``. Entries with index -1 or i >= valid_token_count are skipped.
 
     Ordering: the contributions to one destination row are added in ascending i, each add done in
     fp32 and rounded to out's dtype, i.e. exactly the sequential loop
     ``for i in range(N): out[tok[i]] = (out[tok[i]].float() + in[i].float()).to(out.dtype)``.
-    Bitwise reproducible on every backend (a stable sort of the destinations, then one program per
-    destination row; no atomics).
+    Integer adds are exact in out's dtype (two's complement, wrapping on overflow like FBGEMM's
+    integer atomics), so their order does not matter. Bitwise reproducible on every backend (a
+    stable sort of the destinations, then one program per destination row; no atomics).
     """
-    out_tokens = _float_2d("out_tokens", out_tokens)
-    in_tokens = _float_2d("in_tokens", in_tokens)
+    out_tokens = V.tensor("out_tokens", out_tokens)
+    V.dtype("out_tokens", out_tokens, V.FLOAT_DTYPES + V.INDEX_DTYPES)
+    V.rank("out_tokens", out_tokens, 2)
+    int_add = not out_tokens.dtype.is_floating_point
+    in_tokens = V.tensor("in_tokens", in_tokens)
+    V.dtype("in_tokens", in_tokens, V.INDEX_DTYPES if int_add else V.FLOAT_DTYPES)
+    V.rank("in_tokens", in_tokens, 2)
     token_indices = _index_1d("token_indices", token_indices, "out_tokens", out_tokens)
     V.same_device("out_tokens", out_tokens, in_tokens=in_tokens)
     V.dim_size("in_tokens", in_tokens, 1, out_tokens.shape[1], "D of out_tokens")

@@ -97,8 +97,9 @@ def scatter_add_dense_tokens(
     """In place: out[tok[i]] += in[i], sequentially in ascending i for each destination row.
 
     Each add is done in fp32 and rounded to out's dtype (the order and rounding of a Python loop
-    ``for i in range(N): out[tok[i]] = (out[tok[i]].float() + in[i].float()).to(out.dtype)``).
-    Entries with token index -1 (or out of range) or i >= valid_token_count are skipped.
+    ``for i in range(N): out[tok[i]] = (out[tok[i]].float() + in[i].float()).to(out.dtype)``);
+    for an integer out, exactly in out's dtype (wrapping). Entries with token index -1 (or out of
+    range) or i >= valid_token_count are skipped.
     """
     num_tokens = out_TD.shape[0]
     src_N, bounds_T1 = scatter_order(token_indices_N, num_tokens, valid_token_count)
@@ -109,8 +110,10 @@ def scatter_add_dense_tokens(
         has_R = count_T > r
         dst_R = rows_T[has_R]
         src_R = src_N[start_T[has_R] + r]
-        acc_RD = out_TD[dst_R].float() + in_ND[src_R].float()
-        out_TD[dst_R] = acc_RD.to(out_TD.dtype)
+        if out_TD.dtype.is_floating_point:
+            out_TD[dst_R] = (out_TD[dst_R].float() + in_ND[src_R].float()).to(out_TD.dtype)
+        else:
+            out_TD[dst_R] = out_TD[dst_R] + in_ND[src_R].to(out_TD.dtype)
 
 
 def combine(

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels._triton.blocks import cdiv, next_pow2
 from moe_kernels._triton.launch import FastKernel
 
 try:  # host-side TMA descriptors (triton >= 3.4); without them ``tma=True`` configs use pointers
@@ -212,7 +213,7 @@ class GemmConfig(NamedTuple):
 
 
 def _pow2_clamp(value: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(value, 1))))
+    return max(lo, min(hi, next_pow2(max(value, 1))))
 
 
 def pick_config(
@@ -272,7 +273,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def num_programs(num_rows: int, n: int, num_experts: int, cfg: GemmConfig) -> int:
     """The static grid: an upper bound of (m-tiles of every group and of the tail) x n-tiles."""
-    return (triton.cdiv(num_rows, cfg.block_m) + num_experts) * triton.cdiv(n, cfg.block_n)
+    return (cdiv(num_rows, cfg.block_m) + num_experts) * cdiv(n, cfg.block_n)
 
 
 def gather_grouped_mm(
@@ -334,7 +335,7 @@ def gather_grouped_mm(
         BN=cfg.block_n,
         BK=cfg.block_k,
         GROUP_M=cfg.group_m,
-        BLOCK_E=triton.next_power_of_2(num_experts + 1),
+        BLOCK_E=next_pow2(num_experts + 1),
         EVEN_K=dim % cfg.block_k == 0,
         A_TMA=a_tma,
         B_TMA=b_tma,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import INTERPRET
+from .blocks import cdiv, next_pow2
 from .launch import FastKernel
 
 
@@ -124,7 +125,7 @@ def _block_c(Cp: int, block_c: int | None) -> tuple[int, int]:
     256 columns: 128 -> 1.11x, 32 -> 1.97x); under the interpreter the whole row in one chunk."""
     if block_c is None:
         cap = 1 << 30 if INTERPRET else 128
-        block_c = min(cap, max(4, triton.next_power_of_2(Cp)))
+        block_c = min(cap, max(4, next_pow2(Cp)))
     return block_c, 4 if block_c <= 32 else 8
 
 
@@ -140,7 +141,7 @@ def group_offsets(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.
     sizes = torch.empty(G, dtype=torch.int32, device=dev)
     start_rows = torch.empty(G + 1, dtype=torch.int32, device=dev)
     _group_offsets.launch(
-        (1,), (group_end_offsets, sizes, start_rows, G), dict(GP=max(2, triton.next_power_of_2(G)))
+        (1,), (group_end_offsets, sizes, start_rows, G), dict(GP=max(2, next_pow2(G)))
     )
     return sizes, start_rows
 
@@ -158,12 +159,12 @@ def to_blocked_per_group_2d(
     out = torch.empty((R + 128 * G, Cp), dtype=scale_RC.dtype, device=dev)
     start_rows = torch.empty(G + 1, dtype=torch.int32, device=dev)
     bc, warps = _block_c(Cp, block_c)
-    n_tiles = triton.cdiv(R, 128) + G
+    n_tiles = cdiv(R, 128) + G
     _blocked_2d_groups.launch(
-        (n_tiles, triton.cdiv(Cp, bc)),
+        (n_tiles, cdiv(Cp, bc)),
         (scale_RC.view(torch.uint8), group_end_offsets, out.view(torch.uint8), start_rows, C, Cp,
          G, scale_RC.stride(0)),
-        dict(GP=max(2, triton.next_power_of_2(G)), BLOCK_C=bc),
+        dict(GP=max(2, next_pow2(G)), BLOCK_C=bc),
         num_warps=warps,
     )  # fmt: skip
     return out, start_rows
@@ -181,7 +182,7 @@ def to_blocked_per_group_3d(scale_ENC: torch.Tensor, *, block_c: int | None = No
     bc, warps = _block_c(Cp, block_c)
     n_tiles = Np // 128
     _blocked_3d.launch(
-        (E * n_tiles, triton.cdiv(Cp, bc)),
+        (E * n_tiles, cdiv(Cp, bc)),
         (scale_ENC.view(torch.uint8), out.view(torch.uint8), N, C, Cp, n_tiles,
          scale_ENC.stride(0), scale_ENC.stride(1)),
         dict(BLOCK_C=bc),

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import INTERPRET
+from .blocks import cdiv, next_pow2
 
 _MX_BLOCK = 32
 
@@ -327,7 +328,7 @@ def _mxfp8_dequant_kernel(
 
 
 def _pow2_at_most(n: int, cap: int) -> int:
-    return max(1, min(cap, triton.next_power_of_2(max(n, 1))))
+    return max(1, min(cap, next_pow2(max(n, 1))))
 
 
 def _tile(M: int, K: int, block_m: int | None, block_k: int | None) -> tuple[int, int, int]:
@@ -361,7 +362,7 @@ def to_mxfp8(
         return data, scale
     bm, bk, warps = _tile(M, K, block_m, block_k)
     native = (not INTERPRET) if native_cast is None else native_cast
-    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
+    grid = (cdiv(M, bm), cdiv(K, bk))
     _mxfp8_dim0_kernel[grid](
         x_MK,
         data.view(torch.uint8),
@@ -501,7 +502,7 @@ def to_mxfp8_dim1(
         native = (not INTERPRET) if native_cast is None else native_cast
         args = (x, data.view(torch.uint8), scale.view(torch.uint8), M, K, x.stride(0), x.stride(1))
         if cfg["variant"] == "tload":
-            grid = (triton.cdiv(M, bm), triton.cdiv(K, bk), B)
+            grid = (cdiv(M, bm), cdiv(K, bk), B)
             _mxfp8_dim1_kernel[grid](
                 *args,
                 FLOOR=floor,
@@ -512,7 +513,7 @@ def to_mxfp8_dim1(
             )
         else:
             k_fast = cfg["K_FAST"]
-            grid_mk = [triton.cdiv(M, bm), triton.cdiv(K, bk)]
+            grid_mk = [cdiv(M, bm), cdiv(K, bk)]
             if grid_mk[0 if k_fast else 1] > 65535:  # CUDA caps grid dim 1
                 k_fast = not k_fast
             grid = (*(grid_mk[::-1] if k_fast else grid_mk), B)
@@ -560,7 +561,7 @@ def from_mxfp8(
     if M * K == 0:
         return out
     bm, bk, warps = _tile(M, K, block_m, block_k)
-    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
+    grid = (cdiv(M, bm), cdiv(K, bk))
     _mxfp8_dequant_kernel[grid](
         data_MK.view(torch.uint8),
         scale_MB.view(torch.uint8),

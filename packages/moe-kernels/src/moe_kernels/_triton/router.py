@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels._triton.blocks import cdiv, next_pow2
 from moe_kernels._triton.launch import FastKernel
 
 # WHILE_LOOPS (True only under the interpreter): triton 3.5's interpreter cannot ``range()`` over a
@@ -151,7 +152,7 @@ class RouterConfig(NamedTuple):
 
 def block_e(num_experts: int) -> int:
     """E padded to a power of two, at least 16 (tl.dot's smallest N)."""
-    return max(16, triton.next_power_of_2(num_experts))
+    return max(16, next_pow2(num_experts))
 
 
 def pick_config(num_tokens: int, dim: int, num_experts: int) -> RouterConfig:
@@ -167,11 +168,9 @@ def pick_config(num_tokens: int, dim: int, num_experts: int) -> RouterConfig:
     programs with ``tl.dot``.
     """
     be = block_e(num_experts)
-    bd_cap = max(16, triton.next_power_of_2(max(dim, 1)))
+    bd_cap = max(16, next_pow2(max(dim, 1)))
     if INTERPRET:
-        return RouterConfig(
-            min(64, max(16, triton.next_power_of_2(max(num_tokens, 1)))), min(256, bd_cap), 4, 1
-        )
+        return RouterConfig(min(64, max(16, next_pow2(max(num_tokens, 1)))), min(256, bd_cap), 4, 1)
     prefetch = True
     if be <= 32:
         warps = 4
@@ -210,7 +209,7 @@ def router_scores(
     cfg = config or pick_config(num_tokens, dim, num_experts)
     block_d = cfg.block_d
     _router.launch(
-        (triton.cdiv(num_tokens, cfg.block_t),),
+        (cdiv(num_tokens, cfg.block_t),),
         (
             x_TD,
             weight_ED,

@@ -84,7 +84,10 @@ replaced by a ``where`` instead of ``max.f32``'s NaN dropping (that interpreter'
 holds runtime scalars as 1-element arrays and its ``range()`` calls ``int()`` on them, an error
 with numpy 2.4 (deprecated since 1.25; triton 3.8 squeezes first). So the two loops with a runtime
 bound (B's over programs, C's ``token_count_per_expert`` over E) are ``while`` loops there; the GPU
-compiles the ``for`` loops (same sm_90 PTX as without the flag).
+compiles the ``for`` loops (same sm_90 PTX as without the flag). The flag also keeps C's one mask
+built from a runtime scalar comparison a vector comparison there: the interpreter splats such a
+scalar into int32 data, which triton 3.9's interpreter rejects as a mask ("mask has unsupported
+dtype"; earlier versions took it).
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ import triton.language as tl
 
 from .._dispatch import INTERPRET
 from . import routing_eager as lane
+from .blocks import cdiv, next_pow2
 from .grid_sync import barrier_words, grid_sync
 from .launch import BoundLaunches, FastKernel, Rel, current_stream, fast_path_open
 
@@ -1242,7 +1246,10 @@ def _place_kernel(
     else:
         cnt = tl.load(counts_ptr + ls, mask=l_ok, other=0)
         before = tl.load(hist_ptr + ls * n_programs + pid, mask=l_ok, other=0)
-        has_next = pid + 1 < n_programs
+        if WHILE_LOOPS:  # the interpreter: no mask from a splat runtime scalar (see above)
+            has_next = ls * 0 + pid + 1 < n_programs
+        else:
+            has_next = pid + 1 < n_programs
         after = tl.load(hist_ptr + ls * n_programs + pid + 1, mask=l_ok & has_next, other=0)
         mine = tl.where(has_next, after, cnt) - before
     excl = tl.cumsum(cnt, axis=0) - cnt
@@ -1665,10 +1672,6 @@ def _place_counted_pairs(
     )  # fmt: skip
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 _MAX_PROGRAMS = 4096  # programs of kernels A and C (bounds the length of a hist row)
 _MIN_PROGRAMS = 128  # spread small problems over about this many programs
 _FUSE_SCAN_MAX = 16384  # fold the scan into C when L_PAD * NP_PAD is at most this
@@ -1684,23 +1687,23 @@ def _config(T: int, E: int, K: int, fp32: bool) -> dict[str, int]:
     """Block sizes and warps from the problem size: about 4096 keys per block (2048 for the int64
     keys of fp32 scores; 2048 / 1024 for at most ~16 blocks per SM), at least ~128 programs where
     T allows, at most 4096 programs."""
-    e_pad = max(_next_pow2(E), 4)
+    e_pad = max(next_pow2(E), 4)
     tile = 2048 if fp32 else 4096
     min_programs = 1 if INTERPRET else _MIN_PROGRAMS  # the interpreter wants few, big blocks
     if not INTERPRET and T <= 65536:
         # Small T (one or two waves): ~2x smaller tiles with 2 warps ran fastest on the H200
         # (T=4096, E=128: 11 us vs 19 us per route at 32 x 128 with 4 warps).
         tile //= 2
-    block_t = max(1, min(tile // e_pad, 32, _next_pow2(triton.cdiv(T, min_programs))))
+    block_t = max(1, min(tile // e_pad, 32, next_pow2(cdiv(T, min_programs))))
     warps = max(2, min(8, block_t * e_pad // 1024))
     if not INTERPRET and block_t * e_pad >= 4096 and 8 * _MAX_PROGRAMS * block_t <= T:
         # Very long inputs: halving the block and the warps ran ~8% faster on the H200
         # (T=2^20, E=128: 710 vs 773 us), and it is the configuration checked bit-exact there.
         block_t, warps = block_t // 2, max(2, warps // 2)
-    n_blocks = triton.cdiv(T, block_t)
+    n_blocks = cdiv(T, block_t)
     return {
         "BLOCK_T": block_t,
-        "SUB": _next_pow2(triton.cdiv(n_blocks, _MAX_PROGRAMS)),
+        "SUB": next_pow2(cdiv(n_blocks, _MAX_PROGRAMS)),
         "num_warps": 1 if INTERPRET else warps,
     }
 
@@ -1764,17 +1767,17 @@ def _launch_plan(
     cfg = _config(T, E, K, kind == 0)
     if config:
         cfg.update(config)
-    k_pad = _next_pow2(K)
-    l_pad = max(_next_pow2(L), 2)
+    k_pad = next_pow2(K)
+    l_pad = max(next_pow2(L), 2)
     sort = T * K > _SORT_FROM
     if eager and not sort and not INTERPRET and k_pad <= 8:
         # Eager calls are bound by host time at these sizes. Where the ranked plan would need the
         # scan as a launch of its own, the sorted plan's 64-token programs fold it into C: one
         # launch fewer (H200, T=4096, E=128, k=8: ~7 us of host time a launch; GPU time 21.6 vs
         # 15.4 us, so calls through the custom op, i.e. compiled code, keep the ranked plan).
-        n_ranked = triton.cdiv(T, cfg["BLOCK_T"] * cfg["SUB"])
-        fits = l_pad * max(_next_pow2(triton.cdiv(T, 64)), 2) <= _FUSE_SCAN_MAX
-        sort = fits and l_pad * max(_next_pow2(n_ranked), 2) > _FUSE_SCAN_MAX
+        n_ranked = cdiv(T, cfg["BLOCK_T"] * cfg["SUB"])
+        fits = l_pad * max(next_pow2(cdiv(T, 64)), 2) <= _FUSE_SCAN_MAX
+        sort = fits and l_pad * max(next_pow2(n_ranked), 2) > _FUSE_SCAN_MAX
     sort = cfg.get("SORTED", sort)
     # Per-thread insertion top-k where it applies (H200, T=2^20, E=128, k=8: index_shuffling
     # 552 -> 445 us, route 676 -> 489 us; T=65536 fp32 route 99 -> 70 us).
@@ -1811,12 +1814,12 @@ def _launch_plan(
         # C sorts a program's pairs in registers: about _SORT_MAX of them where T allows
         # ~1024 programs (H200, T=2^20, E=128, k=8: 512 pairs per program with 4 warps in C
         # 550 / 697 us for index_shuffling / route; 2048 pairs 836 / 1000 us).
-        n_blocks = triton.cdiv(T, block_t)
-        sub = max(1, min(_SORT_MAX // (block_t * k_pad), _next_pow2(n_blocks // 1024 + 1) // 2))
+        n_blocks = cdiv(T, block_t)
+        sub = max(1, min(_SORT_MAX // (block_t * k_pad), next_pow2(n_blocks // 1024 + 1) // 2))
     tok_per_prog = block_t * sub
-    n_prog = triton.cdiv(T, tok_per_prog)
-    e_pad = max(_next_pow2(E), 4)
-    np_pad = max(_next_pow2(n_prog), 2)
+    n_prog = cdiv(T, tok_per_prog)
+    e_pad = max(next_pow2(E), 4)
+    np_pad = max(next_pow2(n_prog), 2)
     chunk_t = max(1, min(tok_per_prog, 2048 // k_pad))
     fuse_scan = cfg.get("FUSE_SCAN", l_pad * np_pad <= _FUSE_SCAN_MAX)
     Lm = max(L, 1)
@@ -1876,7 +1879,7 @@ def _launch_plan(
         chunk = min(np_pad, cfg.get("SCAN_CHUNK", 16384))
         block_l = max(1, min(l_pad, 4096 // chunk))
         scan = (
-            triton.cdiv(L, block_l),
+            cdiv(L, block_l),
             dict(BLOCK_L=block_l, CHUNK=chunk, WHILE_LOOPS=INTERPRET),
             1 if INTERPRET else cfg.get("SCAN_WARPS", 8 if chunk >= 8192 else 4),
         )
@@ -1937,7 +1940,7 @@ def _launch_plan(
         c["RUNS"] = True
         p_group = min(int(cfg.get("RUNS_P", 128)), np_pad)
         runs = (
-            L * triton.cdiv(n_prog, p_group),
+            L * cdiv(n_prog, p_group),
             dict(
                 K=K,
                 TP=cols_t,

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels._triton.blocks import cdiv, next_pow2
 from moe_kernels._triton.launch import FastKernel
 
 # Gather scale modes: plain copy, times a per-row weight, times scores[token, expert].
@@ -84,10 +85,19 @@ def _scatter_step(
     stride_in,
     stride_id,
     OUT_DTYPE: tl.constexpr,
+    INT_ADD: tl.constexpr,
 ):
-    """Add each row's r-th source (if it has one) to acc, rounding to OUT_DTYPE."""
+    """Add each row's r-th source (if it has one) to acc, rounding to OUT_DTYPE (INT_ADD: acc is
+    in OUT_DTYPE, an integer type, and the add is exact)."""
     has = count > r
     src = tl.load(src_ptr + start + r, mask=has, other=0).to(tl.int64)
+    if INT_ADD:
+        iv = tl.load(
+            in_ptr + src[:, None] * stride_in + cols[None, :] * stride_id,
+            mask=has[:, None] & col_in[None, :],
+            other=0,
+        )
+        return acc + iv.to(OUT_DTYPE)  # masked lanes add 0
     v = tl.load(
         in_ptr + src[:, None] * stride_in + cols[None, :] * stride_id,
         mask=has[:, None] & col_in[None, :],
@@ -148,6 +158,7 @@ def _scatter_add_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WHILE_LOOPS: tl.constexpr,
+    INT_ADD: tl.constexpr,  # out (and in) are integers: exact adds in out's dtype
 ):
     pid_n = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -161,7 +172,10 @@ def _scatter_add_kernel(
     col_in = cols < D
     touched = (count > 0)[:, None] & col_in[None, :]
     dst = out_ptr + rows[:, None] * stride_ot + cols[None, :] * stride_od
-    acc = tl.load(dst, mask=touched, other=0.0).to(tl.float32)
+    if INT_ADD:
+        acc = tl.load(dst, mask=touched, other=0)
+    else:
+        acc = tl.load(dst, mask=touched, other=0.0).to(tl.float32)
     if WHILE_LOOPS:
         r = longest * 0
         while r < longest:
@@ -177,6 +191,7 @@ def _scatter_add_kernel(
                 stride_in,
                 stride_id,
                 out_ptr.dtype.element_ty,
+                INT_ADD,
             )
             r += 1
     else:
@@ -193,6 +208,7 @@ def _scatter_add_kernel(
                 stride_in,
                 stride_id,
                 out_ptr.dtype.element_ty,
+                INT_ADD,
             )
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=touched)
 
@@ -291,8 +307,8 @@ def pick_config(kind: str, num_rows: int, dim: int) -> tuple[int, int, int]:
     need 8); small D packs several rows per program up to a tile size.
     """
     block_d_max, tile_elems = _INTERPRET_SHAPE if INTERPRET else _GPU_SHAPES[kind]
-    block_d = min(max(triton.next_power_of_2(max(dim, 1)), 16), block_d_max)
-    row_cap = min(64, triton.next_power_of_2(max(num_rows, 1)))
+    block_d = min(max(next_pow2(max(dim, 1)), 16), block_d_max)
+    row_cap = min(64, next_pow2(max(num_rows, 1)))
     block_n = max(1, min(tile_elems // block_d, row_cap))
     num_warps = 4 if block_n * block_d >= 1024 else 2
     return block_n, block_d, num_warps
@@ -319,7 +335,7 @@ def gather_rows(
     block_n, block_d, num_warps = config or pick_config("gather", num_rows, dim)
     num_experts = scale.shape[1] if mode == SCALE_SCORES else 0
     stride_st, stride_se = scale.stride() if mode == SCALE_SCORES else (0, 0)
-    grid = (triton.cdiv(num_rows, block_n), triton.cdiv(dim, block_d))
+    grid = (cdiv(num_rows, block_n), cdiv(dim, block_d))
     _gather_rows.launch(
         grid,
         (
@@ -357,12 +373,12 @@ def scatter_add_sorted(
     config: tuple[int, int, int] | None = None,
 ) -> None:
     """out[t] += in[src[b]] for b in bounds[t]..bounds[t+1]-1, in that order, rounding to out's
-    dtype after each add."""
+    dtype after each add (exact for integer out and in)."""
     num_tokens, dim = out_TD.shape
     if num_tokens == 0 or dim == 0 or in_ND.shape[0] == 0:
         return
     block_n, block_d, num_warps = config or pick_config("scatter", num_tokens, dim)
-    grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d))
+    grid = (cdiv(num_tokens, block_n), cdiv(dim, block_d))
     _scatter_add.launch(
         grid,
         (
@@ -381,6 +397,7 @@ def scatter_add_sorted(
             BLOCK_N=block_n,
             BLOCK_D=block_d,
             WHILE_LOOPS=INTERPRET,
+            INT_ADD=not out_TD.dtype.is_floating_point,
         ),
         num_warps=num_warps,
     )
@@ -402,7 +419,7 @@ def combine(
     if num_rows == 0:  # nothing routed
         return out_TD.zero_()
     block_n, block_d, num_warps = config or pick_config("combine", num_tokens, dim)
-    grid = (triton.cdiv(num_tokens, block_n), triton.cdiv(dim, block_d))
+    grid = (cdiv(num_tokens, block_n), cdiv(dim, block_d))
     _combine.launch(
         grid,
         (
