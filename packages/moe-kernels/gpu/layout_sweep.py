@@ -105,6 +105,45 @@ def run_case(kind: str, shape: tuple, host: bool) -> None:
     )
 
 
+def block_c_sweep() -> None:
+    """Graph device time of the launchers per column chunk (the ``block_c`` override) where C
+    is odd or narrow: which chunk the default should take there."""
+    from moe_kernels._triton import mxfp8_layout as tl_mod
+
+    widths = (4, 8, 16, 32, 64)
+    print("column chunk: graph us for block_c = " + " / ".join(map(str, widths)) + " (clone)")
+    for kind, shape in [
+        ("2d", (524288, 37, 8)), ("2d", (131072, 37, 8)), ("2d", (524288, 15, 8)),
+        ("2d", (524288, 8, 8)), ("2d", (524288, 3, 8)), ("2d", (524288, 64, 8)),
+        ("3d", (64, 7168, 37)), ("3d", (64, 7168, 3)), ("3d", (64, 2048, 15)),
+    ]:  # fmt: skip
+        if kind == "2d":
+            R, C, G = shape
+            s_d = torch.randint(0, 256, (R, C), dtype=torch.uint8, device=dev)
+            e_d = ends(R, G, 7).to(dev)
+            fns = [
+                lambda b=b, s=s_d, e=e_d: tl_mod.to_blocked_per_group_2d(s, e, block_c=b)
+                for b in widths
+            ]
+            want = ref.to_blocked_per_group_2d(s_d, e_d)
+            rows = int(want[1][-1])
+            ok = all(torch.equal(f()[0][:rows], want[0][:rows]) for f in fns)
+            nbytes = R * C + rows * ref.ceil_to(C, 4)
+        else:
+            s_d = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev)
+            fns = [lambda b=b, s=s_d: tl_mod.to_blocked_per_group_3d(s, block_c=b) for b in widths]
+            want = ref.to_blocked_per_group_3d(s_d)
+            ok = all(torch.equal(f(), want) for f in fns)
+            nbytes = s_d.numel() + want.numel()
+        if not ok:
+            FAILS.append(f"block_c {kind} {shape}")
+        times = " / ".join(f"{graph_us(f, 10, 20, DRY):7.2f}" for f in fns)
+        clone = graph_us(clone_fn(nbytes), 10, 20, DRY)
+        print(
+            f"  {kind} {str(shape):18} {'ok' if ok else 'FAIL'} {times}  ({clone:.2f})", flush=True
+        )
+
+
 def host_breakdown() -> None:
     """Host cost of the pieces of one eager 2d call (small problem: the GPU keeps up)."""
     from moe_kernels._triton import mxfp8_layout as tl_mod
@@ -126,7 +165,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--host", action="store_true")
+    ap.add_argument("--block-c", action="store_true")
     args = ap.parse_args()
+    if args.block_c:
+        block_c_sweep()
     if DRY or args.quick:
         cases_2d = [(300, 37, 5), (256, 3, 40)]
         cases_3d = [(2, 130, 5)]

@@ -220,3 +220,77 @@ def test_layout_column_chunks(block_c: int) -> None:
         np.testing.assert_array_equal(
             u8(out3)[e], naive_blocked(u8(s)[100 * e : 100 * (e + 1)]).reshape(-1)
         )
+
+
+class _Compiled:
+    """Stands in for a compiled kernel: records each ``run`` (grid, then arguments)."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_meta, enter, exit_, *args):
+        self.calls.append(("run", (g0, g1), args))
+
+
+class _Jit:
+    """Stands in for a ``@triton.jit`` function: ``fn[grid](*args, **constexprs)`` records the
+    call, constexprs appended in signature order, and returns a ``_Compiled``."""
+
+    def __init__(self, real, calls: list) -> None:
+        self.arg_names, self.calls = real.arg_names, calls
+
+    def __getitem__(self, grid):
+        def go(*args, num_warps=None, **constexprs):
+            tail = tuple(constexprs[n] for n in self.arg_names[len(args) :])
+            self.calls.append(("jit", tuple(grid), args + tail))
+            return _Compiled(self.calls)
+
+        return go
+
+
+class _Stream:
+    class active:  # noqa: N801 - mirrors triton.runtime.driver.active
+        @staticmethod
+        def get_current_stream(dev):
+            return 0
+
+
+@pytest.mark.skipif(INTERPRET, reason="the bound relaunch is closed under the interpreter")
+def test_bound_relaunch_passes_what_the_first_launch_passed(monkeypatch) -> None:
+    """An eager call of a signature seen before launches the bound handle: the same grid, the new
+    tensors' addresses, the same ints and constexprs. Recording stand-ins on the CPU."""
+    from moe_kernels._triton import launch
+    from moe_kernels._triton import mxfp8_layout as tlay
+
+    calls: list = []
+    monkeypatch.setattr(launch.FastKernel, "enabled", True)
+    monkeypatch.setattr(tlay, "fast_path_open", lambda: True)
+    monkeypatch.setattr(tlay, "current_stream", lambda dev: 0)
+    monkeypatch.setattr(launch, "driver", _Stream)
+    monkeypatch.setattr(tlay, "_BOUND", {})
+    for name in ("_blocked_2d_groups", "_blocked_3d"):
+        real = getattr(tlay, name).fn
+        monkeypatch.setattr(tlay, name, launch.FastKernel(_Jit(real, calls)))
+
+    def expect_rebound(call, tensors_of):
+        first = call()
+        (kind, grid, args) = calls[-1]
+        assert kind == "jit"
+        second = call()
+        assert calls[-1][0] == "run" and calls[-1][1] == grid
+        n = len(tensors_of(first))
+        got = calls[-1][2]
+        assert list(got[:n]) == [t.data_ptr() for t in tensors_of(second)]
+        assert got[n:] == args[n:]  # ints and constexprs
+
+    s, ends = rand_scales((300, 37), seed=3).view(torch.uint8), torch.tensor([100, 300])
+    expect_rebound(
+        lambda: (tlay.to_blocked_per_group_2d(s, ends), s, ends),
+        lambda r: (r[1], r[2], r[0][0], r[0][1]),
+    )
+    s3 = rand_scales((2, 130, 5), seed=4).view(torch.uint8)
+    expect_rebound(lambda: (tlay.to_blocked_per_group_3d(s3), s3), lambda r: (r[1], r[0]))
+    tlay.to_blocked_per_group_2d(s[:, :36], ends)  # another signature: bound anew
+    assert len(tlay._BOUND) == 3 and calls[-1][2][4:8] == (36, 36, 2, 37)  # C, Cp, G, stride
