@@ -6,7 +6,8 @@ PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/gpu/layout_swee
 
 Targets (issue "Compatibility"): graph time <= 1.3x the clone's, eager <= 2x the clone's, on
 every shape (G > 32, C not a multiple of 4, C < 16 included). ``--host`` adds the breakdown of an
-eager call's host time (the public op, the launcher under it, one allocation, a clone).
+eager call's host time (the public op, the launcher under it, one allocation, a clone);
+``--configs`` runs only the sweep of (column chunk, warps) overrides behind ``_block_c``'s rules.
 ``LAYOUT_SWEEP_DRY_RUN=1 TRITON_INTERPRET=1`` runs a tiny version on CPU.
 """
 
@@ -105,25 +106,29 @@ def run_case(kind: str, shape: tuple, host: bool) -> None:
     )
 
 
-def block_c_sweep() -> None:
-    """Graph device time of the launchers per column chunk (the ``block_c`` override) where C
-    is odd or narrow: which chunk the default should take there."""
+def config_sweep() -> None:
+    """Graph device time of the launchers per (column chunk, warps) override where C is odd or
+    narrow or the problem small: which launch configuration the defaults should take there."""
     from moe_kernels._triton import mxfp8_layout as tl_mod
 
-    widths = (4, 8, 16, 32, 64)
-    print("column chunk: graph us for block_c = " + " / ".join(map(str, widths)) + " (clone)")
+    configs = [(b, w) for b in (4, 8, 16, 64) for w in (1, 2, 4)]
+    print("configs (block_c, warps): " + " ".join(f"{b},{w}" for b, w in configs) + " | clone")
     for kind, shape in [
-        ("2d", (524288, 37, 8)), ("2d", (131072, 37, 8)), ("2d", (524288, 15, 8)),
-        ("2d", (524288, 8, 8)), ("2d", (524288, 3, 8)), ("2d", (524288, 64, 8)),
-        ("3d", (64, 7168, 37)), ("3d", (64, 7168, 3)), ("3d", (64, 2048, 15)),
+        ("2d", (524288, 37, 8)), ("2d", (131072, 37, 8)), ("2d", (20000, 37, 40)),
+        ("2d", (524288, 15, 8)), ("2d", (524288, 8, 40)), ("2d", (524288, 3, 8)),
+        ("2d", (524288, 1, 128)), ("2d", (131072, 3, 40)), ("2d", (2048, 64, 128)),
+        ("2d", (20000, 256, 40)), ("3d", (64, 7168, 37)), ("3d", (64, 7168, 3)),
+        ("3d", (8, 2048, 37)),
     ]:  # fmt: skip
         if kind == "2d":
             R, C, G = shape
             s_d = torch.randint(0, 256, (R, C), dtype=torch.uint8, device=dev)
             e_d = ends(R, G, 7).to(dev)
             fns = [
-                lambda b=b, s=s_d, e=e_d: tl_mod.to_blocked_per_group_2d(s, e, block_c=b)
-                for b in widths
+                lambda b=b, w=w, s=s_d, e=e_d: tl_mod.to_blocked_per_group_2d(
+                    s, e, block_c=b, warps=w
+                )
+                for b, w in configs
             ]
             want = ref.to_blocked_per_group_2d(s_d, e_d)
             rows = int(want[1][-1])
@@ -131,16 +136,23 @@ def block_c_sweep() -> None:
             nbytes = R * C + rows * ref.ceil_to(C, 4)
         else:
             s_d = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev)
-            fns = [lambda b=b, s=s_d: tl_mod.to_blocked_per_group_3d(s, block_c=b) for b in widths]
+            fns = [
+                lambda b=b, w=w, s=s_d: tl_mod.to_blocked_per_group_3d(s, block_c=b, warps=w)
+                for b, w in configs
+            ]
             want = ref.to_blocked_per_group_3d(s_d)
             ok = all(torch.equal(f(), want) for f in fns)
             nbytes = s_d.numel() + want.numel()
         if not ok:
-            FAILS.append(f"block_c {kind} {shape}")
-        times = " / ".join(f"{graph_us(f, 10, 20, DRY):7.2f}" for f in fns)
+            FAILS.append(f"config {kind} {shape}")
+        times = [graph_us(f, 10, 20, DRY) for f in fns]
+        best = min(range(len(configs)), key=lambda i: times[i])
         clone = graph_us(clone_fn(nbytes), 10, 20, DRY)
         print(
-            f"  {kind} {str(shape):18} {'ok' if ok else 'FAIL'} {times}  ({clone:.2f})", flush=True
+            f"  {kind} {str(shape):18} {'ok' if ok else 'FAIL'} "
+            + " ".join(f"{t:6.2f}" for t in times)
+            + f" | {clone:.2f}; best {configs[best]} {times[best] / clone:.2f}x",
+            flush=True,
         )
 
 
@@ -165,10 +177,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--host", action="store_true")
-    ap.add_argument("--block-c", action="store_true")
+    ap.add_argument("--configs", action="store_true", help="only the launch-config sweep")
     args = ap.parse_args()
-    if args.block_c:
-        block_c_sweep()
+    if args.configs:
+        config_sweep()
+        sys.exit(1 if FAILS else 0)
     if DRY or args.quick:
         cases_2d = [(300, 37, 5), (256, 3, 40)]
         cases_3d = [(2, 130, 5)]

@@ -119,14 +119,25 @@ def _ceil_to(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def _block_c(Cp: int, block_c: int | None) -> tuple[int, int]:
-    """Column chunk (a power of two >= 4) and warps. Wide chunks win even when the last one is
-    partly masked (H200, 131072 x 224 scales: 128 -> 1.20x a clone, 64 -> 1.32x, 32 -> 1.45x;
-    256 columns: 128 -> 1.11x, 32 -> 1.97x); under the interpreter the whole row in one chunk."""
+def _block_c(C: int, block_c: int | None, warps: int | None = None) -> tuple[int, int]:
+    """Column chunk (a power of two >= 4) and warps (``block_c``, ``warps`` override). Rows whose
+    length is a multiple of 4 take wide chunks, even where the last one is partly masked (H200,
+    131072 x 224 scales: 128 -> 1.20x a clone, 64 -> 1.32x, 32 -> 1.45x; 256 columns: 128 ->
+    1.11x, 32 -> 1.97x); other rows are read a byte at a time and take chunks of 8 (C = 37:
+    (524288, 37) G=8 18.9 us against 29.2 with 64; (64, 7168, 37) 13.2 against 20.0). Chunks
+    of at most 8 columns take one warp ((524288, 8) G=40: 5.6 us against 8.2 with four). Under
+    the interpreter the whole row in one chunk."""
+    Cp = _ceil_to(C, 4)
     if block_c is None:
-        cap = 1 << 30 if INTERPRET else 128
-        block_c = min(cap, max(4, next_pow2(Cp)))
-    return block_c, 4 if block_c <= 32 else 8
+        if INTERPRET:
+            block_c = max(4, next_pow2(Cp))
+        elif C % 4:
+            block_c = min(8, max(4, next_pow2(Cp)))
+        else:
+            block_c = min(128, max(4, next_pow2(Cp)))
+    if warps is None:
+        warps = 1 if block_c <= 8 else 4 if block_c <= 32 else 8
+    return block_c, warps
 
 
 _group_offsets = FastKernel(_group_offsets_kernel)
@@ -175,7 +186,11 @@ def group_offsets(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def to_blocked_per_group_2d(
-    scale_RC: torch.Tensor, group_end_offsets: torch.Tensor, *, block_c: int | None = None
+    scale_RC: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    *,
+    block_c: int | None = None,
+    warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(R, C) uint8 scales + (G,) end offsets -> ((R + 128 G, Cp) blocked, (G + 1,) start rows)."""
     if scale_RC.stride(-1) != 1:
@@ -183,22 +198,24 @@ def to_blocked_per_group_2d(
     if scale_RC.dtype != torch.uint8:  # e8m0: no Triton pointer type
         scale_RC = scale_RC.view(torch.uint8)
     (R, C), G, dev = scale_RC.shape, group_end_offsets.shape[0], scale_RC.get_device()
-    key = (dev, "2d", R, C, scale_RC.stride(0), G, group_end_offsets.dtype, block_c,
+    key = (dev, "2d", R, C, scale_RC.stride(0), G, group_end_offsets.dtype, block_c, warps,
            scale_RC.data_ptr() % 16, group_end_offsets.data_ptr() % 16)  # fmt: skip
     Cp = _ceil_to(C, 4)
     out = torch.empty((R + 128 * G, Cp), dtype=torch.uint8, device=scale_RC.device)
     start_rows = torch.empty(G + 1, dtype=torch.int32, device=scale_RC.device)
     tensors = (scale_RC, group_end_offsets, out, start_rows)
     if not _bound_launch(key, tensors):
-        bc, warps = _block_c(Cp, block_c)
+        bc, nw = _block_c(C, block_c, warps)
         grid = (cdiv(R, 128) + G, cdiv(Cp, bc))
         ints = (C, Cp, G, scale_RC.stride(0))
         _launch(_blocked_2d_groups, key, grid, tensors, ints,
-                dict(GP=max(2, next_pow2(G)), BLOCK_C=bc), warps)  # fmt: skip
+                dict(GP=max(2, next_pow2(G)), BLOCK_C=bc), nw)  # fmt: skip
     return out, start_rows
 
 
-def to_blocked_per_group_3d(scale_ENC: torch.Tensor, *, block_c: int | None = None) -> torch.Tensor:
+def to_blocked_per_group_3d(
+    scale_ENC: torch.Tensor, *, block_c: int | None = None, warps: int | None = None
+) -> torch.Tensor:
     """(E, N, C) uint8 scales -> (E, Np * Cp), each expert's matrix in the blocked layout."""
     if scale_ENC.stride(-1) != 1:
         scale_ENC = scale_ENC.contiguous()
@@ -209,13 +226,13 @@ def to_blocked_per_group_3d(scale_ENC: torch.Tensor, *, block_c: int | None = No
     out = torch.empty((E, Np * Cp), dtype=torch.uint8, device=scale_ENC.device)
     if out.numel() == 0:
         return out
-    key = (dev, "3d", E, N, C, *scale_ENC.stride()[:2], block_c, scale_ENC.data_ptr() % 16)
+    key = (dev, "3d", E, N, C, *scale_ENC.stride()[:2], block_c, warps, scale_ENC.data_ptr() % 16)
     if not _bound_launch(key, (scale_ENC, out)):
-        bc, warps = _block_c(Cp, block_c)
+        bc, nw = _block_c(C, block_c, warps)
         n_tiles = Np // 128
         ints = (N, C, Cp, n_tiles, *scale_ENC.stride()[:2])
         _launch(_blocked_3d, key, (E * n_tiles, cdiv(Cp, bc)), (scale_ENC, out), ints,
-                dict(BLOCK_C=bc), warps)  # fmt: skip
+                dict(BLOCK_C=bc), nw)  # fmt: skip
     return out
 
 
