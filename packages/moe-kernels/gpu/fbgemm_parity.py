@@ -1,7 +1,7 @@
 """Argument parity with FBGEMM's gen_ai MoE ops (one H200 run, fbgemm-gpu-genai carried as a
 wheel): every call FBGEMM accepts, ours accepts too and gives the same result. The calls follow the
 shapes and argument forms of FBGEMM's own tests: T up to 16384, E in {16, 32, 128, 320}, k in
-{1, 2, 4, 8} (seven (T, E, k) problems), bf16 / fp32 scores in row- and column-major layouts,
+{1, 2, 4, 8} (five (T, E, k) problems), bf16 / fp32 scores in row- and column-major layouts,
 partial valid counts as int32 and int64 tensors, int32 / int64 index tensors, bf16 / fp32 / int32
 tokens; eager and compiled.
 
@@ -61,8 +61,7 @@ def same_buckets(want, got) -> bool:
 
 def index_shuffling_cases() -> None:
     compiled = torch.compile(mk.index_shuffling, fullgraph=True)
-    problems = ((1, 16, 1), (3, 16, 2), (123, 32, 4), (1234, 128, 8), (4096, 320, 2),
-                (16384, 16, 1), (16384, 128, 8))  # fmt: skip
+    problems = ((3, 16, 2), (123, 32, 4), (1234, 128, 8), (4096, 320, 2), (16384, 16, 1))
     for (T, E, k), dtype, colmajor, vtc in itertools.product(
         problems, (torch.bfloat16, torch.float32), (False, True), (None, "int32", "int64")
     ):
@@ -87,7 +86,7 @@ def index_shuffling_cases() -> None:
 def gather_cases() -> None:
     compiled = torch.compile(mk.gather_scale_dense_tokens, fullgraph=True)
     for T, E, D, rowmajor, use_compiled in itertools.product(
-        (1, 128, 4096), (2, 8), (5120, 7168), (True, False), (False, True)
+        (1, 128, 4096), (2, 8), (5120,), (True, False), (False, True)
     ):
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16).abs()
         expert = torch.randint(0, E, (T,), device=dev)  # int64, as in FBGEMM's tests
@@ -114,7 +113,7 @@ def scatter_cases() -> None:
 
     compiled = torch.compile(mk.scatter_add_dense_tokens, fullgraph=True)
     for T, D, dtype, vtc, use_compiled in itertools.product(
-        (1, 128, 4096, 16384), (5120,), (torch.bfloat16, torch.float32, torch.int32),
+        (1, 128, 16384), (5120,), (torch.bfloat16, torch.float32, torch.int32),
         (None, "partial"), (False, True),
     ):  # fmt: skip
         if dtype == torch.int32:
@@ -145,9 +144,13 @@ def scatter_cases() -> None:
 
 
 def main() -> None:
-    index_shuffling_cases()
-    gather_cases()
-    scatter_cases()
+    for part in (scatter_cases, gather_cases, index_shuffling_cases):
+        part()
+        print(
+            f"{part.__name__}: {STATS['cases']} cases so far, we reject "
+            f"{len(STATS['ours_rejects'])}, mismatches {len(STATS['mismatch'])}",
+            flush=True,
+        )
     torch.cuda.synchronize()
     bad = STATS["ours_rejects"] + STATS["mismatch"]
     n_ours, n_bad = len(STATS["ours_rejects"]), len(STATS["mismatch"])
