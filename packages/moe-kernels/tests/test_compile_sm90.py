@@ -1,5 +1,5 @@
-"""The GPU launch plans of the routing and router kernels compile for sm_90a (Hopper), on a
-machine without a GPU.
+"""The GPU launch plans of the routing, router and scatter-add kernels compile for sm_90a
+(Hopper), on a machine without a GPU.
 
 The interpreter runs the kernels' semantics but not Triton's GPU compiler, whose passes can reject
 a kernel for one specialisation only (triton 3.6-3.8's ``TritonGPUOptimizeThreadLocality`` failed
@@ -166,3 +166,18 @@ def test_router_default_configs_compile(can_compile, num_tokens, num_experts):
                   BLOCK_D=cfg.block_d, EVEN_D=True, USE_DOT=cfg.dot, ACC3=cfg.acc3,
                   PREFETCH=cfg.prefetch, WHILE_LOOPS=False)  # fmt: skip
     _compile(tri._router_kernel, sig, consts, cfg.num_warps, cfg.num_stages)
+
+
+@pytest.mark.parametrize(
+    ("out", "inp"), [("fp32", "bf16"), ("bf16", "bf16"), ("i32", "i32"), ("i64", "i32")]
+)
+def test_scatter_add_compiles_for_float_and_integer_tokens(can_compile, out, inp):
+    """The integer scatter-add (INT_ADD) type-checks in Triton's compiler, which checks both
+    branches of a constexpr test (the interpreter runs only the one taken)."""
+    from moe_kernels._triton import tokens as tri
+
+    sig = dict(out_ptr=f"*{out}", in_ptr=f"*{inp}", src_ptr="*i64", bounds_ptr="*i64")
+    sig.update(dict.fromkeys(["T", "D", "stride_ot", "stride_od", "stride_in", "stride_id"],
+                             "i32"))  # fmt: skip
+    consts = dict(BLOCK_N=1, BLOCK_D=1024, WHILE_LOOPS=False, INT_ADD=out.startswith("i"))
+    _compile(tri._scatter_add_kernel, sig, consts, 4)

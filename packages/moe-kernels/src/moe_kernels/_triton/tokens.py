@@ -91,21 +91,14 @@ def _scatter_step(
     in OUT_DTYPE, an integer type, and the add is exact)."""
     has = count > r
     src = tl.load(src_ptr + start + r, mask=has, other=0).to(tl.int64)
-    if INT_ADD:
-        iv = tl.load(
-            in_ptr + src[:, None] * stride_in + cols[None, :] * stride_id,
-            mask=has[:, None] & col_in[None, :],
-            other=0,
-        )
-        return acc + iv.to(OUT_DTYPE)  # masked lanes add 0
-    v = tl.load(
-        in_ptr + src[:, None] * stride_in + cols[None, :] * stride_id,
-        mask=has[:, None] & col_in[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    # Round to out's dtype after every add: the sequential in-order sum in out's dtype.
-    total = (acc + v).to(OUT_DTYPE).to(tl.float32)
-    return tl.where(has[:, None], total, acc)
+    ptrs = in_ptr + src[:, None] * stride_in + cols[None, :] * stride_id
+    if INT_ADD:  # masked lanes add 0
+        total = acc + tl.load(ptrs, mask=has[:, None] & col_in[None, :], other=0).to(OUT_DTYPE)
+    else:
+        v = tl.load(ptrs, mask=has[:, None] & col_in[None, :], other=0.0).to(tl.float32)
+        # Round to out's dtype after every add: the sequential in-order sum in out's dtype.
+        total = tl.where(has[:, None], (acc + v).to(OUT_DTYPE).to(tl.float32), acc)
+    return total  # one return: both branches of a constexpr test are type-checked
 
 
 @triton.jit
