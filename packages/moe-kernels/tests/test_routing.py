@@ -484,7 +484,16 @@ def test_packed_weights(rank, pack_w, T, E, k, start, end, valid, kind, dtype):
         (200, 64, 4, 16, 48, 150, {}),  # expert range, valid count
         (90, 16, 2, 0, 16, 77, {}),  # 16-bit words
         (40, 20, 16, 0, 20, None, {"BLOCK_T": 8, "SUB": 4, "INSERT": False}),  # k > 8
-        (70, 300, 8, 4, 36, None, {"BLOCK_T": 16, "SUB": 1, "FUSE_SCAN": False}),  # 16 tokens
+        pytest.param(  # 16 tokens
+            70,
+            300,
+            8,
+            4,
+            36,
+            None,
+            {"BLOCK_T": 16, "SUB": 1, "FUSE_SCAN": False},
+            marks=pytest.mark.slow,
+        ),
         (66, 256, 8, 0, 256, None, {"CUMSUM": True}),  # 8 words a token
         (50, 8, 3, 0, 8, 20, {"CUMSUM": True}),  # 8 experts
     ],
@@ -516,8 +525,12 @@ def test_cumsum_ranks(T, E, k, start, end, valid, config, dtype):
 @pytest.mark.parametrize(
     "T,E,k,start,end,valid,kind,layout,config",
     [
-        (130, 128, 8, 0, 128, None, "ties", "row", {"COLS_T": 64}),  # 3 programs of 64 tokens
-        (130, 128, 8, 0, 128, None, "special", "pad", {}),  # 128-token programs
+        pytest.param(  # 3 programs of 64 tokens
+            130, 128, 8, 0, 128, None, "ties", "row", {"COLS_T": 64}, marks=pytest.mark.slow
+        ),
+        pytest.param(  # 128-token programs
+            130, 128, 8, 0, 128, None, "special", "pad", {}, marks=pytest.mark.slow
+        ),
         (100, 64, 5, 3, 59, 70, "special", "row", {}),  # 64 experts, range, valid count
         (100, 128, 1, 40, 41, None, "randn", "pad", {}),  # k = 1, one expert
         (70, 128, 3, 10, 100, 0, "ties", "row", {}),  # nothing routed
@@ -565,6 +578,7 @@ def test_token_columns(T, E, k, start, end, valid, kind, layout, config, dtype):
         check_plan(RoutingPlan(*got[:6]), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fuse", (True, False), ids=("C", "D"))
 def test_token_columns_256_token_programs(fuse):
     """The token-column plan with 256-token programs (8 bits of token, 11 of place in A's

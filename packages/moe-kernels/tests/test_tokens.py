@@ -220,6 +220,7 @@ def test_scatter_add_integer_tokens_are_exact(out_dtype, in_dtype, vtc):
     assert np.array_equal(out.numpy(), expected)
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(
     num_tokens=st.integers(1, 12),
