@@ -146,9 +146,9 @@ _blocked_3d = FastKernel(_blocked_3d_kernel)
 
 # Eager calls: a layout call's host time (argument keys, grid and block arithmetic, launch
 # options) was 2-4x a clone's on the H200's host, which bounded the small layouts. So each call
-# signature (sizes, strides, dtypes, pointer alignments, device, block override) binds its
-# compiled handle, grid, integer arguments and output shapes once; a bound call allocates its
-# outputs and launches the handle on the tensors' addresses. The key pins everything Triton
+# signature (sizes, strides, dtypes, pointer alignments, device, launch overrides) binds its
+# compiled handle, grid and integer arguments once; a bound call allocates its outputs and
+# launches the handle on the tensors' addresses. The key pins everything Triton
 # specialised on (fresh outputs come aligned from the caching allocator).
 _BOUND: dict[tuple, tuple] = {}
 _MAX_BOUND = 256
