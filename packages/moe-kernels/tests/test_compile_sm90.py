@@ -48,15 +48,17 @@ def can_compile():
 
 # (T, E, top_k, start, end, scores dtype kind: 0 fp32 / 1 bf16 / 2 fp16, renormalize)
 PLANS = [
-    (4096, 16, 8, 0, 16, 1, False),  # small: ranks in A, scan fused into C
+    (4096, 16, 8, 0, 16, 1, False),  # small: ranks in A, scan in C, one cooperative launch
     (4096, 128, 8, 0, 128, 0, True),
-    (65536, 128, 8, 0, 128, 1, False),  # sorted placement, PACK_W
-    (1 << 20, 128, 8, 0, 128, 1, False),  # scan launch, sort
-    (1 << 20, 256, 8, 0, 256, 2, False),
-    (1 << 20, 32, 8, 0, 32, 1, False),  # index_shuffling: ranks by one-hot prefix sums
-    (100000, 2048, 8, 0, 2048, 0, False),  # 64-bit sort keys
-    (1 << 20, 16, 8, 0, 16, 1, False),  # counting placement (route), prefix sums (IS)
+    (65536, 128, 8, 0, 128, 1, False),  # columns
+    (65536, 16, 1, 0, 16, 1, False),  # counted / prefix after a scan launch
+    (1 << 20, 128, 8, 0, 128, 1, False),  # columns: scan launch and D
+    (1 << 20, 256, 8, 0, 256, 2, False),  # sorted, packed weights
+    (1 << 20, 32, 8, 0, 32, 1, False),  # index_shuffling: prefix sums
+    (100000, 2048, 8, 0, 2048, 0, False),  # many experts
+    (1 << 20, 16, 8, 0, 16, 1, False),  # counted (route), prefix sums (IS)
     (300000, 16, 4, 0, 16, 0, True),
+    (300000, 64, 12, 0, 64, 0, False),  # top_k > 8: rounds of row maxima, sorted
     (300000, 128, 8, 32, 32, 1, False),  # empty expert range (L = 0)
     (300000, 128, 8, 32, 33, 1, False),  # L = 1
     (300000, 128, 8, 32, 36, 2, False),  # L = 4
@@ -66,17 +68,10 @@ PLANS = [
 ]
 
 
-# route's token-column plan, D writing the sorted pairs or not: (T, E, top_k, start, end, kind)
-COLS_ROUTE = [(1 << 20, 128, 8, 0, 128, 1), (300000, 64, 5, 8, 40, 2)]
-# the default, 256-token programs, C writing the sorted pairs (no D)
-COLS_ROUTE_CONFIGS = {"default": (), "256-tokens": (("COLS_T", 256),), "no-D": (("RUNS", 0),)}
-
-
 @pytest.mark.parametrize("plan", PLANS, ids=str)
-@pytest.mark.parametrize("weights", [False, True], ids=["index_shuffling", "route"])
-@pytest.mark.parametrize("eager", [False, True], ids=["op", "eager"])
-def test_routing_plans_compile(can_compile, plan, weights, eager):
-    _compile_plan(plan, weights, eager, None)
+@pytest.mark.parametrize("route", [False, True], ids=["index_shuffling", "route"])
+def test_routing_plans_compile(can_compile, plan, route):
+    _compile_plan(plan, route, None)
 
 
 def test_grid_sync_compiles_to_gpu_scoped_atomics_around_cta_barriers(can_compile):
@@ -104,55 +99,56 @@ def test_grid_sync_compiles_to_gpu_scoped_atomics_around_cta_barriers(can_compil
     assert ptx.count("bar.sync") >= 2
 
 
-@pytest.mark.parametrize("plan", COLS_ROUTE, ids=str)
-@pytest.mark.parametrize("config", list(COLS_ROUTE_CONFIGS))
-def test_route_token_column_plans_compile(can_compile, plan, config):
-    p = _compile_plan((*plan, False), True, False, COLS_ROUTE_CONFIGS[config] or None)
-    assert p.a["WEIGHTS"] and p.c["COLS"] and (p.runs is not None) == (config != "no-D")
+def test_columns_plan_with_c_writing_the_pairs_compiles(can_compile):
+    """The columns plan at a size whose default has D: with the scan in C, C writes the pairs."""
+    from moe_kernels._triton.routing.plan import Constraints
+
+    p = _compile_plan((1 << 20, 128, 8, 0, 128, 1, False), True, Constraints(scan_in_c=True))
+    assert p.placement == "columns" and not p.expert_runs
 
 
-def _compile_plan(plan, weights, eager, config):
-    from moe_kernels._triton import routing as tri
+def _compile_plan(args, route, constraints):
+    import torch
 
-    T, E, k, start, end, kind, renorm = plan
-    renorm = renorm and weights  # index_shuffling has no weights to renormalize
-    args = (T, E, k, start, end, kind, renorm, True, weights, weights, not weights, config)
+    from moe_kernels._triton.routing import launch as L
+    from moe_kernels._triton.routing import plan as P
+
+    T, E, k, start, end, kind, renorm = args
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[kind]
     # words: the scores' rows as 4-byte aligned pairs (contiguous 16-bit scores)
-    p = tri._launch_plan(*args, eager, kind != 0)
-    # eager calls launch A and C as one kernel where there is no scan or D launch and the
-    # programs fit one per SM (_fusable; 132 on an H200)
-    fusable = p.scan is None and p.runs is None and p.c["FUSE_SCAN"] and p.n_prog <= 132
-    if eager and p == tri._launch_plan(*args, False, kind != 0) and not fusable:
-        pytest.skip("the same plan as the op's")
+    prob = P.Problem(T, E, k, start, end, dtype, route, renorm and route, True, kind != 0)
+    plan = P.choose_plan(prob, P.Device(sm_count=132), constraints)  # an H200's SMs
+    p = L.launches(prob, plan)
     x_t = "*fp32" if kind == 0 else "*i16"
     ints = dict.fromkeys(["T", "E", "start", "end", "n_programs"], "i32")
     a_sig = dict(x_ptr=x_t, stride_t="i32", stride_e="i32", stride_w="i32", vtc_ptr="*i32",
                  pack_ptr="*i32", scr_w_ptr="*fp32", hist_ptr="*i32", **ints)  # fmt: skip
-    kern_a = tri._topk_cols_kernel if p.c["COLS"] else tri._topk_rank_kernel
+    kern_a = L.topk_columns_kernel if plan.placement == "columns" else L.topk_rows_kernel
     _compile(kern_a, a_sig, dict(p.a), p.a_warps)
     if p.scan is not None:
         _, consts, warps = p.scan
         sig = dict(hist_ptr="*i32", counts_ptr="*i32", L="i32", n_programs="i32")
-        _compile(tri._scan_kernel, sig, dict(consts), warps)
+        _compile(L.scan_kernel, sig, dict(consts), warps)
     c_sig = dict(pack_ptr="*i32", scr_w_ptr="*fp32", inverse_ptr="*i32", hist_ptr="*i32",
                  counts_ptr="*i32", expert_ptr="*i32", token_ptr="*i32", weight_ptr="*fp32",
                  offsets_ptr="*i32", tcpe_ptr="*i32", T="i32", E="i32", L="i32", start="i32",
                  n_programs="i32")  # fmt: skip
-    _compile(tri._place_kernel, c_sig, dict(p.c), p.c_warps)
+    _compile(L.place_kernel, c_sig, dict(p.c), p.c_warps)
     if p.runs is not None:
         _, consts, warps = p.runs
         sig = dict(pack_ptr="*i32", hist_ptr="*i32", counts_ptr="*i32", expert_ptr="*i32",
                    token_ptr="*i32", weight_ptr="*fp32", L="i32", start="i32",
                    n_programs="i32")  # fmt: skip
-        _compile(tri._expert_runs_kernel, sig, dict(consts), warps)
-    if eager and fusable:
+        _compile(L.expert_runs_kernel, sig, dict(consts), warps)
+    if plan.cooperative:  # eager calls launch A and C as one kernel
         f_sig = dict(a_sig, a_w_ptr=a_sig["scr_w_ptr"], scr_w_ptr="*fp32", inverse_ptr="*i32",
                      counts_ptr="*i32", expert_ptr="*i32", token_ptr="*i32",
                      weight_ptr="*fp32", offsets_ptr="*i32", tcpe_ptr="*i32", L="i32",
                      bar_ptr="*i32")  # fmt: skip
-        f_sig = {name: f_sig[name] for name in tri._fused_kernel.arg_names if name in f_sig}
-        _compile(tri._fused_kernel, f_sig, tri._fused_constexprs(p), p.a_warps)
-    return p
+        f_sig = {name: f_sig[name] for name in L.fused_kernel.arg_names if name in f_sig}
+        consts, _ = L._fused_launch(p)
+        _compile(L.fused_kernel, f_sig, consts, p.a_warps)
+    return plan
 
 
 @pytest.mark.parametrize("num_tokens", [512, 2048, 16384])

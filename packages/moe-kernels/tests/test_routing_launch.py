@@ -10,9 +10,10 @@ pytest.importorskip("triton")  # the Triton launcher: nothing to test without Tr
 import torch
 
 import moe_kernels._triton.launch as launch
-import moe_kernels._triton.routing as R
-import moe_kernels._triton.routing_eager as lane
+import moe_kernels._triton.routing.eager as lane
+import moe_kernels._triton.routing.launch as R
 import moe_kernels.routing as MR
+from moe_kernels._triton.routing.plan import Constraints, Device, choose_plan
 
 pytestmark = pytest.mark.skipif(launch._HOOKS is None, reason="this Triton has no launch knobs")
 
@@ -56,10 +57,13 @@ class _Stream:
             return 0
 
 
+NO_COOPERATIVE = Device(sm_count=0)  # a device where no grid is small enough to fuse
+
+
 @pytest.fixture
 def calls(monkeypatch):
     calls: list = []
-    kernels = (("_topk_rank", "A"), ("_topk_cols", "A"), ("_scan", "B"), ("_place", "C"),
+    kernels = (("_topk_rows", "A"), ("_topk_columns", "A"), ("_scan", "B"), ("_place", "C"),
                ("_expert_runs", "D"), ("_fused", "AC"))  # fmt: skip
     for attr, name in kernels:
         real = getattr(R, attr).fn
@@ -67,6 +71,7 @@ def calls(monkeypatch):
     monkeypatch.setattr(launch.FastKernel, "enabled", True)
     monkeypatch.setattr(launch, "driver", _Stream)
     monkeypatch.setattr(lane, "_BOUND", {})
+    monkeypatch.setattr(R, "device_of", lambda index: NO_COOPERATIVE)
     return calls
 
 
@@ -85,25 +90,24 @@ def _normalise(args, is_ptr, base, nbytes, named):
 
 
 CASES = [
-    # (T, E, top_k, start, end, dtype, renormalize, vtc, with_weights, with_offsets, with_tcpe,
-    #  config)
-    (64, 16, 8, 0, 16, torch.bfloat16, False, False, True, True, False, None),  # route
-    (64, 16, 8, 0, 16, torch.bfloat16, False, False, False, False, True, None),  # shuffling
-    (300, 128, 8, 5, 77, torch.float32, True, True, True, True, False, {"FUSE_SCAN": 0}),
-    (4096, 16, 8, 0, 16, torch.float16, False, True, False, False, True, None),  # sorted C
-    # index_shuffling's token-column plan (A places the pairs), scan folded into C
-    (4096, 128, 8, 3, 120, torch.bfloat16, False, True, False, False, True, {"SORTED": True}),
-    # + the scan's launch and D (writes the pairs out by expert, RUNS); route there too
-    (70000, 128, 8, 0, 128, torch.bfloat16, False, False, False, False, True, None),
-    (70000, 128, 8, 0, 128, torch.bfloat16, False, False, True, True, False, None),
+    # (T, E, top_k, start, end, dtype, renormalize, vtc, route, constraints)
+    (64, 16, 8, 0, 16, torch.bfloat16, False, False, True, None),  # route
+    (64, 16, 8, 0, 16, torch.bfloat16, False, False, False, None),  # index_shuffling
+    (300, 128, 8, 5, 77, torch.float32, True, True, True, Constraints(scan_in_c=False)),
+    (4096, 16, 8, 0, 16, torch.float16, False, True, False, Constraints(placement="counted")),
+    # the columns plan (A places the pairs), scan folded into C
+    (4096, 128, 8, 3, 120, torch.bfloat16, False, True, False, Constraints(placement="columns")),
+    # + the scan's launch and D (writes the pairs out by expert); route there too
+    (70000, 128, 8, 0, 128, torch.bfloat16, False, False, False, None),
+    (70000, 128, 8, 0, 128, torch.bfloat16, False, False, True, None),
 ]
 
 
 def _fuse_where_gpu_would(monkeypatch) -> torch.Tensor:
-    """Make the CPU launcher take the fused launch wherever the GPU's may (no scan or D launch;
-    the SM bound aside), with stand-in barrier words; returns them."""
+    """Make the CPU launcher take the cooperative launch wherever the plan allows it (no scan or
+    D launch; a device with SMs for any grid), with stand-in barrier words; returns them."""
     bar = torch.zeros(2, dtype=torch.int32)
-    monkeypatch.setattr(R, "_fusable", lambda p, dev, config: p.scan is None and p.runs is None)
+    monkeypatch.setattr(R, "device_of", lambda index: Device(sm_count=1 << 30))
     monkeypatch.setattr(R, "barrier_words", lambda dev, stream: bar)
     return bar
 
@@ -111,16 +115,14 @@ def _fuse_where_gpu_would(monkeypatch) -> torch.Tensor:
 @pytest.mark.parametrize("fused", [False, True], ids=["launches", "fused"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-{c[5]}")
 def test_bound_relaunch_matches_the_full_launch(calls, case, fused, monkeypatch):
-    T, E, k, start, end, dtype, renorm, with_vtc, ww, wo, wt, config = case
+    T, E, k, start, end, dtype, renorm, with_vtc, route, constraints = case
     bar = _fuse_where_gpu_would(monkeypatch) if fused else None
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(T, E, generator=gen).to(dtype)
     vtc = torch.tensor([T - 3], dtype=torch.int32) if with_vtc else None
 
     def call(scores, vtc):
-        return R.routing_triton(
-            scores, k, vtc, start, end, renorm, ww, wo, wt, config=config, one_buffer=True
-        )
+        return R.run(scores, k, vtc, start, end, renorm, route, constraints, one_buffer=True)
 
     out1 = call(scores, vtc)
     first = list(calls)
@@ -133,14 +135,14 @@ def test_bound_relaunch_matches_the_full_launch(calls, case, fused, monkeypatch)
     assert [c[1] for c in second] == ["run"] * len(second)
     assert [(c[0], c[2]) for c in second] == [(c[0], c[2]) for c in first]
 
-    cfg = tuple(sorted(config.items())) if config else None
-    p = R._launch_plan(T, E, k, start, end, R._KIND[dtype], renorm, with_vtc, ww, wo, wt, cfg,
-                       True, dtype != torch.float32)  # fmt: skip
-    assert ("MODE" in p.a) == (E == 128 and dtype == torch.bfloat16)  # the token-column plan
+    prob = R.problem_of(scores, k, vtc, start, end, renorm, route)
+    plan = choose_plan(prob, R.device_of(0), constraints)
+    p = R.launches(prob, plan)
+    assert (plan.placement == "columns") == (E == 128 and dtype == torch.bfloat16)
     one = fused and p.scan is None and p.runs is None
     assert [c[0] for c in first] == (["AC"] if one else [c[0] for c in first if c[0] != "AC"])
     nbytes = 4 * sum(p.sizes)
-    base1, base2 = out1[2].data_ptr(), out2[2].data_ptr()  # expert_indices opens the buffer
+    base1, base2 = out1.expert_indices.data_ptr(), out2.expert_indices.data_ptr()  # buffer start
     assert base1 != base2  # a new buffer per call
     named1 = {scores.data_ptr(): "scores"}
     named2 = {scores2.data_ptr(): "scores"}
@@ -153,11 +155,10 @@ def test_bound_relaunch_matches_the_full_launch(calls, case, fused, monkeypatch)
         assert _normalise(a1, is_ptr, base1, nbytes, named1) == _normalise(
             a2, is_ptr, base2, nbytes, named2
         )
+    assert type(out1) is type(out2)
     for o1, o2 in zip(out1, out2, strict=True):  # same outputs, laid out alike in the buffer
-        assert (o1 is None) == (o2 is None)
-        if o1 is not None:
-            assert (o1.shape, o1.dtype, o1.stride()) == (o2.shape, o2.dtype, o2.stride())
-            assert o1.data_ptr() - base1 == o2.data_ptr() - base2
+        assert (o1.shape, o1.dtype, o1.stride()) == (o2.shape, o2.dtype, o2.stride())
+        assert o1.data_ptr() - base1 == o2.data_ptr() - base2
 
 
 def _named_args(kernel, args, base, nbytes, named):
@@ -169,10 +170,10 @@ def _named_args(kernel, args, base, nbytes, named):
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] == 4096 or c[0] == 64],
                          ids=lambda c: f"T{c[0]}-E{c[1]}-{c[5]}")  # fmt: skip
 def test_fused_launch_hands_a_and_c_what_their_own_launches_get(calls, case, monkeypatch):
-    """``_fused_kernel`` runs A's and C's bodies: by parameter name, every runtime argument and
+    """``fused_kernel`` runs A's and C's bodies: by parameter name, every runtime argument and
     constexpr A and C get in two launches reaches the fused launch with the same value (A's
     ``scr_w_ptr`` as ``a_w_ptr``), and the launch is cooperative."""
-    T, E, k, start, end, dtype, renorm, with_vtc, ww, wo, wt, config = case
+    T, E, k, start, end, dtype, renorm, with_vtc, route, constraints = case
     scores = torch.randn(T, E, generator=torch.Generator().manual_seed(1)).to(dtype)
     vtc = torch.tensor([T - 3], dtype=torch.int32) if with_vtc else None
     named = {scores.data_ptr(): "scores"}
@@ -181,9 +182,8 @@ def test_fused_launch_hands_a_and_c_what_their_own_launches_get(calls, case, mon
 
     def launch():
         calls.clear()
-        out = R.routing_triton(scores, k, vtc, start, end, renorm, ww, wo, wt, config=config,
-                               one_buffer=True)  # fmt: skip
-        buf = out[2]._base  # expert_indices opens the one buffer
+        out = R.run(scores, k, vtc, start, end, renorm, route, constraints, one_buffer=True)
+        buf = out.expert_indices._base  # expert_indices opens the one buffer
         return {c[0]: c[3] for c in calls}, buf.data_ptr(), 4 * buf.numel()
 
     two, base2, n2 = launch()
@@ -194,13 +194,14 @@ def test_fused_launch_hands_a_and_c_what_their_own_launches_get(calls, case, mon
     one, base1, n1 = launch()
     assert list(one) == ["AC"] and R._fused.fn.cooperative == [True]
     fused = _named_args(R._fused.fn, one["AC"], base1, n1, named)
-    ka = R._topk_cols if "MODE" in fused and fused["COLS_A"] else R._topk_rank
+    columns = fused["PLACE"] == 4
+    ka = R._topk_columns if columns else R._topk_rows
     a = _named_args(ka.fn, two["A"], base2, n2, named)
     c = _named_args(R._place.fn, two["C"], base2, n2, named)
     a["a_w_ptr"] = a.pop("scr_w_ptr")
     for name, value in (*a.items(), *c.items()):
         assert fused[name] == value, name
-    assert fused["bar_ptr"] == "barrier" and fused["COLS_A"] == ("MODE" in a)
+    assert fused["bar_ptr"] == "barrier" and columns == ("MODE" in a)
 
 
 def test_bound_relaunch_keys_alignment_strides_and_plan(calls):
@@ -211,7 +212,7 @@ def test_bound_relaunch_keys_alignment_strides_and_plan(calls):
     column_major = aligned.t().contiguous().t()
     bound = []
     for scores in (aligned, aligned, shifted, column_major, aligned[:2048]):
-        R.routing_triton(scores, 8, None, 0, 16, False, True, True, False, one_buffer=True)
+        R.run(scores, 8, None, 0, 16, False, True, one_buffer=True)
         bound.append(len(lane._BOUND))
     # each call but the repeat of the first needs (and binds) a key of its own
     assert bound == [1, 1, 2, 3, 4]
@@ -221,21 +222,20 @@ def test_bound_relaunch_keys_alignment_strides_and_plan(calls):
 def test_custom_op_path_never_binds(calls):
     scores = torch.randn(64, 16)
     for _ in range(2):
-        R.routing_triton(scores, 4, None, 0, 16, False, True, True, False)
+        R.run(scores, 4, None, 0, 16, False, True)
     assert lane._BOUND == {} and {c[1] for c in calls} == {"jit", "run"}
 
 
 def test_bound_table_is_bounded(calls, monkeypatch):
     monkeypatch.setattr(lane, "_MAX_BOUND", 3)
     for T in (16, 32, 48, 64, 80):
-        R.routing_triton(torch.randn(T, 8), 2, None, 0, 8, False, True, True, False,
-                         one_buffer=True)  # fmt: skip
+        R.run(torch.randn(T, 8), 2, None, 0, 8, False, True, one_buffer=True)
     # full after 48: starts over with 64, then binds 80
     assert [key[0][0] for key in lane._BOUND] == [64, 80]  # T of each bound plan
 
 
 # ---------------------------------------------------------------------------------------------
-# The public ops' fast lane (routing_eager.py): tried before the argument checks, so a bound key
+# The public ops' fast lane (routing/eager.py): tried before the argument checks, so a bound key
 # must imply them; checked with CPU tensors let through the lane and the stand-in kernels.
 
 
@@ -324,10 +324,10 @@ def test_lane_is_off_for_autograd_fake_tensors_and_compilation(public, monkeypat
     """The lane's key is None (the full path, through the custom op where it must) for scores
     that need autograd, under a dispatch mode (fake tensors) and while compiling."""
     scores = torch.randn(64, 16)
-    args = (None, 8, None, None, *MR._IS_FLAGS)
+    args = (None, 8, None, None, False, False)
     assert lane.lane_key(scores, *args) is not None
     assert lane.lane_key(scores.clone().requires_grad_(), *args) is None
-    lane_args = (scores, None, 8, None, None, MR._IS_FLAGS)
+    lane_args = (scores, None, 8, None, None, False, False)
     assert MR._fast(*lane_args)[0] is not None
     from torch._subclasses.fake_tensor import FakeTensorMode
 

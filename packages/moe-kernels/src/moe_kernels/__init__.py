@@ -20,7 +20,7 @@ from moe_kernels.mxfp8 import (
     to_mxfp8_dim1,
 )
 from moe_kernels.router import router_scores
-from moe_kernels.routing import RoutingPlan, index_shuffling, route
+from moe_kernels.routing import RoutingPlan, ShuffledIndices, index_shuffling, route
 from moe_kernels.tokens import (
     combine,
     dispatch,
@@ -30,6 +30,7 @@ from moe_kernels.tokens import (
 
 __all__ = [
     "RoutingPlan",
+    "ShuffledIndices",
     "combine",
     "compute_per_group_blocked_scale_offsets",
     "dispatch",

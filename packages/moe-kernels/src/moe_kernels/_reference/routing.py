@@ -1,4 +1,4 @@
-"""Pure-torch routing: the CPU path and the oracle of the Triton kernels in ``_triton/routing.py``.
+"""Pure-torch routing: the CPU path and the oracle of the Triton kernels in ``_triton/routing/``.
 
 Everything stays on the input's device and never syncs (no ``.item()``, no data-dependent shapes),
 so it also runs under ``torch.compile(fullgraph=True)`` and CUDA-graph capture.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .._routing_outputs import RoutingPlan, ShuffledIndices
+
 
 def route_reference(
     scores_TE: torch.Tensor,
@@ -16,9 +18,9 @@ def route_reference(
     start: int,
     end: int,
     renormalize: bool,
-) -> tuple[torch.Tensor, ...]:
-    """The routing plan, as ``(counts_L, offsets_L1, expert_indices_P, token_indices_P,
-    weights_P, inverse_TK)`` with L = end - start and P = T * top_k (see ``RoutingPlan``).
+) -> RoutingPlan:
+    """The routing plan: ``RoutingPlan`` with L = end - start local experts and P = T * top_k
+    pairs.
 
     Top-k per token by score, NaN counted as -inf, -0.0 equal to +0.0, ties to the lower expert;
     rows at or past ``valid_token_count`` (clamped to [0, T]) and experts outside [start, end)
@@ -30,7 +32,7 @@ def route_reference(
     dev = scores_TE.device
     i32 = torch.int32
     if T == 0:
-        return (
+        return RoutingPlan(
             torch.zeros(L, dtype=i32, device=dev),
             torch.zeros(L + 1, dtype=i32, device=dev),
             torch.empty(0, dtype=i32, device=dev),
@@ -75,7 +77,7 @@ def route_reference(
     counts = torch.zeros(L + 1, dtype=torch.int64, device=dev)
     counts = counts.scatter_add_(0, bucket_P, torch.ones_like(bucket_P))[:L]
     offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-    return (
+    return RoutingPlan(
         counts.to(i32),
         offsets.to(i32),
         expert_P,
@@ -91,9 +93,9 @@ def index_shuffling_reference(
     end: int,
     valid_token_count: torch.Tensor | None,
     top_k: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(token_count_per_expert (E+2,), expert_indices (T*top_k,), token_indices (T*top_k,))``,
-    all int32: [e] = pairs routed to expert e (0 outside [start, end)), [E] = T, [E+1] = n."""
+) -> ShuffledIndices:
+    """``ShuffledIndices``: token_count_per_expert (E+2,) ([e] pairs routed to expert e, 0
+    outside [start, end); [E] = T, [E+1] = n), expert_indices and token_indices (T*top_k,)."""
     T, E = scores_TE.shape
     counts, offsets, expert_P, token_P, _, _ = route_reference(
         scores_TE, top_k, valid_token_count, start, end, False
@@ -102,4 +104,4 @@ def index_shuffling_reference(
     tcpe[start:end] = counts
     tcpe[E] = T
     tcpe[E + 1] = offsets[-1]
-    return tcpe, expert_P, token_P
+    return ShuffledIndices(tcpe, expert_P, token_P)
