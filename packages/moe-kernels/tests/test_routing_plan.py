@@ -224,8 +224,12 @@ def test_bad_constraints(kwargs, match):
         ((300, 32, 4), {}, Constraints(placement="prefix"), "prefix"),  # route
         ((300, 32, 4), {}, Constraints(placement="sorted", topk="rounds", block_t=64), "block_t"),
         ((300, 32, 4), {}, Constraints(runs_group=2), "runs_group"),
-        ((3000, 32, 4), {}, Constraints(placement="counted", block_t=256, topk="insert"),
-         "counted"),  # fmt: skip
+        (
+            (3000, 32, 4),
+            {},
+            Constraints(placement="counted", block_t=256, topk="insert"),
+            "counted",
+        ),  # fmt: skip
     ],
 )
 def test_constraints_the_problem_cannot_meet(args, kw, c, match):
