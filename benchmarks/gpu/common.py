@@ -1,51 +1,239 @@
-"""Shared by the GPU sweep scripts: CUDA-graph timing and an sm_90a compile report."""
+"""The helpers the GPU diagnostics in ``benchmarks/gpu/`` share: one copy of each.
+
+How the scripts run (the one convention): as files, from the repository root, with the three
+packages' sources on PYTHONPATH (they need not be installed)::
+
+    PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \\
+        python3 benchmarks/gpu/<script>.py
+
+Python puts the script's own folder (``benchmarks/gpu``) first on ``sys.path``, so ``import
+common`` (or one script importing another) resolves here with no ``sys.path`` edits. Importing a
+script any other way (``python3 -c``, a test) needs ``benchmarks/gpu`` on PYTHONPATH as well.
+``benchmarks/`` may import all three packages; the packages never import ``benchmarks/``.
+
+The rule: a diagnostic drives kernel variants only through the library's typed override channel
+(the configs and keyword overrides the launchers accept: ``config=``, ``block_c=``, ``warps=``,
+``native_cast=``, ...), never by patching kernel source or module globals.
+
+What is here:
+
+* timing: :func:`bench_us` (``do_bench`` median, L2 flushed between calls; moe_tools.timing's),
+  :func:`graph_us` (device time per call: a CUDA graph of N calls replayed; moe_tools.timing's
+  ``graph_time_fn``), :func:`graph_bench_us` (``do_bench`` over the replay of a graph of one call),
+  :func:`host_us` (the host's wall time per call, back to back), :func:`back_to_back_us` (the
+  same loop timed by CUDA events), :func:`once_us` (one eager call: what the CPU dry runs time);
+* :func:`capture`: a call captured in a CUDA graph after a warm-up on a side stream;
+* checks: :func:`poison` (fill the caching allocator so fresh outputs start as garbage),
+  :func:`same_bits` (bitwise equality, NaN equal to NaN), :func:`check` and :data:`FAILS` (the
+  report lines and the failures of one run), :func:`forbid_host_sync`;
+* yardsticks: :func:`clone_of` (a clone moving a given number of bytes),
+  :func:`torch_router_scores` (the router's torch formula);
+* :func:`compile_sm90`: a ``@triton.jit`` kernel compiled for sm_90a without a GPU, with ptxas's
+  register and spill report.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
+
+from moe_tools.timing import bench_us as _bench_us
+from moe_tools.timing import graph_time_fn
+
+# ------------------------------------------------------------------------------------ timing
+
+
+def once_us(fn: Callable[[], object]) -> float:
+    """Wall time of one eager call of fn, us (the dry runs' stand-in for every timer)."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def bench_us(
+    fn: Callable[[], object], *, dry: bool = False, warmup_ms: int = 25, rep_ms: int = 100
+) -> float:
+    """Median time of one call, us: ``triton.testing.do_bench(return_mode="median")``, which
+    flushes the L2 between calls (``moe_tools.timing.bench_us``). ``dry``: :func:`once_us`."""
+    if dry:
+        return once_us(fn)
+    return _bench_us(fn, "cuda", warmup_ms=warmup_ms, rep_ms=rep_ms)
 
 
 def graph_us(fn: Callable[[], object], calls: int, replays: int, dry: bool = False) -> float:
-    """Median over ``replays`` of (one graph of ``calls`` calls of fn) / ``calls``, in us.
-    ``dry`` (CPU runs of the scripts): one timed eager call instead."""
+    """Median over ``replays`` of (one CUDA graph of ``calls`` calls of fn) / ``calls``, us: the
+    device time of one call without the host's launch cost (``moe_tools.timing.graph_time_fn``,
+    two warm-up calls first). ``dry``: :func:`once_us`."""
     if dry:
-        t0 = time.perf_counter()
+        return once_us(fn)
+    timing = graph_time_fn(fn, "cuda", warmup=2, iters=replays, calls=calls)
+    return timing.median_ms * 1e3
+
+
+def graph_bench_us(fn: Callable[[], object], *, dry: bool = False, rep_ms: int = 100) -> float:
+    """:func:`bench_us` of the replay of a CUDA graph holding one call of fn: the GPU time without
+    launch gaps, L2 flushed between replays. ``dry``: :func:`once_us`."""
+    if dry:
+        return once_us(fn)
+    graph, _ = capture(fn)
+    return bench_us(graph.replay, rep_ms=rep_ms)
+
+
+def host_us(
+    fn: Callable[[], object],
+    calls: int = 200,
+    repeats: int = 5,
+    warmup: int = 3,
+    dry: bool = False,
+) -> float:
+    """The host's wall time per call of ``calls`` back-to-back eager calls, median of ``repeats``
+    loops, us (the GPU synchronized before each loop, not inside it: where the GPU keeps up, this
+    is the host's cost of a call). ``dry``: :func:`once_us`."""
+    if dry:
+        return once_us(fn)
+    for _ in range(warmup):
         fn()
-        return (time.perf_counter() - t0) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()  # warm up: compile, allocator
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-    graph.replay()
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
     return statistics.median(times)
+
+
+def back_to_back_us(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> float:
+    """Time per call of ``calls`` back-to-back eager calls between two CUDA events, us: no L2
+    flush, and the host's launch cost shows wherever the GPU waits for it."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def capture(fn: Callable[[], object], warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, object]:
+    """fn called ``warmup`` times on a side stream (compiles, allocator), then captured in a CUDA
+    graph: (the graph, what fn returned while captured, i.e. the graph's static outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+# ------------------------------------------------------------------------------------ checks
+
+FAILS: list[str] = []  # the failed checks of this run (check() and the scripts append)
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    """Print ``  [ok] name detail`` (or ``[FAIL]``); a failure is added to :data:`FAILS`."""
+    print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
+    if not ok:
+        FAILS.append(name)
+
+
+def poison(
+    nbytes: int, *, byte: int = 0xFF, device: torch.device | str = "cuda", blocks: int = 3
+) -> None:
+    """Leave ``blocks`` freed blocks of ``nbytes`` (+ 4 KiB) filled with ``byte`` in the caching
+    allocator, so the outputs allocated next start as garbage, not zeros. 0xFF is NaN in every
+    float dtype (fp32, bf16, fp16, e4m3) and -1 in the integer ones; take another byte (0x7F,
+    0x5A) where -1 or NaN is a value the op writes."""
+    bufs = [
+        torch.full((nbytes + 4096,), byte, dtype=torch.uint8, device=device) for _ in range(blocks)
+    ]
+    del bufs
+
+
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a, b) -> bool:
+    """a and b hold the same bits (b brought to a's device). Floats of 2 bytes or more: NaN
+    equals NaN (their payloads and signs may differ), every other element bit for bit (so -0.0 is
+    not 0.0). 1-byte types (e4m3 data, e8m0 scales, uint8) compare byte for byte, the dtypes may
+    differ (a float8 output against a uint8 view of it); otherwise the dtypes must be equal.
+    Tuples and lists (a RoutingPlan, the (data, scale) pair of a cast) compare element-wise."""
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b, strict=True))
+    if a.shape != b.shape or a.element_size() != b.element_size():
+        return False
+    b = b.to(a.device)
+    if a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if a.dtype != b.dtype:
+        return False
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    na, nb = torch.isnan(a), torch.isnan(b)
+    ints = _INT_OF_SIZE[a.element_size()]
+    return torch.equal(na, nb) and torch.equal(a.view(ints)[~na], b.view(ints)[~nb])
+
+
+@contextlib.contextmanager
+def forbid_host_sync(active: bool = True) -> Iterator[None]:
+    """Inside: ``torch.cuda.set_sync_debug_mode("error")`` (an op that syncs with the host
+    raises); the default mode again on the way out. ``active=False`` (CPU dry runs): nothing."""
+    if not active:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+# -------------------------------------------------------------------------------- yardsticks
+
+
+def clone_of(nbytes: int, device: torch.device | str = "cuda") -> Callable[[], torch.Tensor]:
+    """A call that clones a uint8 buffer of ``nbytes // 2``: ``nbytes`` moved (read + written),
+    the copy ceiling of an op that moves that many bytes."""
+    buf = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
+    return buf.clone
+
+
+def torch_router_scores(
+    x_TD: torch.Tensor, w_ED: torch.Tensor, score_fn: str = "softmax"
+) -> torch.Tensor:
+    """The router's torch formula: ``softmax`` (or ``sigmoid``) of ``F.linear(x.float(), w)``,
+    fp32 (what ``moe_kernels.router_scores`` replaces)."""
+    logits_TE = F.linear(x_TD.float(), w_ED.float())
+    if score_fn == "softmax":
+        return torch.softmax(logits_TE, dim=-1)
+    return torch.sigmoid(logits_TE)
+
+
+# -------------------------------------------------------------------------- sm_90a compile
 
 
 def compile_sm90(kern, sig: dict, consts: dict, divisible: list[str], num_warps: int,
                  num_stages: int) -> tuple[object, str, str, str]:  # fmt: skip
-    """Compile ``kern`` for sm_90a on this machine (no GPU needed) and run ptxas on its PTX.
-    ``divisible``: arguments given the 16-divisibility attribute (constexprs are skipped).
-    Returns (compiled kernel, ptx, registers, spill-store bytes); '?' where ptxas says nothing."""
+    """Compile ``kern`` (a ``@triton.jit`` function) for sm_90a on this machine (no GPU needed)
+    and run ptxas on its PTX. ``sig``: argument name -> Triton type (``"*bf16"``, ``"i32"``,
+    ``"constexpr"``, ...); ``consts``: the constexpr values; ``divisible``: arguments given the
+    16-divisibility attribute (constexprs are skipped). Returns (compiled kernel, ptx, registers,
+    spill-store bytes); '?' where ptxas says nothing."""
     import os
     import re
     import subprocess
@@ -64,15 +252,23 @@ def compile_sm90(kern, sig: dict, consts: dict, divisible: list[str], num_warps:
     opts = dict(num_warps=num_warps, num_stages=num_stages)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = compiled.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    try:  # the ptxas this Triton takes for sm_90 (3.9 takes its newer "ptxas-blackwell")
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except (ImportError, AttributeError, TypeError):
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        out = subprocess.run(
+        run = subprocess.run(
             [ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True
-        ).stderr
+        )
     finally:
         os.unlink(f.name)
+    out = run.stderr
+    if run.returncode:
+        raise RuntimeError(f"{ptxas} failed: {out.strip()[:300]}")
     regs = re.findall(r"Used (\d+) registers", out)
     spills = re.findall(r"(\d+) bytes spill stores", out)
     return compiled, ptx, regs[0] if regs else "?", spills[0] if spills else "?"

@@ -5,7 +5,8 @@ shapes and argument forms of FBGEMM's own tests: T up to 16384, E in {16, 32, 12
 partial valid counts as int32 and int64 tensors, int32 / int64 index tensors, bf16 / fp32 / int32
 tokens; eager and compiled.
 
-PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/gpu/fbgemm_parity.py
+PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
+    python3 benchmarks/gpu/fbgemm_parity.py
 
 Equal means: index_shuffling's counts equal and each expert's bucket holds the same tokens (FBGEMM's
 order inside a bucket varies run to run; ours is sorted); gather bit-exact; scatter-add exact for

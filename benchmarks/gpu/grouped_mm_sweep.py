@@ -1,9 +1,9 @@
 """GPU check and config sweep of ``gather_grouped_mm`` at the seed MoE shape (one H200 run).
 
 PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
-    python3 packages/moe-kernels/gpu/grouped_mm_sweep.py            # H200, < 150 s
-    python3 packages/moe-kernels/gpu/grouped_mm_sweep.py --dry-run  # CPU, interpreter, tiny
-    python3 packages/moe-kernels/gpu/grouped_mm_sweep.py --ptx      # CPU: compile for sm_90a
+    python3 benchmarks/gpu/grouped_mm_sweep.py            # H200, < 150 s
+    python3 benchmarks/gpu/grouped_mm_sweep.py --dry-run  # CPU, interpreter, tiny
+    python3 benchmarks/gpu/grouped_mm_sweep.py --ptx      # CPU: compile for sm_90a
 
 Routing: ``moe_kernels.route`` on random softmax scores, T=2048 tokens, E=16 experts, top-8
 (P=16384 rows). GEMM1: x (T, 2048) gathered through the plan, w1 (E, 1024, 2048), SiLU.
@@ -43,8 +43,8 @@ if DRY:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _gpu_common import compile_sm90  # noqa: E402
-from _gpu_common import graph_us as _graph_us  # noqa: E402
+from common import FAILS, compile_sm90, forbid_host_sync, poison  # noqa: E402
+from common import graph_us as _graph_us  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels._reference import grouped_mm as ref  # noqa: E402
@@ -80,18 +80,11 @@ else:
     ]
     CONFIGS2 = [CONFIGS[i] for i in (0, 1, 5, 6, 7, 11, 12, 13, 14)]
     CALLS, REPLAYS = 20, 7
-FAILS: list[str] = []
 
 
 def graph_us(fn) -> float:
     """Median over REPLAYS of (a graph of CALLS calls of fn) / CALLS, in microseconds."""
     return _graph_us(fn, CALLS, REPLAYS, DRY)
-
-
-def poison(nbytes: int) -> None:
-    """Leave NaN-filled blocks in the caching allocator so fresh outputs start as NaN."""
-    blocks = [torch.full((nbytes // 4 + 1024,), float("nan"), device=dev) for _ in range(3)]
-    del blocks
 
 
 def max_err(y: torch.Tensor, expected: torch.Tensor, n_valid: int) -> tuple[float, bool]:
@@ -146,16 +139,12 @@ def sweep(
     for cfg in configs:
         name = cfg_name(cfg)
         try:
-            poison(expected.numel() * 2)
-            if not DRY:
-                torch.cuda.set_sync_debug_mode("error")
-            try:  # the first launch goes through Triton, the second through the cached handle
+            poison(expected.numel() * 2, device=dev)  # 0xFF: NaN in bf16
+            with forbid_host_sync(not DRY):
+                # the first launch goes through Triton, the second through the cached handle
                 y = tri.gather_grouped_mm(x, w, offsets, rows, act, config=cfg)
-                poison(expected.numel() * 2)
+                poison(expected.numel() * 2, device=dev)
                 y2 = tri.gather_grouped_mm(x, w, offsets, rows, act, config=cfg)
-            finally:
-                if not DRY:
-                    torch.cuda.set_sync_debug_mode("default")
             err, ok = max_err(y, expected, n_valid)
             if not torch.equal(y, y2):
                 ok = False

@@ -1,28 +1,29 @@
 """Where the MoE layer's time goes (one H200 run): the seed-moe layer at 2048 tokens, bf16,
 compiled with fullgraph and replayed in a CUDA graph, per router variant, beside its two grouped
-GEMMs alone; then a per-kernel profile of the compiled layer.
+GEMMs alone; then a per-kernel profile of the compiled layer as built.
 
 PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
-    python3 packages/moe-model/gpu/layer_breakdown.py            # H200
-DRY=1 python3 packages/moe-model/gpu/layer_breakdown.py          # CPU smoke run, tiny sizes
+    python3 benchmarks/gpu/layer_breakdown.py            # H200
+DRY=1 python3 benchmarks/gpu/layer_breakdown.py          # CPU smoke run, tiny sizes
 
-Router variants (``layer.scores`` replaced on the instance): ``torch`` (the layer's formula,
-``softmax(F.linear(x.float(), w))``), ``router_scores`` (moe-kernels' fused kernel, launcher
-default) and ``router_scores`` with each config in ``LAYER_ROUTER_CONFIGS``. Each variant is
-checked: its output against the ``torch`` variant's (max |diff|, and how many tokens route
-differently), and a second replay bitwise equal to the first.
+Router variants: ``torch`` (the router's torch formula, ``softmax(F.linear(x.float(), w))``),
+``router_scores`` (moe-kernels' fused kernel, launcher default) and the kernel launcher with each
+``RouterConfig`` in ``configs()`` (its ``config`` argument). The layer body is the impl's forward
+(``moe_model.moe._IMPLS[impl]``) given the variant's scores as its ``scores_TE`` argument: no
+method or module global is replaced. Each variant is checked: its output against the ``torch``
+variant's (max |diff|, and how many tokens route differently), and a second call bitwise equal to
+the first.
 """
 
 from __future__ import annotations
 
 import os
-import time
-import types
 
 import torch
+from common import graph_us, torch_router_scores
 
 from moe_model import MoELayer
-from moe_tools.timing import graph_time_fn
+from moe_model.moe import _IMPLS
 
 DRY = os.environ.get("DRY", "0") == "1"
 DEV = torch.device("cpu" if DRY else "cuda")
@@ -43,26 +44,26 @@ def configs():
     }
 
 
-def with_router(layer: MoELayer, cfg) -> MoELayer:
-    """The layer's scores from ``router_scores`` (cfg None: the launcher's default)."""
+def router_variants(layer: MoELayer) -> dict:
+    """name -> the scores (T, E) fp32 of x (T, D) by that router (in a dry run the configs fall
+    back to the launcher's default: the CPU path takes no launch config)."""
     from moe_kernels import router_scores
     from moe_kernels._triton import router as tri
 
-    def scores(self, x_TD):
-        if cfg is None or DRY:
-            return router_scores(x_TD, self.router.weight, score_fn=self.score_fn)
-        return tri.router_scores(x_TD, self.router.weight, self.score_fn == "sigmoid", cfg)
+    w, score_fn = layer.router.weight, layer.score_fn
+    default = lambda x_TD: router_scores(x_TD, w, score_fn=score_fn)  # noqa: E731
+    variants = {"torch": lambda x_TD: torch_router_scores(x_TD, w, score_fn)}
+    variants["router_scores"] = default
+    for name, cfg in configs().items():
+        variants[name] = default if DRY else (
+            lambda x_TD, cfg=cfg: tri.router_scores(x_TD, w, score_fn == "sigmoid", cfg)
+        )  # fmt: skip
+    return variants
 
-    layer.scores = types.MethodType(scores, layer)
-    return layer
 
-
-def time_ms(fn) -> float:
-    if DRY:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return graph_time_fn(fn, DEV, warmup=3, iters=50, calls=10).median_ms
+def time_us(fn, calls: int = 10) -> float:
+    """Device time per call, us: ``calls`` calls in one CUDA graph, median of 50 replays."""
+    return graph_us(fn, calls, 50, DRY)
 
 
 def main() -> None:
@@ -73,35 +74,35 @@ def main() -> None:
     x = torch.randn(T, D, device=DEV).bfloat16()
     print(f"torch {torch.__version__}, layer T={T} D={D} E={E} k={K} H={H} bf16, impl {IMPL}")
     with torch.no_grad():
-        ref_choice = layer.scores(x).topk(K, dim=-1).indices.sort(dim=-1).values
-        variants = {"torch": None, "router_scores": "default", **configs()}
+        forward = _IMPLS[layer.impl]  # (layer, x_TD, scores_TE) -> y_TD: the layer's body
+        variants = router_variants(layer)
+        ref_choice = variants["torch"](x).topk(K, dim=-1).indices.sort(dim=-1).values
         y_ref = None
-        for name, cfg in variants.items():
-            if cfg is None:
-                layer.__dict__.pop("scores", None)
-            else:
-                with_router(layer, None if cfg == "default" else cfg)
+        for name, scores in variants.items():
             torch._dynamo.reset()
             try:
-                f = torch.compile(layer, fullgraph=True, backend="eager" if DRY else "inductor")
+
+                def body(x_TD, scores=scores):
+                    return forward(layer, x_TD, scores(x_TD))
+
+                f = torch.compile(body, fullgraph=True, backend="eager" if DRY else "inductor")
                 y = f(x).clone()
                 y2 = f(x).clone()
-                choice = layer.scores(x).topk(K, dim=-1).indices.sort(dim=-1).values
+                choice = scores(x).topk(K, dim=-1).indices.sort(dim=-1).values
                 moved = int((choice != ref_choice).any(dim=-1).sum())
                 if y_ref is None:
                     y_ref = y
                 diff = float((y.float() - y_ref.float()).abs().max())
-                ms = time_ms(lambda f=f: f(x))
-                r_ms = time_ms(lambda: layer.scores(x))
+                layer_us = time_us(lambda f=f: f(x))
+                router_us = time_us(lambda scores=scores: scores(x))
                 print(
-                    f"  {name:16} layer {ms * 1e3:7.1f} us  router alone {r_ms * 1e3:6.1f} us  "
+                    f"  {name:16} layer {layer_us:7.1f} us  router alone {router_us:6.1f} us  "
                     f"max|y - y_torch| {diff:.3g}  tokens routed differently {moved}  "
                     f"repeat bitwise {torch.equal(y, y2)}",
                     flush=True,
                 )
             except Exception as exc:  # keep going: report the variant
                 print(f"  {name:16} ERROR {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        layer.__dict__.pop("scores", None)
 
         if not DRY and hasattr(torch, "_grouped_mm"):
             # The two expert GEMMs alone on random rows, with the groups split evenly (what
@@ -121,17 +122,16 @@ def main() -> None:
                     torch._grouped_mm(xs, w_in, offs=offs)
                     torch._grouped_mm(h, w_out, offs=offs)
 
-                one = graph_time_fn(gemms, DEV, warmup=3, iters=50, calls=1).median_ms
                 print(
-                    f"  two GEMMs alone, {label:15} {time_ms(gemms) * 1e3:7.1f} us "
-                    f"(10 per graph), {one * 1e3:7.1f} us (1 per graph)  (torch._grouped_mm)"
+                    f"  two GEMMs alone, {label:15} {time_us(gemms):7.1f} us (10 per graph), "
+                    f"{time_us(gemms, calls=1):7.1f} us (1 per graph)  (torch._grouped_mm)"
                 )
             torch._dynamo.reset()
             f = torch.compile(layer, fullgraph=True)
-            one = graph_time_fn(lambda: f(x), DEV, warmup=3, iters=50, calls=1).median_ms
-            print(f"  layer (torch router)              {one * 1e3:7.1f} us (1 per graph)")
+            one = time_us(lambda: f(x), calls=1)
+            print(f"  layer as built (its own router)   {one:7.1f} us (1 per graph)")
 
-        if not DRY:  # per-kernel profile of the compiled layer (torch router), 10 calls
+        if not DRY:  # per-kernel profile of the compiled layer as built, 10 calls
             torch._dynamo.reset()
             f = torch.compile(layer, fullgraph=True)
             for _ in range(3):

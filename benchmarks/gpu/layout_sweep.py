@@ -2,7 +2,8 @@
 bytes, over a sweep of shapes (one H200 run): bit-exact check against the torch reference, device
 time in a CUDA graph, the eager ``do_bench`` median, and the host time of one eager call.
 
-PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/gpu/layout_sweep.py [--quick]
+PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
+    python3 benchmarks/gpu/layout_sweep.py [--quick]
 
 Targets (issue "Compatibility"): graph time <= 1.3x the clone's, eager <= 2x the clone's, on
 every shape (G > 32, C not a multiple of 4, C < 16 included). ``--host`` adds the breakdown of an
@@ -17,43 +18,15 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
-from _gpu_common import graph_us
+from common import FAILS, bench_us, clone_of, graph_us, host_us
 
 from moe_kernels import mxfp8 as mx
 from moe_kernels._reference import mxfp8 as ref
 
 DRY = os.environ.get("LAYOUT_SWEEP_DRY_RUN") == "1"
 dev = torch.device("cpu" if DRY else "cuda")
-
-
-def do_bench_us(fn) -> float:
-    if DRY:
-        return graph_us(fn, 1, 1, dry=True)
-    from triton.testing import do_bench
-
-    return 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def host_us(fn, calls: int = 200) -> float:
-    """Wall time per call of ``calls`` back-to-back calls (median of 5 loops): the host's cost
-    where the GPU keeps up."""
-    calls, loops = (2, 1) if DRY else (calls, 5)
-    for _ in range(3):
-        fn()
-    if not DRY:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(loops):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) * 1e6 / calls)
-        if not DRY:
-            torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def ends(R: int, G: int, seed: int) -> torch.Tensor:
@@ -63,13 +36,7 @@ def ends(R: int, G: int, seed: int) -> torch.Tensor:
     return torch.cat([cuts, torch.tensor([R])]).to(torch.int32)
 
 
-def clone_fn(nbytes: int):
-    buf = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=dev)
-    return lambda: buf.clone()
-
-
 ROWS: list[tuple] = []
-FAILS: list[str] = []
 
 
 def run_case(kind: str, shape: tuple, host: bool) -> None:
@@ -93,10 +60,10 @@ def run_case(kind: str, shape: tuple, host: bool) -> None:
         nbytes = s_d.numel() + want.numel()
     if not ok:
         FAILS.append(f"{kind} {shape}")
-    clone = clone_fn(nbytes)
+    clone = clone_of(nbytes, dev)
     ours_g, clone_g = graph_us(fn, 10, 20, DRY), graph_us(clone, 10, 20, DRY)
-    ours_e, clone_e = do_bench_us(fn), do_bench_us(clone)
-    h = (host_us(fn), host_us(clone)) if host else (float("nan"),) * 2
+    ours_e, clone_e = bench_us(fn, dry=DRY), bench_us(clone, dry=DRY)
+    h = (host_us(fn, dry=DRY), host_us(clone, dry=DRY)) if host else (float("nan"),) * 2
     ROWS.append((kind, shape, ok, ours_g, clone_g, ours_e, clone_e, *h))
     print(
         f"{kind} {str(shape):20} {'ok' if ok else 'FAIL'} graph {ours_g:7.2f} / {clone_g:7.2f} "
@@ -147,7 +114,7 @@ def config_sweep() -> None:
             FAILS.append(f"config {kind} {shape}")
         times = [graph_us(f, 10, 20, DRY) for f in fns]
         best = min(range(len(configs)), key=lambda i: times[i])
-        clone = graph_us(clone_fn(nbytes), 10, 20, DRY)
+        clone = graph_us(clone_of(nbytes, dev), 10, 20, DRY)
         print(
             f"  {kind} {str(shape):18} {'ok' if ok else 'FAIL'} "
             + " ".join(f"{t:6.2f}" for t in times)
@@ -170,7 +137,7 @@ def host_breakdown() -> None:
         ("clone", lambda: s.clone()),
         ("view", lambda: s.view(torch.uint8)),
     ]:
-        print(f"  {name:12} {host_us(fn):7.2f}", flush=True)
+        print(f"  {name:12} {host_us(fn, dry=DRY):7.2f}", flush=True)
 
 
 def main() -> None:

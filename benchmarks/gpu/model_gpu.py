@@ -4,7 +4,8 @@ vs eager, no host syncs), then times. Prints short tables; every section is guar
 does not hide the rest.
 
 PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
-    python3 packages/moe-model/gpu/model_gpu.py
+    python3 benchmarks/gpu/model_gpu.py            # H200
+DRY=1 python3 benchmarks/gpu/model_gpu.py      # CPU smoke run, tiny sizes
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from common import bench_us, capture, forbid_host_sync
 
 from moe_model import MoELayer, WorldEngine, WorldModelConfig, count_parameters
 
@@ -32,11 +33,7 @@ def left() -> float:
 
 
 def us(fn) -> float:
-    if DRY:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    return do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+    return bench_us(fn, dry=DRY, warmup_ms=10, rep_ms=60)
 
 
 def sync() -> None:
@@ -68,14 +65,12 @@ def no_sync(fn) -> str:
         fn()
         return "n/a (cpu)"
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
     try:
-        fn()
+        with forbid_host_sync():
+            fn()
         return "ok"
     except Exception as e:
         return f"SYNC: {str(e)[:80]}"
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,15 +130,7 @@ def moe_layer(T: int = 2048, impls=("torch", "triton_bf16", "triton_fp32", "mxfp
                 if DRY:
                     continue
                 # CUDA graph of the compiled layer.
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(2):
-                        comp(x)
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    y_g = comp(x)
+                g, y_g = capture(lambda c=comp: c(x), warmup=2)
                 g.replay()
                 gdiff = (y_g.float() - yc.float()).abs().max().item()
                 t_g = us(g.replay)

@@ -1,6 +1,7 @@
 """Launch-config sweep of the column-wise MXFP8 cast (``to_mxfp8_dim1``) on one GPU.
 
-PYTHONPATH=packages/moe-kernels/src python3 packages/moe-kernels/gpu/mxfp8_dim1_sweep.py
+PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
+    python3 benchmarks/gpu/mxfp8_dim1_sweep.py [--dry-run]
 
 For (16384, 8192) and (131072, 2048) bf16 and (8192, 4096) fp32: every kernel variant / launch
 config in ``CONFIGS`` is checked bit-exact (data and scale bytes, rceil) against
@@ -30,7 +31,8 @@ if DRY:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from common import FAILS, bench_us, capture, check, clone_of, forbid_host_sync, poison  # noqa: E402
+from common import same_bits as same  # noqa: E402
 
 from moe_kernels import mxfp8 as mx  # noqa: E402
 from moe_kernels._reference import mxfp8 as ref  # noqa: E402
@@ -81,7 +83,6 @@ else:
 BUDGET_S = float(os.environ.get("MXFP8_SWEEP_BUDGET_S", "108"))
 
 ROWS: list[tuple[str, str, float, float, str]] = []
-FAILS: list[str] = []
 SKIPPED: list[str] = []
 
 
@@ -98,30 +99,6 @@ def make_x(M: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     if dtype == torch.float32:
         x[32:64, 4] = 1e-40
     return x.to(dtype)
-
-
-def poison(nbytes: int) -> None:
-    """Leave 0x5A-filled blocks in the caching allocator so fresh outputs start as garbage."""
-    blocks = [torch.full((n,), 0x5A, dtype=torch.uint8, device=dev) for n in (nbytes, nbytes // 32)]
-    del blocks
-
-
-def u8(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8)
-
-
-def same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    return all(
-        g.shape == w.shape and torch.equal(u8(g), u8(w)) for g, w in zip(got, want, strict=True)
-    )
-
-
-def bench_us(fn) -> float:
-    if DRY:  # one interpreted call: checks the code path only
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
 def label(M: int, K: int, dtype: torch.dtype) -> str:
@@ -158,15 +135,14 @@ def sweep_shape(M: int, K: int, dtype: torch.dtype) -> None:
     if not oracle_ok:
         FAILS.append(f"{shape} oracle")
     nbytes = x.numel() * x.element_size() + M * K + M * K // 32
-    buf = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=dev)
-    clone_us = bench_us(lambda: buf.clone())
+    clone_us = bench_us(clone_of(nbytes, dev), dry=DRY)
     add_row(shape, "clone (same bytes)", clone_us, clone_us, "-")
     for name, cfg in CONFIGS:
         what = f"{shape} {name}"
         if over_budget(what):
             continue
         try:
-            poison(M * K)
+            poison(M * K, byte=0x5A, device=dev)
             got = tq.to_mxfp8_dim1(x, False, config=cfg)
             exact = "ok" if same(got, want) else "MISMATCH"
             if exact != "ok":
@@ -181,12 +157,16 @@ def sweep_shape(M: int, K: int, dtype: torch.dtype) -> None:
             fail(what, exc)
     try:
         add_row(
-            shape, "row-wise to_mxfp8 (M,K)", bench_us(lambda: tq.to_mxfp8(x, False)), clone_us, "-"
+            shape,
+            "row-wise to_mxfp8 (M,K)",
+            bench_us(lambda: tq.to_mxfp8(x, False), dry=DRY),
+            clone_us,
+            "-",
         )
         add_row(
             shape,
             "torch reference dim1",
-            bench_us(lambda: ref.to_mxfp8_dim1(x, "rceil")),
+            bench_us(lambda: ref.to_mxfp8_dim1(x, "rceil"), dry=DRY),
             clone_us,
             "-",
         )
@@ -203,7 +183,7 @@ def check_floor() -> None:
         if name not in FLOOR_CONFIGS or over_budget(f"floor {name}"):
             continue
         try:
-            poison(M * K)
+            poison(M * K, byte=0x5A, device=dev)
             ok = same(tq.to_mxfp8_dim1(x, True, config=cfg), want)
             print(f"  [{'ok' if ok else 'MISMATCH'}] {name}", flush=True)
             if not ok:
@@ -219,24 +199,16 @@ def check_no_sync_and_graph() -> None:
         tq.to_mxfp8_dim1(x, False)  # compile outside the checks
         mx.to_mxfp8_dim1(x)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with forbid_host_sync():
             got = tq.to_mxfp8_dim1(x, False)
             got_pub = mx.to_mxfp8_dim1(x)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        print(f"  [{'ok' if same(got, want) and same(got_pub, want) else 'FAIL'}] no host sync")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = tq.to_mxfp8_dim1(x, False)
+        check("no host sync", same(got, want) and same(got_pub, want))
+        graph, out = capture(lambda: tq.to_mxfp8_dim1(x, False))
         for t in out:
             t.view(torch.uint8).fill_(0x5A)
         graph.replay()
         torch.cuda.synchronize()
-        ok = same(out, want)
-        print(f"  [{'ok' if ok else 'FAIL'}] CUDA graph replay", flush=True)
-        if not ok:
-            FAILS.append("cuda graph")
+        check("CUDA graph replay", same(out, want))
     except Exception as exc:  # noqa: BLE001
         fail("sync / graph", exc)
 

@@ -1,7 +1,7 @@
 """GPU check and timing of the mxfp8 ops (one H200 run).
 
 PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
-    python3 packages/moe-kernels/gpu/mxfp8_gpu.py
+    python3 benchmarks/gpu/mxfp8_gpu.py
 
 Checks (bit-exact vs the torch reference, which runs on the CPU copy): casts (both modes, fp32 /
 bf16 / fp16, NaN / inf / zero / subnormal blocks, hardware and integer e4m3 rounding), the
@@ -20,13 +20,21 @@ from __future__ import annotations
 import math
 import os
 import struct
-import time
 import traceback
 
 import numpy as np
 import torch
-from _gpu_common import graph_us
-from triton.testing import do_bench
+from common import (
+    FAILS,
+    bench_us,
+    capture,
+    check,
+    forbid_host_sync,
+    graph_us,
+    host_us,
+    poison,
+    same_bits,
+)
 
 from moe_kernels import mxfp8 as mx
 from moe_kernels._reference import mxfp8 as ref
@@ -35,7 +43,7 @@ from moe_kernels._triton import mxfp8_quant as tq
 
 DRY = os.environ.get("MXFP8_GPU_DRY_RUN") == "1"
 dev = torch.device("cpu" if DRY else "cuda")
-FAILS: list[str] = []
+POISON = 0x5A  # what fresh outputs start as (not 0xFF: the scale byte of inf / NaN blocks)
 ROWS: list[tuple] = []
 HOST: list[tuple] = []
 
@@ -51,32 +59,8 @@ except Exception as exc:  # noqa: BLE001 - a peer only, report and go on
     ao_2d = ao_3d = None
 
 
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
-    if not ok:
-        FAILS.append(name)
-
-
 def u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).cpu()
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(u8(a), u8(b))
-
-
-def same_float(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.cpu(), b.cpu()
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    na, nb = torch.isnan(a), torch.isnan(b)
-    return torch.equal(na, nb) and torch.equal(a[~na], b[~nb])
-
-
-def poison(nbytes: int) -> None:
-    """Leave 0x5A-filled blocks in the caching allocator so fresh outputs start as garbage."""
-    blocks = [torch.full((nbytes + 4096,), 0x5A, dtype=torch.uint8, device=dev) for _ in range(3)]
-    del blocks
 
 
 def make_x(M: int, K: int, dtype: torch.dtype, seed: int = 0, special: bool = True) -> torch.Tensor:
@@ -117,7 +101,7 @@ def check_casts() -> None:
                 for native in (True, False):
                     if DRY and native:
                         continue
-                    poison(M * K * 4)
+                    poison(M * K * 4, byte=POISON, device=dev)
                     d, s = tq.to_mxfp8(xd, mode == "floor", native_cast=native)
                     ok = same_bits(d, rd) and same_bits(s, rs)
                     check(f"to_mxfp8 {M}x{K} {dtype} {mode} native={native}", ok)
@@ -125,7 +109,7 @@ def check_casts() -> None:
                 for native in (True, False):
                     if DRY and native:
                         continue
-                    poison(M * K * 4)
+                    poison(M * K * 4, byte=POISON, device=dev)
                     d1, s1 = tq.to_mxfp8_dim1(
                         xd[: M // 32 * 32], mode == "floor", native_cast=native
                     )
@@ -143,12 +127,10 @@ def check_casts() -> None:
                     check(f"to_mxfp8 {bm}x{bk} {M}x{K} {dtype} {mode}", ok)
                 d, s = mx.to_mxfp8(xd, scaling_mode=mode)
                 for out_dtype in OUT_DTYPES:
-                    poison(M * K * 4)
+                    poison(M * K * 4, byte=POISON, device=dev)
                     got = mx.from_mxfp8(d, s, out_dtype)
                     want = ref.from_mxfp8(d.cpu(), s.cpu(), out_dtype)
-                    check(
-                        f"from_mxfp8 {M}x{K} {dtype} {mode} -> {out_dtype}", same_float(got, want)
-                    )
+                    check(f"from_mxfp8 {M}x{K} {dtype} {mode} -> {out_dtype}", same_bits(got, want))
     # batched dim1 (the grouped GEMM's weight cast)
     b = make_x(3 * 64, 96, torch.bfloat16, seed=5, special=False).view(3, 64, 96)
     rd = torch.stack([ref.to_mxfp8_dim1(b[e], "rceil")[0].view(torch.uint8) for e in range(3)])
@@ -162,7 +144,7 @@ def check_casts() -> None:
         for out_dtype in OUT_DTYPES:
             got = tq.from_mxfp8(data.to(dev), scale.to(dev), out_dtype, block_m=bm, block_k=bk)
             want = ref.from_mxfp8(data, scale, out_dtype)
-            check(f"from_mxfp8 {bm}x{bk} all bytes -> {out_dtype}", same_float(got, want))
+            check(f"from_mxfp8 {bm}x{bk} all bytes -> {out_dtype}", same_bits(got, want))
 
 
 # ------------------------------------------------------------- special values (a fixed table)
@@ -345,7 +327,7 @@ def check_layouts() -> None:
         want, want_rows = ref.to_blocked_per_group_2d(s, ends)
         n = int(want_rows[-1])
         for bc in (None, 32, 64):
-            poison(s.numel() * 2 + 128 * len(ends) * C)
+            poison(s.numel() * 2 + 128 * len(ends) * C, byte=POISON, device=dev)
             got, rows = tlay.to_blocked_per_group_2d(s.to(dev), ends.to(dev), block_c=bc)
             ok = torch.equal(rows.cpu(), want_rows) and same_bits(got[:n], want[:n])
             check(f"2d {R}x{C} G={len(ends)} block_c={bc}", ok)
@@ -360,7 +342,7 @@ def check_layouts() -> None:
         s = torch.randint(0, 256, (E, N, C), generator=g, dtype=torch.uint8)
         want = ref.to_blocked_per_group_3d(s)
         for bc in (None, 32, 64):
-            poison(s.numel() * 2)
+            poison(s.numel() * 2, byte=POISON, device=dev)
             check(
                 f"3d {E}x{N}x{C} block_c={bc}",
                 same_bits(tlay.to_blocked_per_group_3d(s.to(dev), block_c=bc), want),
@@ -383,7 +365,7 @@ def check_grouped_mm() -> None:
     sizes = [5, 0, 40, 1, 18] if DRY else [100, 0, 333, 1, 590, 0, 7, 1000]
     M = sum(sizes) + 16
     a, b, ends = grouped_problem(M, 256 if not DRY else 64, 64 if not DRY else 24, sizes, seed=1)
-    poison(M * 1024 * 4)
+    poison(M * 1024 * 4, byte=POISON, device=dev)
     got = mx.mxfp8_grouped_mm(a.to(dev), b.to(dev), ends.to(dev)).cpu()
     # same numerics on the CPU reference path (dequantised operands are exact in bf16)
     want = ref.grouped_mm_dequantized(
@@ -433,32 +415,21 @@ def check_sync_graph_compile() -> None:
         for i, (p, q) in enumerate(zip(outs, eager, strict=True)):
             if i == 5:
                 p, q = p[:n2], q[:n2]
-            ok &= (
-                same_float(p, q) if p.dtype in (torch.bfloat16, torch.float32) else same_bits(p, q)
-            )
+            ok &= same_bits(p, q)
         return ok
 
     if DRY:
         return
     try:
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        outs = run_all_ops(*args)
-        torch.cuda.set_sync_debug_mode(0)
+        with forbid_host_sync():
+            outs = run_all_ops(*args)
         check("no host sync (set_sync_debug_mode error)", same_all(outs))
     except Exception:
-        torch.cuda.set_sync_debug_mode(0)
         traceback.print_exc()
         check("no host sync (set_sync_debug_mode error)", False)
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run_all_ops(*args)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = run_all_ops(*args)
+        graph, outs = capture(lambda: run_all_ops(*args))
         graph.replay()
         torch.cuda.synchronize()
         check("CUDA graph capture + replay", same_all(outs))
@@ -479,32 +450,13 @@ def check_sync_graph_compile() -> None:
 
 def bench(fn) -> float:
     """do_bench median (L2 flushed before every call), us."""
-    if DRY:
-        fn()
-        return float("nan")
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    return bench_us(fn, dry=DRY)
 
 
-def graph_bench(fn, n: int = 10) -> float:
-    """Median per-call GPU time of n back-to-back calls replayed from one CUDA graph, us (no host
-    overhead, no L2 flush)."""
-    if DRY:
-        return float("nan")
-    return graph_us(fn, n, 9)
-
-
-def host_us(fn, n: int = 200) -> float:
-    """Host time per eager call, us (a launch-bound loop)."""
-    if DRY:
-        return float("nan")
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+def graph_bench(fn) -> float:
+    """Per-call GPU time of 10 back-to-back calls replayed from one CUDA graph (median of 9
+    replays), us: no host overhead, no L2 flush."""
+    return graph_us(fn, 10, 9, DRY)
 
 
 class Table:
@@ -552,9 +504,9 @@ def time_layouts() -> None:
         HOST.append(
             (
                 f"2d {R}x{C}",
-                host_us(lambda s=s, e=ends: mx.to_blocked_per_group_2d(s, e)),
-                host_us(lambda s=s, e=ends: mx._blocked_2d_op(s, e)),
-                host_us(lambda s=s: s.clone()),
+                host_us(lambda s=s, e=ends: mx.to_blocked_per_group_2d(s, e), dry=DRY),
+                host_us(lambda s=s, e=ends: mx._blocked_2d_op(s, e), dry=DRY),
+                host_us(lambda s=s: s.clone(), dry=DRY),
             )
         )
     shapes3 = [(8, 2048, 224), (8, 7168, 64), (16, 4096, 64)] if not DRY else [(2, 256, 64)]

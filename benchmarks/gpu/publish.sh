@@ -4,11 +4,11 @@
 # a markdown page rendered from the JSON ($OUT/BENCHMARKS.md).
 #
 # From the repository root, on the device machine (packages not installed, so PYTHONPATH):
-#   bash packages/moe-tools/gpu/publish.sh
+#   bash benchmarks/gpu/publish.sh
 # Without $OUT it writes benchmarks/results/<machine>-<date>/. About 6-8 minutes on one H200,
 # most of it torch.compile. Set SKIP_VERIFY=1 to leave out the correctness pass.
 set -uo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH="packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 if [ -z "${OUT:-}" ]; then

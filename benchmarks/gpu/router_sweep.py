@@ -1,9 +1,9 @@
 """GPU check and config sweep of the fused router ``router_scores`` (one H200 run, < 90 s).
 
 PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
-    python3 packages/moe-kernels/gpu/router_sweep.py            # H200
-    python3 packages/moe-kernels/gpu/router_sweep.py --dry-run  # CPU, interpreter, tiny shapes
-    python3 packages/moe-kernels/gpu/router_sweep.py --ptx      # CPU: compile for sm_90a
+    python3 benchmarks/gpu/router_sweep.py            # H200
+    python3 benchmarks/gpu/router_sweep.py --dry-run  # CPU, interpreter, tiny shapes
+    python3 benchmarks/gpu/router_sweep.py --ptx      # CPU: compile for sm_90a
 
 Shapes: T in {512, 2048, 16384} tokens, D = 2048, E in {16, 128}; x bf16 ~ N(0, 1), router
 weight fp32 ~ N(0, 1/D) (the model's init), softmax scores (sigmoid checked once per shape).
@@ -46,8 +46,8 @@ if DRY:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
-from _gpu_common import compile_sm90  # noqa: E402
-from _gpu_common import graph_us as _graph_us  # noqa: E402
+from common import FAILS, compile_sm90, forbid_host_sync, poison, torch_router_scores  # noqa: E402
+from common import graph_us as _graph_us  # noqa: E402
 
 from moe_kernels._reference import router as ref  # noqa: E402
 from moe_kernels._triton import router as tri  # noqa: E402
@@ -94,18 +94,11 @@ else:
         ],
     }
     CALLS, REPLAYS, TOP_K = 20, 7, 8
-FAILS: list[str] = []
 
 
 def graph_us(fn) -> float:
     """Median over REPLAYS of (a graph of CALLS calls of fn) / CALLS, in microseconds."""
     return _graph_us(fn, CALLS, REPLAYS, DRY)
-
-
-def poison(numel: int) -> None:
-    """Leave NaN-filled blocks in the caching allocator so fresh outputs start as NaN."""
-    blocks = [torch.full((numel + 1024,), float("nan"), device=dev) for _ in range(3)]
-    del blocks
 
 
 U = 2.0**-24
@@ -170,10 +163,6 @@ def cfg_name(c: tri.RouterConfig) -> str:
     )
 
 
-def torch_formula(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(torch.nn.functional.linear(x.float(), w.float()), dim=-1)
-
-
 def run_shape(num_tokens: int, num_experts: int, dim: int, gen: torch.Generator) -> None:
     label = f"T{num_tokens} E{num_experts}"
     x = torch.randn(num_tokens, dim, device=dev, generator=gen).bfloat16()
@@ -183,11 +172,11 @@ def run_shape(num_tokens: int, num_experts: int, dim: int, gen: torch.Generator)
     x_bytes = x.numel() * x.element_size()
 
     clone_us = graph_us(lambda: x.clone())
-    eager_us = graph_us(lambda: torch_formula(x, w))
+    eager_us = graph_us(lambda: torch_router_scores(x, w))
     row(label, "clone of x", clone_us, x_bytes, 0, 0)
     compiled_us = 0.0
     try:
-        compiled = torch.compile(torch_formula, backend="eager" if DRY else "inductor")
+        compiled = torch.compile(torch_router_scores, backend="eager" if DRY else "inductor")
         note, _ = check(compiled(x, w), expected, exact, bound)
         compiled_us = graph_us(lambda: compiled(x, w))
         row(label, "torch eager", eager_us, x_bytes, clone_us, 0)
@@ -198,15 +187,10 @@ def run_shape(num_tokens: int, num_experts: int, dim: int, gen: torch.Generator)
 
     # The public op, launcher default, its first call under the sync check.
     try:
-        poison(num_tokens * num_experts)
-        if not DRY:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        poison(4 * num_tokens * num_experts, device=dev)  # 0xFF: NaN in fp32
+        with forbid_host_sync(not DRY):
             y = router_scores(x, w)
             y_sig = router_scores(x, w, score_fn="sigmoid")
-        finally:
-            if not DRY:
-                torch.cuda.set_sync_debug_mode("default")
         note, ok = check(y, expected, exact, bound)
         note_s, ok_s = check(y_sig, ref.router_scores(x, w, "sigmoid"), *oracle(x, w, "sigmoid"))
         ok = ok and ok_s and torch.equal(y, router_scores(x, w))
@@ -227,7 +211,7 @@ def run_shape(num_tokens: int, num_experts: int, dim: int, gen: torch.Generator)
     for cfg in CONFIGS[16 if num_experts <= 32 else 128]:
         name = cfg_name(cfg)
         try:
-            poison(num_tokens * num_experts)
+            poison(4 * num_tokens * num_experts, device=dev)
             y = tri.router_scores(x, w, False, cfg)
             note, ok = check(y, expected, exact, bound)
             if not torch.equal(y, tri.router_scores(x, w, False, cfg)):

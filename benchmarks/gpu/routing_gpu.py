@@ -1,21 +1,21 @@
-"""GPU check and timing of index_shuffling and route (one H200 run).
+"""GPU checks of index_shuffling and route (one H200 run): every kept plan bit-exact.
 
-PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
-    python3 packages/moe-kernels/gpu/routing_gpu.py
+    PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
+        python3 benchmarks/gpu/routing_gpu.py
 
-Checks (bit-exact vs the torch reference, run on the GPU too): random non-zero scores, ties,
-NaN/-inf rows, expert ranges, valid counts, column-major layout, fp32/bf16/fp16; outputs poisoned
-through the caching allocator; under ``set_sync_debug_mode("error")``; in a captured CUDA graph
-replayed on new inputs; compiled with ``fullgraph=True``. Then times index_shuffling and route
-(``do_bench`` medians, which flush L2 and so show GPU time; plus back-to-back eager calls, which
-show the host's launch cost too; plus a CUDA-graph replay) beside torch-native routing (topk +
-stable sort + bincount) and a clone of the scores, and sweeps launch configs.
-``fused_stress`` drives the eager calls that take the fused launch (A, grid barrier, C) hundreds
-of times back to back and on two streams at once.
-``ROUTING_GPU_DRY_RUN=1 TRITON_INTERPRET=1`` runs a tiny version on CPU. ``ROUTING_GPU_PARTS``
-picks parts (e.g. ``correctness,no_sync_graph_compile,fused_stress``), ``ROUTING_GPU_CASES=cols``
-only the token-column plans' shapes, ``ROUTING_GPU_JOBS=N`` checks the shapes in N worker
-processes (each compiles its own kernels), ``ROUTING_COLS_ROUTE=0/1`` forces route's plan.
+Bit-exact against the torch reference run on the GPU too: random non-zero scores, ties, NaN /
+-inf / -0.0 rows, expert ranges, valid counts, column-major and padded layouts, fp32 / bf16 /
+fp16, each public call twice (the full launch, then the bound relaunch) and through the custom
+op; outputs poisoned through the caching allocator. The shapes take every plan the chooser keeps
+by default, and ``forced`` runs each plan at GPU sizes through ``Constraints`` (several groups of
+D, the scan launched, rounds of row maxima, ...). Then: no host sync
+(``set_sync_debug_mode("error")``), CUDA graph replay on new inputs, ``torch.compile(fullgraph=
+True)``, and ``cooperative_stress``: eager calls that take the cooperative launch (A, grid
+barrier, C) hundreds of times back to back and on two streams at once. Timings live in
+``moe-bench kernels --sweep routing`` and ``routing_plans.py``.
+``ROUTING_GPU_DRY_RUN=1 TRITON_INTERPRET=1`` runs a tiny version on CPU; ``ROUTING_GPU_PARTS``
+picks parts (e.g. ``correctness,forced``); ``ROUTING_GPU_JOBS=N`` checks the shapes in N worker
+processes (each compiles its own kernels).
 """
 
 from __future__ import annotations
@@ -26,43 +26,17 @@ import traceback
 
 import torch
 import triton
-from triton.testing import do_bench
+from common import FAILS, check, poison
+from common import same_bits as same
 
 from moe_kernels._reference.routing import index_shuffling_reference, route_reference
-from moe_kernels._triton import routing as tri
-from moe_kernels._triton import routing_eager as lane
+from moe_kernels._triton.routing import eager as lane
+from moe_kernels._triton.routing.launch import device_of, problem_of, run
+from moe_kernels._triton.routing.plan import Constraints, choose_plan
 from moe_kernels.routing import index_shuffling, route
 
 DRY = os.environ.get("ROUTING_GPU_DRY_RUN") == "1"
-if os.environ.get("ROUTING_COLS_ROUTE") is not None:  # route on the token columns: 0 / 1
-    tri._COLS_ROUTE = os.environ["ROUTING_COLS_ROUTE"] == "1"  # here, so workers see it too
 dev = torch.device("cpu" if DRY else "cuda")
-FAILS: list[str] = []
-COPY_CEILING = 4.2e12
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
-    if not ok:
-        FAILS.append(name)
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equal; NaN equals NaN (payloads may differ)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype.is_floating_point:
-        na, nb = torch.isnan(a), torch.isnan(b)
-        if not torch.equal(na, nb):
-            return False
-        return torch.equal(a[~na].view(torch.int32), b[~nb].view(torch.int32))
-    return torch.equal(a, b)
-
-
-def poison(nbytes: int) -> None:
-    """Leave 0x7F-filled blocks in the caching allocator so fresh outputs start as garbage."""
-    blocks = [torch.full((nbytes + 4096,), 0x7F, dtype=torch.uint8, device=dev) for _ in range(4)]
-    del blocks
 
 
 def scores(T, E, dtype, kind="softmax", seed=0, layout="row"):
@@ -94,7 +68,7 @@ def check_case(T, E, k, dtype, start=None, end=None, valid=None, kind="softmax",
     # Each shape twice: the first eager call launches through Triton, the second relaunches the
     # bound handles (int addresses into a fresh buffer).
     for renorm, launch in ((False, "full"), (False, "bound"), (True, "full"), (True, "bound")):
-        poison(T * k * 16)
+        poison(T * k * 16, device=dev)
         got = route(
             x,
             k,
@@ -109,7 +83,7 @@ def check_case(T, E, k, dtype, start=None, end=None, valid=None, kind="softmax",
         bad += [f"op:{f}" for f, a, b in zip(got._fields, got, op, strict=True) if not same(a, b)]
         check(f"route renorm={renorm} {launch} {tag}", not bad, str(bad) if bad else "")
     for launch in ("full", "bound"):
-        poison(T * k * 16)
+        poison(T * k * 16, device=dev)
         got = index_shuffling(x, start, end, vtc, k)
         want = index_shuffling_reference(x, s, e, vtc, k)
         bad = [i for i in range(3) if not same(got[i], want[i])]
@@ -280,10 +254,11 @@ def _no_sync_graph_compile(T: int, E: int, k: int, renorm: bool) -> None:
         check("compile", False, "raised")
 
 
-def fused_stress() -> None:
-    """Eager calls that take the fused launch (A, grid barrier, C in one cooperative kernel):
+def cooperative_stress() -> None:
+    """Eager calls, most taking the cooperative launch (A, grid barrier, C in one kernel):
     hundreds back to back on rotating inputs without a sync, then on two streams at once; every
-    kept result bit-exact, and the fused launch really taken (a bound entry with a barrier)."""
+    kept result bit-exact, and the cooperative launch taken wherever the plan has it (a bound
+    entry with a barrier)."""
     cases = [(4096, 16, 8, torch.bfloat16), (4096, 128, 8, torch.bfloat16),
              (8192, 128, 8, torch.float16), (1000, 7, 3, torch.float16),
              (4096, 128, 8, torch.float32), (77, 64, 5, torch.bfloat16)]  # fmt: skip
@@ -310,10 +285,16 @@ def fused_stress() -> None:
         )
         fused = sum(e.barrier is not None for e in lane._BOUND.values())
         public = sum(key[6] is None for key in lane._BOUND)  # the public lane's keys (start None)
-        ok = ok and (DRY or fused > 0)  # the GPU must have taken the fused launch
+        plans = [choose_plan(problem_of(xs[0], k, v, 0, E, False, r), device_of(0))
+                 for v, r in ((None, True), (vtc, False))] if not DRY else []  # fmt: skip
+        want_fused = sum(p.cooperative for p in plans)
+        ok = ok and (DRY or fused == want_fused)  # the cooperative launch wherever planned
         ok = ok and (DRY or public == 2)  # route's and index_shuffling's, by their public calls
-        check(f"fused, {n_calls} back-to-back calls {tag}", ok,
-              f"(fused plans bound: {fused}, public keys: {public})")  # fmt: skip
+        check(
+            f"eager, {n_calls} back-to-back calls {tag}",
+            ok,
+            f"(cooperative plans bound: {fused} of {want_fused}, public keys: {public})",
+        )
         if DRY:
             continue
         streams = [torch.cuda.Stream(), torch.cuda.Stream()]
@@ -327,170 +308,68 @@ def fused_stress() -> None:
         torch.cuda.synchronize()
         ok = all(all(same(a, b) for a, b in zip(outs[w], wants[w][0], strict=True))
                  for w in range(2))  # fmt: skip
-        check(f"fused on two streams at once {tag}", ok)
+        check(f"eager on two streams at once {tag}", ok)
 
 
-def torch_native(x: torch.Tensor, k: int):
-    """topk + stable sort of the expert ids + bincount (what the kernels replace)."""
-    idx = torch.topk(x, k, dim=1).indices.flatten()
-    sorted_e, perm = torch.sort(idx, stable=True)
-    counts = torch.bincount(idx, minlength=x.shape[1])
-    return counts, sorted_e, perm // k
+FORCED = [
+    # (T, E, k, dtype, start, end, valid, constraints): each kept plan at GPU sizes
+    (100000, 48, 4, torch.float32, 3, 40, 99000, Constraints(placement="ranked")),
+    (300000, 64, 12, torch.bfloat16, 0, 64, None, Constraints(placement="sorted")),
+    (300000, 40, 8, torch.float16, 5, 36, 290000, Constraints(placement="sorted")),
+    (200000, 96, 5, torch.float32, 0, 96, None, Constraints(placement="sorted")),
+    (300000, 128, 8, torch.bfloat16, 0, 16, None, Constraints(placement="counted")),
+    (300000, 16, 12, torch.float32, 0, 16, 250000, Constraints(placement="counted")),
+    (300000, 256, 8, torch.bfloat16, 100, 117, None, Constraints(placement="prefix")),
+    (
+        300000,
+        128,
+        8,
+        torch.float16,
+        0,
+        128,
+        None,
+        Constraints(placement="columns", scan_in_c=False, runs_group=16),
+    ),
+    (
+        300000,
+        64,
+        6,
+        torch.bfloat16,
+        4,
+        60,
+        280000,
+        Constraints(placement="columns", scan_in_c=True),
+    ),  # fmt: skip
+    (8192, 128, 8, torch.bfloat16, 0, 128, None, Constraints(placement="columns")),
+    (8192, 32, 8, torch.float32, 0, 32, 8000, Constraints(placement="sorted", scan_in_c=True)),
+]
 
 
-def bench(fn) -> float:
-    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
-
-
-def eager_loop(fn, n=200) -> float:
-    """Back-to-back calls without L2 flushes: includes the host's launch cost."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / n
-
-
-def graph_time(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay)
-
-
-def timings() -> None:
-    print("== timings (us, medians; bf16 scores, top_k=8)")
-    shapes = [(4096, 16), (4096, 128), (65536, 128), (1048576, 128)]
-    k = 8
-    hdr = (
-        f"{'T':>8} {'E':>4} | {'torch':>8} {'idx_shuf':>8} {'route':>8} {'route_op':>8} "
-        f"{'graph':>8} {'eagerIS':>8} {'eagerRt':>8} {'clone':>8} | {'x idx':>6} {'x route':>7} "
-        f"| {'%ceilIS':>7} {'%clnIS':>6} {'%ceilRt':>7}"
-    )
-    rows = []
-    for T, E in shapes:
-        x = scores(T, E, torch.bfloat16, seed=T)
-        t_torch = bench(lambda x=x: torch_native(x, k))
-        t_is = bench(lambda x=x: index_shuffling(x, top_k=k))
-        t_rt = bench(lambda x=x: route(x, k))
-        t_op = bench(lambda x=x, E=E: torch.ops.moe_kernels.route.default(x, k, None, 0, E, False))
-        t_graph = graph_time(lambda x=x: route(x, k))
-        e_is = eager_loop(lambda x=x: index_shuffling(x, top_k=k))
-        e_rt = eager_loop(lambda x=x: route(x, k))
-        t_clone = bench(lambda x=x: x.clone())
-        b_is = x.numel() * 2 + 2 * T * k * 4  # scores once + the two index outputs once
-        b_rt = b_is + T * k * 4 * 2  # + weights and inverse
-        rows.append(
-            f"{T:>8} {E:>4} | {t_torch:8.1f} {t_is:8.1f} {t_rt:8.1f} {t_op:8.1f} {t_graph:8.1f} "
-            f"{e_is:8.1f} {e_rt:8.1f} {t_clone:8.1f} | {t_torch / t_is:6.1f} "
-            f"{t_torch / t_rt:7.1f} | {100 * b_is / t_is / 1e6 / COPY_CEILING * 1e12:7.1f} "
-            f"{100 * (b_is / t_is) / (2 * x.numel() * 2 / t_clone):6.1f} "
-            f"{100 * b_rt / t_rt / 1e6 / COPY_CEILING * 1e12:7.1f}"
-        )
-        print(rows[-1], flush=True)
-    print(hdr)
-    print("\n".join(rows))
-    print(
-        "torch = topk+stable sort+bincount; idx_shuf/route = public calls (eager fast path); "
-        "route_op = through the torch.library dispatcher; graph = route replayed in a CUDA graph; "
-        "eagerIS/eagerRt = back-to-back eager calls, no L2 flush (host cost included); "
-        "%ceil = (scores + index outputs [+ weights, inverse]) / time vs 4.2 TB/s; "
-        "%cln = vs the clone of the scores"
-    )
-
-
-def sweep() -> None:
-    print("== config sweep: GPU time (do_bench us), bf16, k=8; checked against the reference")
-    k = 8
-    b = "BLOCK_T"
-    grid = [
-        (4096, 128, [(32, 1, 4), (32, 1, 8), (16, 1, 4), (16, 1, 2), (32, 1, 4, False)]),
-        (4096, 16, [(32, 1, 2), (32, 1, 1), (16, 1, 1), (32, 1, 4)]),
-        (65536, 128, [(32, 1, 4), (32, 2, 4), (32, 1, 8), (32, 4, 8)]),
-        (
-            1048576,
-            128,
-            [
-                (32, 8, 4),
-                (32, 8, 8),
-                (32, 4, 8),
-                (32, 2, 8),
-                (32, 16, 4),
-                (32, 32, 4),
-                (16, 16, 4),
-                (16, 16, 2),
-                (32, 4, 4),
-            ],
-        ),
-    ]
-    for T, E, cfgs in grid:
-        x = scores(T, E, torch.bfloat16, seed=3)
-        want_is = index_shuffling_reference(x, 0, E, None, k)
-        want_rt = route_reference(x, k, None, 0, E, False)
-        print(f"  T={T} E={E} default={tri._config(T, E, k, False)}", flush=True)
-        for c in cfgs:
-            cfg = {b: c[0], "SUB": c[1], "num_warps": c[2]}
-            if len(c) > 3:
-                cfg["FUSE_SCAN"] = c[3]
+def forced() -> None:
+    """Each kept plan forced at GPU sizes (route and index_shuffling, where the plan applies)."""
+    print("== forced plans (Constraints) bit-exact vs the reference")
+    for T, E, k, dtype, s, e, valid, c in FORCED:
+        T = min(T, 300) if DRY else T
+        x = scores(T, E, dtype, kind="special" if T % 2 else "ties", seed=T + E)
+        vtc = None if valid is None else torch.tensor([min(valid, T)], device=dev)
+        tag = f"T={T} E={E} k={k} {str(dtype)[6:]} [{s},{e}) {c}"
+        for route_op in (True, False):
+            if route_op and c.placement == "prefix":
+                continue
             try:
-
-                def run_is(cfg=cfg, x=x, E=E):
-                    _, _, ei, ti, _, _, tcpe = tri.routing_triton(
-                        x, k, None, 0, E, False, False, False, True, config=cfg
-                    )
-                    return tcpe, ei, ti
-
-                def run_rt(cfg=cfg, x=x, E=E):
-                    return tri.routing_triton(x, k, None, 0, E, False, True, True, False, cfg)[:6]
-
-                ok = all(same(a, b) for a, b in zip(run_is(), want_is, strict=True))
-                ok &= all(same(a, b) for a, b in zip(run_rt(), want_rt, strict=True))
-                print(
-                    f"    {c!s:22} ok={ok} IS {bench(run_is):8.1f}  route {bench(run_rt):8.1f}",
-                    flush=True,
-                )
-                if not ok:
-                    FAILS.append(f"sweep {T} {E} {cfg}")
-            except Exception as exc:
-                print(f"    {c!s:22} raised {exc!r}"[:300])
-                FAILS.append(f"sweep {T} {E} {cfg} raised")
-
-
-def profile() -> None:
-    print("== kernel breakdown (profiler, T=1048576 E=128 k=8 bf16, route)")
-    x = scores(1048576, 128, torch.bfloat16, seed=5)
-    route(x, 8)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            route(x, 8)
-        torch.cuda.synchronize()
-    print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40)
-    )
+                got = run(x, k, vtc, s, e, False, route_op, c, one_buffer=route_op)
+                want = (route_reference(x, k, vtc, s, e, False) if route_op
+                        else index_shuffling_reference(x, s, e, vtc, k))  # fmt: skip
+                check(f"{'route' if route_op else 'index_shuffling'} {tag}", same(got, want))
+            except Exception as exc:  # noqa: BLE001
+                check(f"{tag}", False, f"raised {exc!r}"[:300])
 
 
 def main() -> int:
     print(f"torch {torch.__version__} triton {triton.__version__} device {dev}")
     if not DRY:
         print(torch.cuda.get_device_name())
-    parts = [correctness, no_sync_graph_compile, fused_stress]
-    if not DRY:
-        parts += [timings, sweep, profile]
-    if os.environ.get("ROUTING_COLS_ROUTE") is not None:
-        print(f"route on the token-column plan: {tri._COLS_ROUTE}")
+    parts = [correctness, forced, no_sync_graph_compile, cooperative_stress]
     if os.environ.get("ROUTING_GPU_PARTS"):  # e.g. correctness,timings
         parts = [p for p in parts if p.__name__ in os.environ["ROUTING_GPU_PARTS"].split(",")]
     for part in parts:

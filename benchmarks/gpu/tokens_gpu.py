@@ -1,7 +1,7 @@
 """GPU check and timing of the token-movement ops (one H200 run).
 
 PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
-    python3 packages/moe-kernels/gpu/tokens_gpu.py
+    python3 benchmarks/gpu/tokens_gpu.py
 
 Checks (bit-exact vs the torch reference, run on the GPU too): random non-zero data, outputs
 poisoned with NaN through the caching allocator, under ``set_sync_debug_mode("error")``, in a
@@ -18,7 +18,17 @@ import traceback
 
 import torch
 import triton
-from triton.testing import do_bench
+from common import (
+    FAILS,
+    bench_us,
+    capture,
+    check,
+    clone_of,
+    forbid_host_sync,
+    graph_bench_us,
+    poison,
+)
+from common import same_bits as bitwise
 
 from moe_kernels import tokens as tk
 from moe_kernels._reference import tokens as ref
@@ -27,27 +37,6 @@ from moe_kernels.routing import RoutingPlan
 
 DRY = os.environ.get("TOKENS_GPU_DRY_RUN") == "1"  # CPU + TRITON_INTERPRET=1 smoke run
 dev = torch.device("cpu" if DRY else "cuda")
-FAILS: list[str] = []
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}")
-    if not ok:
-        FAILS.append(name)
-
-
-def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    ia = a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32)
-    ib = b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32)
-    return torch.equal(ia, ib)
-
-
-def poison(nbytes: int) -> None:
-    """Leave NaN-filled blocks in the caching allocator so fresh outputs start as NaN."""
-    blocks = [torch.full((nbytes // 4 + 1024,), float("nan"), device=dev) for _ in range(3)]
-    del blocks
 
 
 def naive_plan(scores_TE: torch.Tensor, k: int, start: int = 0, end: int | None = None):
@@ -82,23 +71,21 @@ def correctness(num_tokens: int, dim: int, k: int, num_experts: int, dtype: torc
     vtc = (plan.token_indices >= 0).sum().reshape(1).int()
     probs = scores.softmax(-1)
 
-    poison(n * dim * 4)
+    poison(n * dim * 4, device=dev)  # 0xFF: NaN in every float dtype
+    with forbid_host_sync(not DRY):
+        g_out = tk.gather_scale_dense_tokens(x, plan.token_indices, plan.expert_indices, probs, vtc)
+        d_out = tk.dispatch(x, plan)
+        ds_out = tk.dispatch(x, plan, scale=True)
+        c_out = tk.combine(ds_out, plan, weighted=True)
+        cu_out = tk.combine(d_out, plan, weighted=False, out_dtype=torch.float32)
+        acc = torch.randn(num_tokens, dim, device=dev, generator=g)
+        acc2 = acc.clone()
+        tk.scatter_add_dense_tokens(acc, ds_out, plan.token_indices, vtc)
+        tk.scatter_add_dense_tokens(acc2, ds_out, plan.token_indices, vtc)
+        acc_bf = torch.randn(num_tokens, dim, device=dev, generator=g).to(torch.bfloat16)
+        acc_bf_in = acc_bf.clone()
+        tk.scatter_add_dense_tokens(acc_bf, ds_out, plan.token_indices)
     if not DRY:
-        torch.cuda.set_sync_debug_mode("error")
-    g_out = tk.gather_scale_dense_tokens(x, plan.token_indices, plan.expert_indices, probs, vtc)
-    d_out = tk.dispatch(x, plan)
-    ds_out = tk.dispatch(x, plan, scale=True)
-    c_out = tk.combine(ds_out, plan, weighted=True)
-    cu_out = tk.combine(d_out, plan, weighted=False, out_dtype=torch.float32)
-    acc = torch.randn(num_tokens, dim, device=dev, generator=g)
-    acc2 = acc.clone()
-    tk.scatter_add_dense_tokens(acc, ds_out, plan.token_indices, vtc)
-    tk.scatter_add_dense_tokens(acc2, ds_out, plan.token_indices, vtc)
-    acc_bf = torch.randn(num_tokens, dim, device=dev, generator=g).to(torch.bfloat16)
-    acc_bf_in = acc_bf.clone()
-    tk.scatter_add_dense_tokens(acc_bf, ds_out, plan.token_indices)
-    if not DRY:
-        torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
     check("no sync (sync_debug_mode=error)", True)
 
@@ -174,14 +161,7 @@ def graph_and_compile(num_tokens: int, dim: int, k: int, num_experts: int) -> No
 
 def graph_replay(step, x, probs, out, plan, dtype) -> None:
     step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static, g_static = step()
+    graph, (y_static, g_static) = capture(step)
     x.copy_(torch.randn_like(x))
     probs.copy_(torch.rand_like(probs))
     out.zero_()
@@ -203,26 +183,14 @@ def graph_replay(step, x, probs, out, plan, dtype) -> None:
 
 
 def bench(fn) -> float:
-    if DRY:
-        fn()
-        return 1.0
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # us
+    """do_bench median (L2 flushed between calls), us."""
+    return bench_us(fn, dry=DRY)
 
 
 def bench_graph(fn) -> float:
-    """Median of replaying ``fn`` captured in a CUDA graph: the GPU time without launch gaps."""
-    if DRY:
-        fn()
-        return 1.0
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay)
+    """do_bench median of replaying ``fn`` captured in a CUDA graph: the GPU time without launch
+    gaps, us."""
+    return graph_bench_us(fn, dry=DRY)
 
 
 ROWS: list[tuple] = []
@@ -250,11 +218,7 @@ def timings(num_tokens: int, dim: int, k: int, num_experts: int) -> None:
     combine_bytes = n * dim * es + num_tokens * dim * es
     scatter_bytes = n * dim * es + 2 * num_tokens * dim * 4
 
-    def clone_of(nbytes):
-        buf = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
-        return bench(lambda: buf.clone())
-
-    c_g, c_c, c_s = clone_of(gather_bytes), clone_of(combine_bytes), clone_of(scatter_bytes)
+    c_g, c_c, c_s = (bench(clone_of(b, dev)) for b in (gather_bytes, combine_bytes, scatter_bytes))
     t_isel = bench(lambda: x.index_select(0, tok64))
     row(shape, "index_select (gather)", t_isel, gather_bytes, c_g, None)
     row(shape, "clone same bytes (gather)", c_g, gather_bytes, c_g, None)
@@ -358,8 +322,6 @@ def main() -> None:
         try:
             section()
         except Exception:
-            if not DRY:
-                torch.cuda.set_sync_debug_mode(0)
             traceback.print_exc()
             FAILS.append("exception")
     print("FAILS:", FAILS or "none")
