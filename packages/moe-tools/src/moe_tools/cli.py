@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +44,26 @@ def _csv(text: str) -> list[str]:
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
         raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def _int_csv(text: str) -> list[int]:
+    return [_positive(item) for item in _csv(text)]
+
+
+def _non_negative(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive(text)
+
+
+SWEEP_DTYPES = ("bf16", "fp32")
+SWEEP_ONLY = ("sweep_T", "sweep_E", "sweep_k", "sweep_dtypes", "jobs")
+
+
+def _sweep_dtypes(text: str) -> list[str]:
+    items = _csv(text)
+    bad = [d for d in items if d not in SWEEP_DTYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"dtypes must be among {SWEEP_DTYPES}, got {bad}")
     return items
 
 
@@ -110,7 +130,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("kernels", parents=[common], help="each kernel vs torch and a clone")
     p.add_argument("--quick", action="store_true", help="small shapes (always on CPU)")
     p.add_argument("--ops", type=_csv, default=None, help="only these ops (e.g. route,combine)")
-    p.add_argument("--plot", metavar="PNG", help="GB/s against size, with the copy ceiling")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="GB/s against size, with the copy ceiling (--sweep: speedup heatmaps)",
+    )
+    p.add_argument(
+        "--sweep",
+        choices=("routing",),
+        default=None,
+        help="a grid instead of the op list: routing = index_shuffling and route over "
+        "T x E x k x dtype, vs torch-native and fbgemm (--ops route narrows it)",
+    )
+    p.add_argument("--sweep-T", type=_int_csv, metavar="T,..", help="token counts of the sweep")
+    p.add_argument("--sweep-E", type=_int_csv, metavar="E,..", help="expert counts of the sweep")
+    p.add_argument("--sweep-k", type=_int_csv, metavar="K,..", help="top-k values of the sweep")
+    p.add_argument("--sweep-dtypes", type=_sweep_dtypes, metavar="bf16,fp32", help="score dtypes")
+    p.add_argument(
+        "--jobs",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="--sweep on CUDA: compile every plan first in N processes (default 0: inline)",
+    )
 
     p = sub.add_parser("verify", parents=[common], help="every kernel vs its reference")
     p.add_argument(
@@ -140,7 +182,9 @@ def _dtype(name: str | None, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def _run(args: argparse.Namespace) -> report.Result:
+def _run(
+    args: argparse.Namespace, checkpoint: Callable[[report.Result], object] | None = None
+) -> report.Result:
     progress = not args.no_progress
     if args.command == "matrix":
         from moe_tools import matrix
@@ -172,6 +216,21 @@ def _run(args: argparse.Namespace) -> report.Result:
             seed=args.seed,
             progress=progress,
         )
+    if args.command == "kernels" and args.sweep == "routing":
+        from moe_tools import routing_sweep
+
+        return routing_sweep.run(
+            device=args.device,
+            quick=args.quick,
+            T=args.sweep_T,
+            E=args.sweep_E,
+            k=args.sweep_k,
+            dtypes=args.sweep_dtypes,
+            ops=args.ops,
+            jobs=args.jobs,
+            seed=args.seed,
+            checkpoint=checkpoint,
+        )
     if args.command == "kernels":
         from moe_tools import kernels
 
@@ -194,7 +253,13 @@ def _args_dict(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``moe-bench``; returns the exit status (1 when ``verify`` finds a failure)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "kernels" and args.sweep is None:
+        given = [n for n in SWEEP_ONLY if getattr(args, n)]
+        if given:
+            flags = ", ".join("--" + n.replace("_", "-") for n in given)
+            parser.error(f"{flags} need(s) --sweep routing")
 
     if args.command == "report":
         text = report.markdown_report(args.results, title=args.title)
@@ -207,11 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.require_matplotlib()  # fail before the measurements, not after
     env = report.environment(args.device)
     print(report.format_environment(env), flush=True)
-    result = _run(args)
-    print(report.format_table(result.rows, result.columns))
-    for line in result.extra.get("notes", []):
-        print(f"# {line}")
-    if args.json:
+
+    def write(result: report.Result) -> Any:
         doc = report.make_document(
             result.command,
             result.rows,
@@ -221,9 +283,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmdline=shlex.join(["moe-bench", *argv]),
             extra=result.extra,
         )
-        print(f"# wrote {report.write_json(args.json, doc)}")
+        return report.write_json(args.json, doc)
+
+    result = _run(args, write if args.json else None)
+    if result.text is not None:
+        print(result.text)
+    else:
+        print(report.format_table(result.rows, result.columns))
+    for line in result.extra.get("notes", []):
+        print(f"# {line}")
+    if args.json:
+        print(f"# wrote {write(result)}")
     if getattr(args, "plot", None):
-        if args.command == "kernels":
+        if getattr(args, "sweep", None):
+            out = report.plot_routing_sweep(result.rows, args.plot)
+        elif args.command == "kernels":
             out = report.plot_kernels(result.rows, result.extra.get("ceiling_gbps"), args.plot)
         else:
             out = report.plot_rollout(
