@@ -234,7 +234,8 @@ def interpreter_blind_spots(x: torch.Tensor) -> np.ndarray:
     """Where the interpreter cannot give the right data byte: bf16 subnormals. Its bf16 -> fp32
     cast (triton.runtime.interpreter._convert_float, 3.8 and 3.9) renormalises them and then
     drops the exponent, so 2**-133 arrives as 0 and 1e-39 as another subnormal (still exponent 0,
-    so the block's scale stays right). The GPU converts them exactly (gpu/mxfp8_gpu.py checks)."""
+    so the block's scale stays right). The GPU converts them exactly
+    (benchmarks/gpu/mxfp8_gpu.py checks)."""
     if not INTERPRET or x.dtype != torch.bfloat16:
         return np.zeros(tuple(x.shape), bool)
     a = x.float().abs()

@@ -230,7 +230,8 @@ _IMPLS: dict[str, Callable] = {
 
 # Where ``moe_kernels.router_scores`` replaces the torch formula (x cast to fp32, fp32 GEMM,
 # softmax). H200, D=2048, E=16: 11.2 vs 24.1 us alone at 2048 tokens, 7.0 vs 14.4 us at 512
-# (with prefetched D chunks; gpu/router_sweep.py); for E=128 cuBLAS stays faster (58 vs 44 us).
+# (with prefetched D chunks; benchmarks/gpu/router_sweep.py); for E=128 cuBLAS stays faster
+# (58 vs 44 us).
 KERNEL_ROUTER_IMPLS: tuple[str, ...] = ("triton_bf16", "triton_fp32", "mxfp8")
 KERNEL_ROUTER_MAX_E = 32
 

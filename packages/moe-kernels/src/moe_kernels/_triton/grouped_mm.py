@@ -227,11 +227,11 @@ def pick_config(
 ) -> GemmConfig:
     """Tiles, warps and stages from the problem and the GPU's shared memory per block.
 
-    GPU: 64 x 256 x 64 tiles, 8 warps, 4 stages, B (and sorted A) through TMA: the fastest of
-    the H200 sweep (``gpu/grouped_mm_sweep.py``, 2048 tokens, E=16, k=8, D=2048 -> N=1024 with
-    SiLU: 135 us against 163 us for dispatch + ``torch._grouped_mm`` + SiLU). BN/BK shrink for
-    small N/D; stages drop until the tiles fit in ``smem`` (e.g. ~100 KiB on consumer GPUs);
-    TMA only on ``hopper`` (compute capability 9.0 and later).
+    GPU: 64 x 256 x 64 tiles, 8 warps, 4 stages, B (and sorted A) through TMA: the fastest of the
+    H200 sweep (``benchmarks/gpu/grouped_mm_sweep.py``, 2048 tokens, E=16, k=8, D=2048 -> N=1024
+    with SiLU: 135 us against 163 us for dispatch + ``torch._grouped_mm`` + SiLU). BN/BK shrink for
+    small N/D; stages drop until the tiles fit in ``smem`` (e.g. ~100 KiB on consumer GPUs); TMA
+    only on ``hopper`` (compute capability 9.0 and later).
     Interpreter: few, large programs (each program costs ~0.4 ms of numpy overhead).
     """
     if INTERPRET:

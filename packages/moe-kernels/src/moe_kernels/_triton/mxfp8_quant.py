@@ -448,7 +448,7 @@ def dim1_config(
     else:
         # 16 rows x 4 columns per thread (256 x 64 tiles, 8 warps), packed with inline PTX:
         # 8-byte bf16 loads (a warp reads 2 rows x 128 bytes per load), one 16-byte store per
-        # column. H200 (gpu/mxfp8_dim1_sweep.py, bit-exact): 91% of the copy ceiling at
+        # column. H200 (benchmarks/gpu/mxfp8_dim1_sweep.py, bit-exact): 91% of the copy ceiling at
         # (16384, 8192) bf16, 90% at (131072, 2048), 94% at (8192, 4096) fp32; 128 x 64 without
         # the packing 86% / 86% / 38%; the old transposed-tile kernel 45% / 45% / 64%.
         rpt, kv = cfg.get("RPT", 16), cfg.get("KV", 4)

@@ -161,10 +161,10 @@ def pick_config(num_tokens: int, dim: int, num_experts: int) -> RouterConfig:
     GPU: per-lane partial sums (``acc3``) with the next D chunk's loads issued before the
     current chunk's FMAs (``prefetch``); the (BLOCK_T, BLOCK_E, BLOCK_D) fp32 accumulator is kept
     at <= 128 registers per thread (ptxas: no spills). H200, D=2048, graph medians
-    (``gpu/router_sweep.py``, session 5): E=16: 4 x 128 at T=512 (7.0 us vs 14.4 us for the
-    torch formula compiled), 16 x 64 at T=2048 (11.2 vs 24.1), 16 x 32 at T=16384 (76 vs 135);
-    E=128, where the compiled formula (cuBLAS) stays faster: 4 x 64 with 8 warps at T=512 (28.5
-    vs 19.3, no prefetch), 8 x 16 above (58 vs 44 at T=2048). Under the interpreter: few, large
+    (``benchmarks/gpu/router_sweep.py``, session 5): E=16: 4 x 128 at T=512 (7.0 us vs 14.4 us for
+    the torch formula compiled), 16 x 64 at T=2048 (11.2 vs 24.1), 16 x 32 at T=16384 (76 vs 135);
+    E=128, where the compiled formula (cuBLAS) stays faster: 4 x 64 with 8 warps at T=512 (28.5 vs
+    19.3, no prefetch), 8 x 16 above (58 vs 44 at T=2048). Under the interpreter: few, large
     programs with ``tl.dot``.
     """
     be = block_e(num_experts)
