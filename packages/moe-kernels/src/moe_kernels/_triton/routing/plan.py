@@ -34,6 +34,7 @@ The rules, in order (measurements behind them: ``docs/routing.md``):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -201,8 +202,10 @@ def _rows_blocks(
     return block_t, c.sub or sub, 1 if d.interpret else warps
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_plan(p: Problem, d: Device, c: Constraints | None = None) -> Plan:
-    """The plan of problem ``p`` on device ``d`` (the module's rules), within ``c``."""
+    """The plan of problem ``p`` on device ``d`` (the module's rules), within ``c``. Cached: a
+    call of a kind seen before pays a lookup, not the rules."""
     c = c or Constraints()
     placement = _family(p, c)
     k_pad = next_pow2(p.top_k)
