@@ -20,13 +20,14 @@ import triton
 
 from ..._dispatch import INTERPRET
 from ..._routing_outputs import RoutingPlan, ShuffledIndices
+from ..blocks import next_pow2
 from ..grid_sync import barrier_words
 from ..launch import BoundLaunches, FastKernel, Rel, current_stream, fast_path_open
 from . import eager as lane
 from .expert_runs import expert_runs_kernel
 from .fused import fused_kernel
 from .place import PLACE, place_kernel
-from .plan import INTERPRETER, Constraints, Device, Plan, Problem, choose_plan, next_pow2
+from .plan import INTERPRETER, Constraints, Device, Plan, Problem, choose_plan
 from .scan import scan_kernel
 from .topk_columns import topk_columns_kernel
 from .topk_rows import topk_rows_kernel

@@ -40,6 +40,8 @@ from typing import Literal
 
 import torch
 
+from ..blocks import cdiv, next_pow2
+
 Placement = Literal["ranked", "sorted", "counted", "prefix", "columns"]
 TopK = Literal["rounds", "insert", "threshold"]
 
@@ -51,15 +53,6 @@ SORT_PAIRS = 512  # pairs a program for C's sort (rounds)
 COLUMNS_TOKENS = 128
 INSERT_TOKENS = 64
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
