@@ -131,6 +131,9 @@ def launches(p: Problem, plan: Plan) -> Launches:
 
 @functools.lru_cache(maxsize=16)
 def device_of(index: int) -> Device:
+    """The ``Device`` of CUDA device ``index`` (``INTERPRETER`` under the interpreter)."""
+    if INTERPRET:
+        return INTERPRETER
     return Device(sm_count=torch.cuda.get_device_properties(index).multi_processor_count)
 
 
@@ -229,8 +232,7 @@ def run(
                 return out
     p = problem_of(scores_TE, top_k, vtc, start, end, renormalize, route)
     dev = scores_TE.device
-    d = INTERPRETER if INTERPRET else device_of(dev.index or 0)
-    plan = choose_plan(p, d, constraints)
+    plan = choose_plan(p, device_of(dev.index or 0), constraints)
     ln = launches(p, plan)
     if one_buffer:
         buf = torch.empty(sum(ln.sizes), dtype=torch.int32, device=dev)
