@@ -26,7 +26,7 @@ import torch
 
 from moe_kernels._reference.routing import index_shuffling_reference, route_reference
 from moe_kernels._triton.routing.launch import device_of, problem_of, run
-from moe_kernels._triton.routing.plan import INTERPRETER, Constraints, Problem, choose_plan
+from moe_kernels._triton.routing.plan import Constraints, Problem, choose_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -42,14 +42,10 @@ def scores(T: int, E: int, dtype: torch.dtype, dev: str) -> torch.Tensor:
     return torch.randn(T, E, device=dev, generator=g).softmax(-1).to(dtype)
 
 
-def device(dev: str):
-    return INTERPRETER if dev == "cpu" else device_of(0)
-
-
 def candidates(x: torch.Tensor, k: int, route: bool) -> dict[str, Constraints | None]:
     """The variants of a problem: name -> constraints (None: the default plan)."""
     T, E = x.shape
-    d = device(x.device.type)
+    d = device_of(0)  # the interpreter's under TRITON_INTERPRET=1
     big = Problem(1 << 20, E, k, 0, E, x.dtype, route, words=x.dtype != torch.float32)
     out: dict[str, Constraints | None] = {"default": None}
     prob = problem_of(x, k, None, 0, E, False, route)
@@ -93,7 +89,7 @@ def time_problem(prob: tuple, dev: str, dry: bool) -> list[dict]:
     route = op == "route"
     rows = []
     for name, c in candidates(x, k, route).items():
-        plan = choose_plan(problem_of(x, k, None, 0, E, False, route), device(dev), c)
+        plan = choose_plan(problem_of(x, k, None, 0, E, False, route), device_of(0), c)
         graph = common.graph_us(lambda c=c: call(x, k, route, c), calls=10, replays=5, dry=dry)
         eager = common.bench_us(lambda c=c: call(x, k, route, c, True), dry=dry, warmup_ms=5,
                                 rep_ms=20)  # fmt: skip
