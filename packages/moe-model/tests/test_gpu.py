@@ -52,3 +52,11 @@ def test_cuda_graph_rollout_matches_eager(compile):
     again = [graph.gen_frame(return_img=False) for _ in range(n)]
     assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
     assert ptrs == (graph.cache.k.data_ptr(), graph.cache.v.data_ptr())
+
+
+def test_compile_captures_cuda_graphs_by_default():
+    cfg = WorldModelConfig.from_preset("tiny", moe_impl="triton_bf16")
+    eng = WorldEngine(cfg, device="cuda", dtype=torch.bfloat16, compile=True)
+    assert eng.cuda_graph and eng._graphs  # the fast mode
+    plain = WorldEngine(cfg, device="cuda", dtype=torch.bfloat16, compile=True, cuda_graph=False)
+    assert not plain.cuda_graph and not plain._graphs

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from moe_model.autoencoder import LatentDecoder
 from moe_model.blocks import Block
@@ -28,6 +29,11 @@ from moe_model.moe import MoELayer, check_bool, check_dtype, check_impl
 from moe_model.rope import Rope3D
 
 Ctrl = Mapping[str, object] | None
+
+# torch.profiler ranges around a frame's transformer work and its decode (what ``moe-bench
+# rollout --profile`` attributes kernels by; near free when no profiler runs).
+FRAME_SCOPE = "moe_model::frame"
+DECODE_SCOPE = "moe_model::decode"
 
 
 def timestep_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
@@ -229,7 +235,7 @@ class WorldEngine:
         dtype: torch.dtype = torch.bfloat16,
         impl: str | None = None,
         compile: bool = False,
-        cuda_graph: bool = False,
+        cuda_graph: bool | None = None,
         seed: int = 0,
         _init_weights: bool = True,
     ) -> None:
@@ -241,7 +247,7 @@ class WorldEngine:
         self.device = _check_device(device)
         check_dtype(dtype, moe_impl, name="dtype")
         _check_int("seed", seed, -(2**63), 2**64)  # the range torch.manual_seed takes
-        self._check_runtime(compile, cuda_graph)
+        cuda_graph = self._check_runtime(compile, cuda_graph)
         self.dtype, self.seed = dtype, seed
         if _init_weights:
             with torch.random.fork_rng(devices=[]):
@@ -286,11 +292,12 @@ class WorldEngine:
         self.compiled = False
         self.set_runtime(compile=compile, cuda_graph=cuda_graph)
 
-    def set_runtime(self, *, compile: bool, cuda_graph: bool) -> None:
+    def set_runtime(self, *, compile: bool, cuda_graph: bool | None = None) -> None:
         """Switch between eager, ``torch.compile(fullgraph=True)`` denoise and cache passes, and
         CUDA-graph replay (captured now, after a warm-up; the state is then reset). The decoder
-        runs eager (inside its own CUDA graph when ``cuda_graph``)."""
-        self._check_runtime(compile, cuda_graph)
+        runs eager (inside its own CUDA graph when ``cuda_graph``). ``cuda_graph=None`` (the
+        default) means ``compile`` on a CUDA device: the fast mode unless told otherwise."""
+        cuda_graph = self._check_runtime(compile, cuda_graph)
         if compile and self.compiled:
             pass  # keep the compiled passes (and dynamo's cache)
         elif compile:
@@ -303,11 +310,15 @@ class WorldEngine:
         if cuda_graph:
             self._capture()
 
-    def _check_runtime(self, compile: object, cuda_graph: object) -> None:
+    def _check_runtime(self, compile: object, cuda_graph: object) -> bool:
+        """The checked ``cuda_graph`` flag, None resolved to ``compile`` on CUDA."""
         check_bool("compile", compile)
+        if cuda_graph is None:
+            return bool(compile) and self.device.type == "cuda"
         check_bool("cuda_graph", cuda_graph)
         if cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph=True needs a CUDA device")
+        return cuda_graph
 
     # -- device work of one frame (static shapes, no host syncs) --------------------------------
 
@@ -396,20 +407,22 @@ class WorldEngine:
         else the clean latent (C, latent_h, latent_w) fp32 on the engine's device (a copy).
         """
         check_bool("return_img", return_img)
-        self._set_ctrl(ctrl)
-        self._noise.normal_(generator=self._gen)
-        masked = self._frames_done < self.config.window
-        if self._graphs:
-            self._graphs[masked].replay()
-        else:
-            self._frame_work(masked)
-        self._frames_done += 1
+        with record_function(FRAME_SCOPE):
+            self._set_ctrl(ctrl)
+            self._noise.normal_(generator=self._gen)
+            masked = self._frames_done < self.config.window
+            if self._graphs:
+                self._graphs[masked].replay()
+            else:
+                self._frame_work(masked)
+            self._frames_done += 1
         if not return_img:
             return self._latent.clone()
-        if self._graph_dec is not None:
-            self._graph_dec.replay()
-        else:
-            self._decode_work()
+        with record_function(DECODE_SCOPE):
+            if self._graph_dec is not None:
+                self._graph_dec.replay()
+            else:
+                self._decode_work()
         return self._img.to("cpu", copy=True)
 
     def rollout(
@@ -455,7 +468,7 @@ class WorldEngine:
         dtype: torch.dtype = torch.bfloat16,
         impl: str | None = None,
         compile: bool = False,
-        cuda_graph: bool = False,
+        cuda_graph: bool | None = None,
         seed: int = 0,
     ) -> WorldEngine:
         """Load an engine written by ``save_pretrained`` (weights cast to ``dtype``; routers
@@ -484,6 +497,7 @@ class WorldEngine:
             dtype=dtype,
             impl=impl,
             compile=compile,
+            cuda_graph=False,
             seed=seed,
             _init_weights=False,
         )
@@ -499,6 +513,6 @@ class WorldEngine:
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(state[name])
-        if cuda_graph:
+        if eng._check_runtime(compile, cuda_graph):
             eng.set_runtime(compile=compile, cuda_graph=True)
         return eng
