@@ -17,6 +17,12 @@ def test_parser_defaults_and_errors(capsys):
     assert args.impls == ["torch", "triton_bf16"] and args.tokens == 32
     assert isinstance(args.device, torch.device)
     assert p.parse_args(["rollout", "--compile", "--cuda-graph"]).cuda_graph is True
+    rollout = p.parse_args(["rollout", "--compile"])  # the engine decides: graphs on CUDA
+    assert rollout.cuda_graph is None and rollout.profile is False
+    assert rollout.profile_frames is None
+    assert p.parse_args(["rollout", "--compile", "--no-cuda-graph"]).cuda_graph is False
+    args = p.parse_args(["rollout", "--profile", "--profile-frames", "3"])
+    assert args.profile is True and args.profile_frames == 3
     assert p.parse_args(["kernels", "--quick"]).quick is True
     assert p.parse_args(["verify", "--device", "cpu"]).device == torch.device("cpu")
     for bad in (
@@ -28,11 +34,20 @@ def test_parser_defaults_and_errors(capsys):
         ["matrix", "--impls", ","],
         ["kernels", "--device", "tpu"],
         ["report"],  # --results is required
+        ["rollout", "--cuda-graph", "--no-cuda-graph"],
+        ["rollout", "--profile-frames", "0"],
     ):
         with pytest.raises(SystemExit) as exc:
             p.parse_args(bad)
         assert exc.value.code == 2, bad
     capsys.readouterr()
+
+
+def test_profile_frames_need_profile(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["rollout", "--device", "cpu", "--profile-frames", "2"])
+    assert exc.value.code == 2
+    assert "--profile-frames needs --profile" in capsys.readouterr().err
 
 
 def test_version(capsys):

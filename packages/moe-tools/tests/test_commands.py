@@ -109,6 +109,23 @@ def test_rollout_row_on_tiny_preset():
     assert row["impl"] == WorldModelConfig.from_preset("tiny").moe_impl
 
 
+def test_rollout_leaves_cuda_graphs_to_the_engine(monkeypatch):
+    built = []
+
+    def spy(preset, **kw):
+        built.append(kw["cuda_graph"])
+        return build(preset, **kw)
+
+    build = rollout.build_engine
+    monkeypatch.setattr(rollout, "build_engine", spy)
+    res = rollout.run(device="cpu", preset="tiny", frames=1, warmup_frames=0, progress=False)
+    assert built == [None]  # passed through: the engine's default applies
+    (row,) = res.rows
+    assert row["status"] == "ok" and row["cuda_graph"] is False  # what the engine did (CPU)
+    assert res.extra["title"].endswith("cuda_graph=False") and "profile" not in res.extra
+    assert res.text is None
+
+
 def test_rollout_unavailable_rows():
     res = rollout.run(device="cpu", preset="tiny", frames=1, cuda_graph=True, progress=False)
     assert res.rows[0]["status"].startswith("unavailable: --cuda-graph needs")

@@ -122,10 +122,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="untimed frames first (default 8 on CUDA, 2 on CPU)",
     )
     p.add_argument("--impl", default=None, help="MoE implementation (default: the preset's)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--cuda-graph", action="store_true", help="capture a frame in a CUDA graph")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (on CUDA with CUDA graphs, unless --no-cuda-graph)",
+    )
+    graphs = p.add_mutually_exclusive_group()
+    graphs.add_argument(
+        "--cuda-graph",
+        dest="cuda_graph",
+        action="store_const",
+        const=True,
+        default=None,
+        help="replay every frame from CUDA graphs (default: with --compile on CUDA)",
+    )
+    graphs.add_argument(
+        "--no-cuda-graph",
+        dest="cuda_graph",
+        action="store_const",
+        const=False,
+        help="no CUDA graphs, even with --compile",
+    )
     p.add_argument("--dtype", **dtype)
-    p.add_argument("--plot", metavar="PNG", help="per-frame time over the rollout")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="then profile steady frames: device time per kernel category, host time, launches",
+    )
+    p.add_argument(
+        "--profile-frames",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="frames profiled with --profile (default 16 on CUDA, 2 on CPU)",
+    )
+    p.add_argument(
+        "--plot", metavar="PNG", help="per-frame time over the rollout (--profile: the breakdown)"
+    )
 
     p = sub.add_parser("kernels", parents=[common], help="each kernel vs torch and a clone")
     p.add_argument("--quick", action="store_true", help="small shapes (always on CPU)")
@@ -215,6 +248,8 @@ def _run(
             dtype=_dtype(args.dtype, args.device),
             seed=args.seed,
             progress=progress,
+            profile=args.profile,
+            profile_frames=args.profile_frames,
         )
     if args.command == "kernels" and args.sweep == "routing":
         from moe_tools import routing_sweep
@@ -260,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if given:
             flags = ", ".join("--" + n.replace("_", "-") for n in given)
             parser.error(f"{flags} need(s) --sweep routing")
+    if args.command == "rollout" and args.profile_frames and not args.profile:
+        parser.error("--profile-frames needs --profile")
 
     if args.command == "report":
         text = report.markdown_report(args.results, title=args.title)
@@ -299,6 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = report.plot_routing_sweep(result.rows, args.plot)
         elif args.command == "kernels":
             out = report.plot_kernels(result.rows, result.extra.get("ceiling_gbps"), args.plot)
+        elif args.profile:
+            out = report.plot_profile(
+                result.extra.get("profile", {}), args.plot, title=result.extra.get("title", "")
+            )
         else:
             out = report.plot_rollout(
                 result.extra.get("frame_ms", []), args.plot, title=result.extra.get("title", "")

@@ -4,7 +4,8 @@ Building the engine and a few warm-up frames first (they include compilation and
 capture, reported together as ``setup_s``), then ``engine.reset()`` and the timed rollout: every
 frame bracketed by CUDA events (perf_counter on CPU), frames per second from the wall time of the
 whole timed rollout, the peak allocator figures over it, and the allocated memory after frame 16
-and after the last frame.
+and after the last frame. With ``profile``, :mod:`moe_tools.rollout_profile` then profiles a few
+steady frames of the same engine: ``extra["profile"]``, printed after the row.
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ def build_engine(
     dtype: torch.dtype,
     impl: str | None,
     compile: bool,
-    cuda_graph: bool,
+    cuda_graph: bool | None,
     seed: int,
     overrides: dict[str, Any] | None = None,
 ) -> Any:
-    """A ``moe_model.WorldEngine`` for ``preset`` with config ``overrides``."""
+    """A ``moe_model.WorldEngine`` for ``preset`` with config ``overrides`` (``cuda_graph=None``:
+    the engine's default, graphs when compiled on CUDA)."""
     from moe_model import WorldEngine, WorldModelConfig
 
     config = WorldModelConfig.from_preset(preset, **(overrides or {}))
@@ -117,6 +119,10 @@ def measure_rollout(
     }
 
 
+def _title(preset: str, impl: str | None, compile: bool, cuda_graph: bool | None) -> str:
+    return f"rollout {preset} impl={impl} compile={compile} cuda_graph={cuda_graph}"
+
+
 def run(
     *,
     device: torch.device | str | None = None,
@@ -125,13 +131,19 @@ def run(
     warmup_frames: int | None = None,
     impl: str | None = None,
     compile: bool = False,
-    cuda_graph: bool = False,
+    cuda_graph: bool | None = None,
     dtype: torch.dtype | None = None,
     seed: int = 0,
     progress: bool = True,
     overrides: dict[str, Any] | None = None,
+    profile: bool = False,
+    profile_frames: int | None = None,
 ) -> Result:
-    """One row: the rollout's figures; ``extra["frame_ms"]`` holds the per-frame times."""
+    """One row: the rollout's figures; ``extra["frame_ms"]`` holds the per-frame times.
+    ``cuda_graph=None`` leaves it to the engine (graphs when compiled on CUDA); the row shows what
+    the engine did. ``profile``: then ``profile_frames`` steady frames (default 16 on CUDA, 2 on
+    CPU) under ``torch.profiler``, ``extra["profile"]`` (``rollout_profile.Breakdown.to_dict``, or
+    a failed status) and the breakdown printed after the row (``text``)."""
     device = torch.device(device) if device is not None else default_device()
     cuda = device.type == "cuda"
     preset = preset or ("seed-moe" if cuda else "tiny")
@@ -140,9 +152,8 @@ def run(
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
     row: Row = {c: None for c in COLUMNS}
     row.update(preset=preset, impl=impl, compile=compile, cuda_graph=cuda_graph, frames=frames)
-    title = f"rollout {preset} impl={impl or 'default'} compile={compile} cuda_graph={cuda_graph}"
     extra: dict[str, Any] = {
-        "title": title,
+        "title": _title(preset, impl or "default", compile, cuda_graph),
         "dtype": str(dtype).removeprefix("torch."),
         "warmup_frames": warmup_frames,
         "overrides": overrides or {},
@@ -150,6 +161,10 @@ def run(
     if cuda_graph and not cuda:
         row["status"] = "unavailable: --cuda-graph needs a CUDA device"
         return Result("rollout", [row], COLUMNS, extra)
+    if profile:
+        from moe_tools import rollout_profile
+
+        rollout_profile.prepare_cuda_graphs(device)  # before the engine captures its graphs
     t0 = time.perf_counter()
     try:
         engine = build_engine(
@@ -167,7 +182,8 @@ def run(
         return Result("rollout", [row], COLUMNS, extra)
     build_s = time.perf_counter() - t0
     row["impl"] = impl or getattr(getattr(engine, "config", None), "moe_impl", None)
-    extra["title"] = title.replace("impl=default", f"impl={row['impl']}")
+    row["cuda_graph"] = engine.cuda_graph
+    extra["title"] = _title(preset, row["impl"], compile, engine.cuda_graph)
     row["params"] = int(engine.num_parameters())
     row["active_params"] = int(engine.num_active_parameters())
     try:
@@ -182,4 +198,15 @@ def run(
     row.update(figures)
     row["setup_s"] = build_s + figures["setup_s"]
     row["status"] = "ok"
-    return Result("rollout", [row], COLUMNS, extra)
+    if not profile:
+        return Result("rollout", [row], COLUMNS, extra)
+    try:
+        with torch.no_grad():
+            found = rollout_profile.profile_engine(
+                engine, profile_frames or (16 if cuda else 2), device=device
+            )
+        extra["profile"] = found.to_dict()
+    except Exception as exc:
+        extra["profile"] = {"status": f"failed: {short_error(exc)}"}
+    text = f"{report.format_table([row], COLUMNS)}\n\n{report.format_profile(extra['profile'])}"
+    return Result("rollout", [row], COLUMNS, extra, text=text)
