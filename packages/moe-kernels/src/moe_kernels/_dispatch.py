@@ -7,6 +7,10 @@
 * ``MOE_KERNELS_BACKEND=reference`` forces the reference everywhere (handy to bisect a GPU issue);
   ``MOE_KERNELS_BACKEND=triton`` forces the kernels (CPU then needs ``TRITON_INTERPRET=1``).
 
+Ops are registered by ``register_op``: a ``torch.library`` custom op with a fake kernel that, under
+``torch.compile``, is traced into the graph where its kernels run on CUDA (what
+``torch.library.triton_op`` does), so Inductor emits the Triton launches in its own code.
+
 Triton is imported only where a kernel runs (``triton_kernels``), so ``import moe_kernels`` and
 every op's CPU path work without it (macOS, or any platform without Triton wheels); a call that
 would run a kernel then raises a ``RuntimeError`` naming the package to install.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
@@ -66,6 +71,64 @@ def triton_kernels(module: str) -> ModuleType:
 def op_name(name: str) -> str:
     """The qualified custom-op name, ``moe_kernels::<name>``."""
     return f"{NAMESPACE}::{name}"
+
+
+def _traced_kernels(args: Sequence[object]) -> bool:
+    """Whether an op call with these arguments runs Triton kernels that ``wrap_triton`` can trace:
+    on CUDA tensors (the device of the first tensor argument), not in the interpreter (whose
+    kernels are plain Python functions) and not forced onto the reference."""
+    if INTERPRET or _BACKEND == "reference":
+        return False
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first is not None and first.device.type == "cuda"
+
+
+def _decompose(impl: Callable) -> Callable:
+    """The FunctionalTensorMode rule of an op: run ``impl`` under the mode (its launches become
+    ``wrap_triton`` nodes Inductor lowers) where ``_traced_kernels``, else keep the op opaque.
+    Tensor subclasses other than fake and functional ones, and ``torch.export`` (which keeps
+    custom ops whole, as it does for triton ops), keep it too."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    def known(t: type) -> bool:
+        return t in (torch.Tensor, FunctionalTensor) or issubclass(t, FakeTensor)
+
+    def rule(mode, func, types, args, kwargs):  # noqa: ANN001, ANN202
+        decompose = getattr(torch._functorch.config, "decompose_custom_triton_ops", True)
+        if not (decompose and _traced_kernels(args) and all(map(known, types))):
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        with mode:
+            return impl(*args, **kwargs)
+
+    return rule
+
+
+def register_op(
+    name: str, impl: Callable, fake: Callable, mutates_args: tuple[str, ...] = ()
+) -> torch.library.CustomOpDef:
+    """The custom op ``moe_kernels::<name>``: ``impl`` (the Triton launch or the reference, by
+    device), ``fake`` its fake kernel, ``mutates_args`` the inputs it writes in place.
+
+    Under ``torch.compile`` (AOT autograd's FunctionalTensorMode) a call on CUDA tensors is traced
+    into the graph rather than kept as an opaque op, as ``torch.library.triton_op`` does: the
+    launchers (``_triton/launch.py``) launch through ``wrap_triton`` while tracing, so Inductor
+    emits the kernels in its generated code (its own launchers and planned allocations, no
+    dispatcher round trip a call). CPU calls stay opaque: the reference must not be recompiled
+    by Inductor (its fp32 sums would change order), and the interpreter's kernels cannot be
+    traced. Eager calls, fake tensors and ``torch.export`` see a plain custom op."""
+    op = torch.library.custom_op(op_name(name), mutates_args=mutates_args)(impl)
+    op.register_fake(fake)
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    op.register_torch_dispatch(FunctionalTensorMode, _decompose(impl))
+    return op
+
+
+def tracing() -> bool:
+    """Whether a dispatch mode is active (Inductor's trace, fake tensors, make_fx): launchers
+    then go through ``wrap_triton`` and must not read device addresses."""
+    return _get_current_dispatch_mode() is not None
 
 
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)

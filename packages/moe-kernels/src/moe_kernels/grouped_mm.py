@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, op_name, triton_kernels, use_triton
+from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
 from moe_kernels._reference import grouped_mm as _ref
 
 __all__ = ["ACTIVATIONS", "gather_grouped_mm"]
@@ -46,13 +46,12 @@ def _impl(
     )
 
 
-_op = torch.library.custom_op(op_name("gather_grouped_mm"), mutates_args=())(_impl)
-
-
-@_op.register_fake
-def _(x, w, offsets, row_indices, activation):
+def _fake(x, w, offsets, row_indices, activation):
     num_rows = x.shape[0] if row_indices is None else row_indices.shape[0]
     return x.new_empty((num_rows, w.shape[1]))
+
+
+_op = register_op("gather_grouped_mm", _impl, _fake)
 
 
 def gather_grouped_mm(

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate as v
-from ._dispatch import eager_direct, op_name, triton_kernels, use_triton
+from ._dispatch import eager_direct, register_op, triton_kernels, use_triton
 from ._reference import mxfp8 as _ref
 
 __all__ = [
@@ -98,18 +98,15 @@ def _to_mxfp8_impl(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, to
     return _ref.to_mxfp8(x, scaling_mode)
 
 
-@torch.library.custom_op(op_name("to_mxfp8"), mutates_args=())
-def _to_mxfp8_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _to_mxfp8_impl(x, scaling_mode)
-
-
-@_to_mxfp8_op.register_fake
-def _(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _to_mxfp8_fake(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     return (
         x.new_empty((M, K), dtype=torch.float8_e4m3fn),
         x.new_empty((M, K // BLOCK), dtype=torch.float8_e8m0fnu),
     )
+
+
+_to_mxfp8_op = register_op("to_mxfp8", _to_mxfp8_impl, _to_mxfp8_fake)
 
 
 def to_mxfp8(x: torch.Tensor, *, scaling_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,18 +126,15 @@ def _to_mxfp8_dim1_impl(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tenso
     return _ref.to_mxfp8_dim1(x, scaling_mode)
 
 
-@torch.library.custom_op(op_name("to_mxfp8_dim1"), mutates_args=())
-def _to_mxfp8_dim1_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _to_mxfp8_dim1_impl(x, scaling_mode)
-
-
-@_to_mxfp8_dim1_op.register_fake
-def _(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _to_mxfp8_dim1_fake(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     return (
         x.new_empty((K, M), dtype=torch.float8_e4m3fn),
         x.new_empty((K, M // BLOCK), dtype=torch.float8_e8m0fnu),
     )
+
+
+_to_mxfp8_dim1_op = register_op("to_mxfp8_dim1", _to_mxfp8_dim1_impl, _to_mxfp8_dim1_fake)
 
 
 def to_mxfp8_dim1(
@@ -163,14 +157,11 @@ def _from_mxfp8_impl(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return _ref.from_mxfp8(data, scale, dtype)
 
 
-@torch.library.custom_op(op_name("from_mxfp8"), mutates_args=())
-def _from_mxfp8_op(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return _from_mxfp8_impl(data, scale, dtype)
-
-
-@_from_mxfp8_op.register_fake
-def _(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _from_mxfp8_fake(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return data.new_empty(data.shape, dtype=dtype)
+
+
+_from_mxfp8_op = register_op("from_mxfp8", _from_mxfp8_impl, _from_mxfp8_fake)
 
 
 def from_mxfp8(
@@ -220,15 +211,12 @@ def _to_blocked_impl(scale: torch.Tensor) -> torch.Tensor:
     return _ref.to_blocked(scale).clone()
 
 
-@torch.library.custom_op(op_name("to_blocked"), mutates_args=())
-def _to_blocked_op(scale: torch.Tensor) -> torch.Tensor:
-    return _to_blocked_impl(scale)
-
-
-@_to_blocked_op.register_fake
-def _(scale: torch.Tensor) -> torch.Tensor:
+def _to_blocked_fake(scale: torch.Tensor) -> torch.Tensor:
     R, C = scale.shape
     return scale.new_empty((_ceil_to(R, 128), _ceil_to(C, 4)))
+
+
+_to_blocked_op = register_op("to_blocked", _to_blocked_impl, _to_blocked_fake)
 
 
 def to_blocked(scale: torch.Tensor) -> torch.Tensor:
@@ -249,18 +237,17 @@ def _group_offsets_impl(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, 
     return _ref.compute_per_group_blocked_scale_offsets(group_end_offsets)
 
 
-@torch.library.custom_op(op_name("compute_per_group_blocked_scale_offsets"), mutates_args=())
-def _group_offsets_op(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _group_offsets_impl(group_end_offsets)
-
-
-@_group_offsets_op.register_fake
-def _(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_offsets_fake(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     G = group_end_offsets.shape[0]
     return (
         group_end_offsets.new_empty((G,), dtype=torch.int32),
         group_end_offsets.new_empty((G + 1,), dtype=torch.int32),
     )
+
+
+_group_offsets_op = register_op(
+    "compute_per_group_blocked_scale_offsets", _group_offsets_impl, _group_offsets_fake
+)
 
 
 def compute_per_group_blocked_scale_offsets(
@@ -288,21 +275,18 @@ def _blocked_2d_impl(
     return _ref.to_blocked_per_group_2d(scales, group_end_offsets)
 
 
-@torch.library.custom_op(op_name("to_blocked_per_group_2d"), mutates_args=())
-def _blocked_2d_op(
+def _blocked_2d_fake(
     scales: torch.Tensor, group_end_offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _blocked_2d_impl(scales, group_end_offsets)
-
-
-@_blocked_2d_op.register_fake
-def _(scales: torch.Tensor, group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     R, C = scales.shape
     G = group_end_offsets.shape[0]
     return (
         scales.new_empty((R + 128 * G, _ceil_to(C, 4))),
         group_end_offsets.new_empty((G + 1,), dtype=torch.int32),
     )
+
+
+_blocked_2d_op = register_op("to_blocked_per_group_2d", _blocked_2d_impl, _blocked_2d_fake)
 
 
 def to_blocked_per_group_2d(
@@ -330,15 +314,12 @@ def _blocked_3d_impl(scales: torch.Tensor) -> torch.Tensor:
     return _ref.to_blocked_per_group_3d(scales).clone()
 
 
-@torch.library.custom_op(op_name("to_blocked_per_group_3d"), mutates_args=())
-def _blocked_3d_op(scales: torch.Tensor) -> torch.Tensor:
-    return _blocked_3d_impl(scales)
-
-
-@_blocked_3d_op.register_fake
-def _(scales: torch.Tensor) -> torch.Tensor:
+def _blocked_3d_fake(scales: torch.Tensor) -> torch.Tensor:
     E, N, C = scales.shape
     return scales.new_empty((E, _ceil_to(N, 128) * _ceil_to(C, 4)))
+
+
+_blocked_3d_op = register_op("to_blocked_per_group_3d", _blocked_3d_impl, _blocked_3d_fake)
 
 
 def to_blocked_per_group_3d(scales: torch.Tensor) -> torch.Tensor:
@@ -426,18 +407,15 @@ def _mxfp8_grouped_mm_impl(
     return _ref.grouped_mm_dequantized(a_dq, b_dq, offsets, out_dtype)
 
 
-@torch.library.custom_op(op_name("mxfp8_grouped_mm"), mutates_args=())
-def _mxfp8_grouped_mm_op(
-    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    return _mxfp8_grouped_mm_impl(a, b, offsets, out_dtype)
-
-
-@_mxfp8_grouped_mm_op.register_fake
-def _(
+def _mxfp8_grouped_mm_fake(
     a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype)
+
+
+_mxfp8_grouped_mm_op = register_op(
+    "mxfp8_grouped_mm", _mxfp8_grouped_mm_impl, _mxfp8_grouped_mm_fake
+)
 
 
 def mxfp8_grouped_mm(

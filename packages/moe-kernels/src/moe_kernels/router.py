@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, op_name, triton_kernels, use_triton
+from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
 from moe_kernels._reference import router as _ref
 
 __all__ = ["SCORE_FNS", "router_scores"]
@@ -32,12 +32,11 @@ def _router_impl(x: torch.Tensor, weight: torch.Tensor, score_fn: str) -> torch.
     return _triton().router_scores(x, weight, score_fn == "sigmoid")
 
 
-_router_op = torch.library.custom_op(op_name("router_scores"), mutates_args=())(_router_impl)
-
-
-@_router_op.register_fake
-def _(x, weight, score_fn):
+def _router_fake(x, weight, score_fn):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+_router_op = register_op("router_scores", _router_impl, _router_fake)
 
 
 def _setup_context(ctx, inputs, output):

@@ -17,7 +17,7 @@ import functools
 import torch
 
 from . import _validate as V
-from ._dispatch import eager_direct, op_name, plain_eager, triton_kernels, use_triton
+from ._dispatch import eager_direct, plain_eager, register_op, triton_kernels, use_triton
 from ._reference.routing import index_shuffling_reference, route_reference
 from ._routing_outputs import RoutingPlan, ShuffledIndices
 
@@ -100,8 +100,7 @@ def _index_shuffling_run(
     )  # fmt: skip
 
 
-@torch.library.custom_op(op_name("index_shuffling"), mutates_args=())
-def _index_shuffling_op(
+def _index_shuffling_impl(
     routing_scores: torch.Tensor,
     expert_index_start: int,
     expert_index_end: int,
@@ -115,8 +114,8 @@ def _index_shuffling_op(
     )
 
 
-@_index_shuffling_op.register_fake
-def _(routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k):
+def _index_shuffling_fake(routing_scores, expert_index_start, expert_index_end,
+                          valid_token_count, top_k):  # fmt: skip
     T, E = routing_scores.shape
     new = routing_scores.new_empty
     return (
@@ -124,6 +123,9 @@ def _(routing_scores, expert_index_start, expert_index_end, valid_token_count, t
         new(T * top_k, dtype=torch.int32),
         new(T * top_k, dtype=torch.int32),
     )
+
+
+_index_shuffling_op = register_op("index_shuffling", _index_shuffling_impl, _index_shuffling_fake)
 
 
 def index_shuffling(
@@ -193,8 +195,7 @@ def _route_run(
     )  # fmt: skip
 
 
-@torch.library.custom_op(op_name("route"), mutates_args=())
-def _route_op(
+def _route_impl(
     scores: torch.Tensor,
     top_k: int,
     valid_token_count: torch.Tensor | None,
@@ -209,8 +210,8 @@ def _route_op(
     )
 
 
-@_route_op.register_fake
-def _(scores, top_k, valid_token_count, expert_index_start, expert_index_end, renormalize):
+def _route_fake(scores, top_k, valid_token_count, expert_index_start, expert_index_end,
+                renormalize):  # fmt: skip
     T, _ = scores.shape
     L = expert_index_end - expert_index_start
     P = T * top_k
@@ -224,6 +225,9 @@ def _(scores, top_k, valid_token_count, expert_index_start, expert_index_end, re
         new(P, dtype=torch.float32),
         new(T, top_k, dtype=i32),
     )
+
+
+_route_op = register_op("route", _route_impl, _route_fake)
 
 
 def route(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, op_name, triton_kernels, use_triton
+from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
 from moe_kernels._reference import tokens as _ref
 from moe_kernels.routing import RoutingPlan
 
@@ -69,14 +69,11 @@ def _gather_scale_impl(
     )
 
 
-_gather_scale_op = torch.library.custom_op(op_name("gather_scale_dense_tokens"), mutates_args=())(
-    _gather_scale_impl
-)
-
-
-@_gather_scale_op.register_fake
-def _(x, token_indices, expert_indices, scores, valid_token_count):
+def _gather_scale_fake(x, token_indices, expert_indices, scores, valid_token_count):
     return x.new_empty((token_indices.shape[0], x.shape[1]))
+
+
+_gather_scale_op = register_op("gather_scale_dense_tokens", _gather_scale_impl, _gather_scale_fake)
 
 
 def gather_scale_dense_tokens(
@@ -125,14 +122,13 @@ def _scatter_add_impl(
     _triton().scatter_add_sorted(out_tokens, in_tokens, src_N, bounds_T1)
 
 
-_scatter_add_op = torch.library.custom_op(
-    op_name("scatter_add_dense_tokens"), mutates_args=("out_tokens",)
-)(_scatter_add_impl)
-
-
-@_scatter_add_op.register_fake
-def _(out_tokens, in_tokens, token_indices, valid_token_count):
+def _scatter_add_fake(out_tokens, in_tokens, token_indices, valid_token_count):
     return None
+
+
+_scatter_add_op = register_op(
+    "scatter_add_dense_tokens", _scatter_add_impl, _scatter_add_fake, mutates_args=("out_tokens",)
+)
 
 
 def scatter_add_dense_tokens(
@@ -192,12 +188,11 @@ def _dispatch_impl(
     )
 
 
-_dispatch_op = torch.library.custom_op(op_name("dispatch"), mutates_args=())(_dispatch_impl)
-
-
-@_dispatch_op.register_fake
-def _(x, token_indices, weights, scale):
+def _dispatch_fake(x, token_indices, weights, scale):
     return x.new_empty((token_indices.shape[0], x.shape[1]))
+
+
+_dispatch_op = register_op("dispatch", _dispatch_impl, _dispatch_fake)
 
 
 def _combine_impl(
@@ -212,12 +207,11 @@ def _combine_impl(
     return _triton().combine(y, inverse, weights.contiguous() if weighted else None, out_dtype)
 
 
-_combine_op = torch.library.custom_op(op_name("combine"), mutates_args=())(_combine_impl)
-
-
-@_combine_op.register_fake
-def _(y, inverse, weights, weighted, out_dtype):
+def _combine_fake(y, inverse, weights, weighted, out_dtype):
     return y.new_empty((inverse.shape[0], y.shape[1]), dtype=out_dtype)
+
+
+_combine_op = register_op("combine", _combine_impl, _combine_fake)
 
 
 def _check_plan(plan: object, ref_name: str, ref: torch.Tensor) -> RoutingPlan:

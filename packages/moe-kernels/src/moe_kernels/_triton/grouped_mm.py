@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels._dispatch import INTERPRET
+from moe_kernels._dispatch import INTERPRET, tracing
 from moe_kernels._triton.blocks import cdiv, next_pow2
-from moe_kernels._triton.launch import FastKernel
+from moe_kernels._triton.launch import FastKernel, aligned
 
 try:  # host-side TMA descriptors (triton >= 3.4); without them ``tma=True`` configs use pointers
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -40,13 +40,11 @@ ACT_NONE, ACT_SILU = 0, 1
 
 
 @triton.jit
-def _find_tile(
-    offs_ptr, E, P, t, BM: tl.constexpr, BLOCK_E: tl.constexpr
-) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """(segment, first row, end row) of m-tile t; segment E is the tail, E+1 means no work."""
-    idx = tl.arange(0, BLOCK_E)
-    start = tl.load(offs_ptr + idx, mask=idx <= E, other=P).to(tl.int32)
-    end = tl.load(offs_ptr + idx + 1, mask=idx < E, other=P).to(tl.int32)
+def _find_tile(start, end, idx, P, t, BM: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """(segment, first row, end row) of m-tile t from the segments' (BLOCK_E,) start and end
+    rows (segment E is the tail; E+1 means no work). Takes values, not the offsets pointer: a
+    helper's results derived from a pointer argument make Inductor's mutation analysis count
+    that pointer as written (and copy it before every launch)."""
     # Clamp for memory safety (offsets are trusted to be a non-decreasing prefix sum <= P).
     start = tl.minimum(tl.maximum(start, 0), P)
     end = tl.minimum(tl.maximum(end, start), P)
@@ -146,7 +144,10 @@ def _gather_grouped_mm_kernel(
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
 
-    seg, row0, row_end = _find_tile(offs_ptr, E, P, pid_m, BM, BLOCK_E)
+    idx = tl.arange(0, BLOCK_E)
+    start = tl.load(offs_ptr + idx, mask=idx <= E, other=P).to(tl.int32)
+    end = tl.load(offs_ptr + idx + 1, mask=idx < E, other=P).to(tl.int32)
+    seg, row0, row_end = _find_tile(start, end, idx, P, pid_m, BM)
     rows = row0 + tl.arange(0, BM)
     row_in = rows < row_end
     cols = pid_n * BN + tl.arange(0, BN)
@@ -264,11 +265,12 @@ _launcher = FastKernel(_gather_grouped_mm_kernel)  # compiled-handle launches (l
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    """A TMA descriptor over t as a 2-D row-major matrix: contiguous, 16-byte rows and base."""
+    """A TMA descriptor over t as a 2-D row-major matrix: contiguous, 16-byte rows and base.
+    Not while tracing: ``wrap_triton`` records no host-built descriptors."""
     row_bytes = t.shape[-1] * t.element_size()
-    if TensorDescriptor is None:
+    if TensorDescriptor is None or tracing():
         return False
-    return t.is_contiguous() and row_bytes % 16 == 0 and t.data_ptr() % 16 == 0
+    return t.is_contiguous() and row_bytes % 16 == 0 and aligned(t, 16)
 
 
 def num_programs(num_rows: int, n: int, num_experts: int, cfg: GemmConfig) -> int:

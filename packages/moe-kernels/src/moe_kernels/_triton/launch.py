@@ -14,6 +14,11 @@ non-empty ``HookChain`` on Triton >= 3.5, whose empty chains are not None), or o
 without the compiled-kernel attributes used here, every call takes the plain path. Arguments
 without a stable key (e.g. TMA descriptors, new objects per call) never hit the cache either.
 
+While a dispatch mode traces (``torch.compile``'s AOT trace of an op registered by
+``_dispatch.register_op``, make_fx), every launch goes through ``torch.library.wrap_triton``
+instead, which records it in the graph for Inductor to emit (``launch``); only ``num_warps`` and
+``num_stages`` are launch options there.
+
 A caller that can key a whole group of launches itself (the routing launcher: one key per call
 signature: sizes, strides, dtype, pointer alignments) keeps the ``Handle`` that ``launch``
 returns and relaunches it with ``run``, or a whole sequence of them with new base addresses
@@ -27,9 +32,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import triton
+from torch.library import wrap_triton
 from triton.runtime import driver
 
-from .._dispatch import INTERPRET
+from .._dispatch import INTERPRET, tracing
 
 try:
     from triton import knobs as _knobs
@@ -137,8 +143,8 @@ class FastKernel:
     ) -> Handle | None:
         """Launch; returns the compiled handle that ran (None where the plain path ran and no
         handle could be cached), which ``run`` can launch again with new arguments."""
-        if not fast_path_open():
-            self.fn[grid](*args, **constexprs, **options)
+        if not fast_path_open() or tracing():
+            launch(self.fn, grid, args, constexprs, **options)
             return None
         arg_keys = tuple(map(_arg_key, args))
         if _NO_KEY in arg_keys:
@@ -160,6 +166,31 @@ class FastKernel:
             return h
         run(h, grid, dev, args)
         return h
+
+
+TRACED_OPTIONS = ("num_warps", "num_stages")  # the launch options wrap_triton records
+
+
+def launch(fn: Any, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any],
+           **options: Any) -> None:  # fmt: skip
+    """``fn[grid](*args, **constexprs, **options)``, through ``wrap_triton`` while tracing
+    (``TRACED_OPTIONS`` only: a launcher must not ask for others there)."""
+    if tracing():
+        extra = set(options) - set(TRACED_OPTIONS)
+        if extra:
+            raise AssertionError(f"launch options {sorted(extra)} cannot be traced")
+        wrap_triton(fn)[grid](*args, **constexprs, **options)
+    else:
+        fn[grid](*args, **constexprs, **options)
+
+
+def aligned(t: Any, n: int) -> bool:
+    """Whether tensor ``t``'s address is a multiple of ``n`` bytes. While tracing there is no
+    address: its offset into storage decides (allocations are 16-byte aligned, which Inductor
+    also assumes of its inputs)."""
+    if tracing():
+        return t.storage_offset() * t.element_size() % n == 0
+    return t.data_ptr() % n == 0
 
 
 def fast_path_open() -> bool:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import INTERPRET
+from .._dispatch import INTERPRET, tracing
 from .blocks import cdiv, next_pow2
 from .launch import FastKernel, current_stream, fast_path_open
 
@@ -40,20 +40,22 @@ def _store_tile(out_ptr, tile_base, x, Cp, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _group_layout(ends_ptr, G, GP: tl.constexpr):
-    """From (G,) end offsets: (starts, sizes, cum) as (GP,) int32, cum[g] = start_rows[g + 1]."""
-    gi = tl.arange(0, GP)
-    gmask = gi < G
-    ends = tl.load(ends_ptr + gi, mask=gmask, other=0).to(tl.int32)
-    starts = tl.load(ends_ptr + gi - 1, mask=gmask & (gi > 0), other=0).to(tl.int32)
+def _group_layout(ends, starts, gmask):
+    """From the (GP,) end and start offsets of the groups: (sizes, cum) as (GP,) int32, cum[g] =
+    start_rows[g + 1]. (The kernels load the offsets themselves: a helper's results derived
+    from a pointer argument make Inductor's mutation analysis count the pointer as written.)"""
     sizes = tl.where(gmask, ends - starts, 0)
     cum = tl.cumsum((sizes + 127) // 128 * 128, axis=0)
-    return gi, gmask, starts, sizes, cum
+    return sizes, cum
 
 
 @triton.jit
 def _group_offsets_kernel(ends_ptr, sizes_ptr, start_rows_ptr, G, GP: tl.constexpr):
-    gi, gmask, starts, sizes, cum = _group_layout(ends_ptr, G, GP)
+    gi = tl.arange(0, GP)
+    gmask = gi < G
+    ends = tl.load(ends_ptr + gi, mask=gmask, other=0).to(tl.int32)
+    starts = tl.load(ends_ptr + gi - 1, mask=gmask & (gi > 0), other=0).to(tl.int32)
+    sizes, cum = _group_layout(ends, starts, gmask)
     tl.store(sizes_ptr + gi, sizes, gmask)
     tl.store(start_rows_ptr + gi, tl.zeros_like(gi), gi == 0)
     tl.store(start_rows_ptr + 1 + gi, cum, gmask)
@@ -73,7 +75,11 @@ def _blocked_2d_groups_kernel(
     BLOCK_C: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    gi, gmask, starts, sizes, cum = _group_layout(ends_ptr, G, GP)
+    gi = tl.arange(0, GP)
+    gmask = gi < G
+    ends = tl.load(ends_ptr + gi, mask=gmask, other=0).to(tl.int32)
+    starts = tl.load(ends_ptr + gi - 1, mask=gmask & (gi > 0), other=0).to(tl.int32)
+    sizes, cum = _group_layout(ends, starts, gmask)
     if (tile == 0) & (tl.program_id(1) == 0):
         tl.store(start_rows_ptr + gi, tl.zeros_like(gi), gi == 0)
         tl.store(start_rows_ptr + 1 + gi, cum, gmask)
@@ -154,10 +160,11 @@ _BOUND: dict[tuple, tuple] = {}
 _MAX_BOUND = 256
 
 
-def _bound_launch(key: tuple, tensors: tuple[torch.Tensor, ...]) -> bool:
+def _bound_launch(key: tuple | None, tensors: tuple[torch.Tensor, ...]) -> bool:
     """Relaunch the handle bound to ``key`` on ``tensors`` (inputs, then outputs); False where
-    nothing is bound or direct launches are closed (interpreter, launch hooks)."""
-    hit = _BOUND.get(key)
+    nothing is bound, there is no key (tracing) or direct launches are closed (interpreter,
+    launch hooks)."""
+    hit = None if key is None else _BOUND.get(key)
     if hit is None or not fast_path_open():
         return False
     h, grid, ints = hit
@@ -166,10 +173,10 @@ def _bound_launch(key: tuple, tensors: tuple[torch.Tensor, ...]) -> bool:
     return True
 
 
-def _launch(kernel: FastKernel, key: tuple, grid: tuple, tensors: tuple, ints: tuple,
+def _launch(kernel: FastKernel, key: tuple | None, grid: tuple, tensors: tuple, ints: tuple,
             constexprs: dict, warps: int) -> None:  # fmt: skip
     h = kernel.launch(grid, (*tensors, *ints), constexprs, num_warps=warps)
-    if h is not None and len(_BOUND) < _MAX_BOUND:
+    if h is not None and key is not None and len(_BOUND) < _MAX_BOUND:
         _BOUND[key] = (h, grid, ints)
 
 
@@ -198,8 +205,10 @@ def to_blocked_per_group_2d(
     if scale_RC.dtype != torch.uint8:  # e8m0: no Triton pointer type
         scale_RC = scale_RC.view(torch.uint8)
     (R, C), G, dev = scale_RC.shape, group_end_offsets.shape[0], scale_RC.get_device()
-    key = (dev, "2d", R, C, scale_RC.stride(0), G, group_end_offsets.dtype, block_c, warps,
-           scale_RC.data_ptr() % 16, group_end_offsets.data_ptr() % 16)  # fmt: skip
+    key = None if tracing() else (
+        dev, "2d", R, C, scale_RC.stride(0), G, group_end_offsets.dtype, block_c, warps,
+        scale_RC.data_ptr() % 16, group_end_offsets.data_ptr() % 16,
+    )  # fmt: skip
     Cp = _ceil_to(C, 4)
     out = torch.empty((R + 128 * G, Cp), dtype=torch.uint8, device=scale_RC.device)
     start_rows = torch.empty(G + 1, dtype=torch.int32, device=scale_RC.device)
@@ -226,7 +235,9 @@ def to_blocked_per_group_3d(
     out = torch.empty((E, Np * Cp), dtype=torch.uint8, device=scale_ENC.device)
     if out.numel() == 0:
         return out
-    key = (dev, "3d", E, N, C, *scale_ENC.stride()[:2], block_c, warps, scale_ENC.data_ptr() % 16)
+    key = None if tracing() else (
+        dev, "3d", E, N, C, *scale_ENC.stride()[:2], block_c, warps, scale_ENC.data_ptr() % 16
+    )  # fmt: skip
     if not _bound_launch(key, (scale_ENC, out)):
         bc, nw = _block_c(C, block_c, warps)
         n_tiles = Np // 128

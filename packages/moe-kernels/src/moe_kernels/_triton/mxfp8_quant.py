@@ -14,6 +14,7 @@ import triton.language as tl
 
 from .._dispatch import INTERPRET
 from .blocks import cdiv, next_pow2
+from .launch import launch
 
 _MX_BLOCK = 32
 
@@ -363,17 +364,11 @@ def to_mxfp8(
     bm, bk, warps = _tile(M, K, block_m, block_k)
     native = (not INTERPRET) if native_cast is None else native_cast
     grid = (cdiv(M, bm), cdiv(K, bk))
-    _mxfp8_dim0_kernel[grid](
-        x_MK,
-        data.view(torch.uint8),
-        scale.view(torch.uint8),
-        M,
-        K,
-        x_MK.stride(0),
-        FLOOR=floor,
-        NATIVE_CAST=native,
-        BLOCK_M=bm,
-        BLOCK_K=bk,
+    launch(
+        _mxfp8_dim0_kernel,
+        grid,
+        (x_MK, data.view(torch.uint8), scale.view(torch.uint8), M, K, x_MK.stride(0)),
+        dict(FLOOR=floor, NATIVE_CAST=native, BLOCK_M=bm, BLOCK_K=bk),
         num_warps=warps,
     )
     return data, scale
@@ -503,12 +498,11 @@ def to_mxfp8_dim1(
         args = (x, data.view(torch.uint8), scale.view(torch.uint8), M, K, x.stride(0), x.stride(1))
         if cfg["variant"] == "tload":
             grid = (cdiv(M, bm), cdiv(K, bk), B)
-            _mxfp8_dim1_kernel[grid](
-                *args,
-                FLOOR=floor,
-                NATIVE_CAST=native,
-                BLOCK_M=bm,
-                BLOCK_K=bk,
+            launch(
+                _mxfp8_dim1_kernel,
+                grid,
+                args,
+                dict(FLOOR=floor, NATIVE_CAST=native, BLOCK_M=bm, BLOCK_K=bk),
                 num_warps=cfg["num_warps"],
             )
         else:
@@ -522,22 +516,24 @@ def to_mxfp8_dim1(
             offs64 = cfg["OFFS64"]
             if offs64 is None:
                 offs64 = bm * x.stride(1) + bk >= 2**31 or bk * (M // 4) + M // 4 >= 2**31
-            _mxfp8_dim1_regs_kernel[grid](
-                x,
-                data.view(torch.int32),
-                *args[2:],
-                FLOOR=floor,
-                NATIVE_CAST=native,
-                BLOCK_M=bm,
-                BLOCK_K=bk,
-                RPT=rpt,
-                KV=cfg["KV"],
-                VW=min(rpt // 4, 4),
-                K_FAST=k_fast,
-                MASKED=M % bm != 0 or K % bk != 0,
-                OFFS64=bool(offs64),
-                SAT_CAST=cfg["SAT_CAST"] and native,
-                ASM_PACK=cfg["ASM_PACK"] and native and not INTERPRET,
+            launch(
+                _mxfp8_dim1_regs_kernel,
+                grid,
+                (x, data.view(torch.int32), *args[2:]),
+                dict(
+                    FLOOR=floor,
+                    NATIVE_CAST=native,
+                    BLOCK_M=bm,
+                    BLOCK_K=bk,
+                    RPT=rpt,
+                    KV=cfg["KV"],
+                    VW=min(rpt // 4, 4),
+                    K_FAST=k_fast,
+                    MASKED=M % bm != 0 or K % bk != 0,
+                    OFFS64=bool(offs64),
+                    SAT_CAST=cfg["SAT_CAST"] and native,
+                    ASM_PACK=cfg["ASM_PACK"] and native and not INTERPRET,
+                ),
                 num_warps=cfg["num_warps"],
             )
     if squeeze:
@@ -562,14 +558,11 @@ def from_mxfp8(
         return out
     bm, bk, warps = _tile(M, K, block_m, block_k)
     grid = (cdiv(M, bm), cdiv(K, bk))
-    _mxfp8_dequant_kernel[grid](
-        data_MK.view(torch.uint8),
-        scale_MB.view(torch.uint8),
-        out,
-        M,
-        K,
-        BLOCK_M=bm,
-        BLOCK_K=bk,
+    launch(
+        _mxfp8_dequant_kernel,
+        grid,
+        (data_MK.view(torch.uint8), scale_MB.view(torch.uint8), out, M, K),
+        dict(BLOCK_M=bm, BLOCK_K=bk),
         num_warps=warps,
     )
     return out

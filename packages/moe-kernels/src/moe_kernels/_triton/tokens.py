@@ -118,8 +118,12 @@ def _combine_step(
     stride_it,
     stride_ik,
     WEIGHTED: tl.constexpr,
+    EXACT_MUL: tl.constexpr,
 ):
-    """acc + (weights[p] *) y[p] for p = inverse[row, j]; unrouted entries add +0.0."""
+    """acc + (weights[p] *) y[p] for p = inverse[row, j]; unrouted entries add +0.0. The product
+    is rounded before the add: with ``EXACT_MUL`` (GPU) through ``mul.rn.f32``, which the
+    compiler never contracts into a fused multiply-add (whatever the launch's fp-fusion
+    setting, so Inductor's launches of this kernel give the same bits as ours)."""
     pos = tl.load(inv_ptr + rows * stride_it + j * stride_ik, mask=row_in, other=-1)
     pos = pos.to(tl.int64)
     ok = row_in & (pos >= 0) & (pos < N)
@@ -130,7 +134,13 @@ def _combine_step(
     ).to(tl.float32)
     if WEIGHTED:
         w = tl.load(w_ptr + pos, mask=ok, other=0.0).to(tl.float32)
-        v = w[:, None] * v
+        if EXACT_MUL:
+            v = tl.inline_asm_elementwise(
+                "mul.rn.f32 $0, $1, $2;", "=f,f,f", [w[:, None], v], dtype=tl.float32,
+                is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            v = w[:, None] * v
     # Unrouted entries load as +0.0, and acc + 0.0 == acc bit for bit (acc starts at +0.0 and
     # round-to-nearest never produces -0.0 from a sum with a +0.0 start): same as skipping.
     return acc + v
@@ -224,6 +234,7 @@ def _combine_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WHILE_LOOPS: tl.constexpr,
+    EXACT_MUL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -251,6 +262,7 @@ def _combine_kernel(
                 stride_it,
                 stride_ik,
                 WEIGHTED,
+                EXACT_MUL,
             )
             j += 1
     else:
@@ -271,6 +283,7 @@ def _combine_kernel(
                 stride_it,
                 stride_ik,
                 WEIGHTED,
+                EXACT_MUL,
             )
     dst = out_ptr + rows[:, None] * D + cols[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
@@ -434,8 +447,8 @@ def combine(
             BLOCK_N=block_n,
             BLOCK_D=block_d,
             WHILE_LOOPS=INTERPRET,
+            EXACT_MUL=not INTERPRET,  # numpy rounds the product itself
         ),
         num_warps=num_warps,
-        enable_fp_fusion=False,  # w * y then + acc, two roundings, like the reference
     )
     return out_TD

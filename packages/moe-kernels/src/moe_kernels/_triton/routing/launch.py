@@ -18,11 +18,11 @@ from typing import NamedTuple
 import torch
 import triton
 
-from ..._dispatch import INTERPRET
+from ..._dispatch import INTERPRET, tracing
 from ..._routing_outputs import RoutingPlan, ShuffledIndices
 from ..blocks import next_pow2
 from ..grid_sync import barrier_words
-from ..launch import BoundLaunches, FastKernel, Rel, current_stream, fast_path_open
+from ..launch import BoundLaunches, FastKernel, Rel, aligned, current_stream, fast_path_open
 from . import eager as lane
 from .expert_runs import expert_runs_kernel
 from .fused import fused_kernel
@@ -143,7 +143,7 @@ def problem_of(scores: torch.Tensor, top_k: int, vtc: object, start: int, end: i
     T, E = scores.shape
     words = (
         scores.dtype != torch.float32 and scores.stride(1) == 1 and scores.stride(0) % 2 == 0
-        and scores.data_ptr() % 4 == 0
+        and aligned(scores, 4)
     )  # fmt: skip
     return Problem(T, E, top_k, start, end, scores.dtype, route, renormalize, vtc is not None,
                    words)  # fmt: skip
@@ -250,7 +250,9 @@ def run(
     args = _kernel_args(ln, typed, x, strides, vtc, p)
     # (kernel, grid, constexprs, options, its arguments from _kernel_args' and the barrier's)
     todo: list[tuple[FastKernel, int, dict, dict, Callable[[tuple, object], tuple]]] = []
-    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    # no cooperative launch while a graph is captured, nor where Inductor will launch the
+    # kernels (its generated code may be captured later)
+    capturing = tracing() or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
     if plan.cooperative and not capturing:
         bar = barrier_words(dev.index, current_stream(dev.index))
         consts, pick = _fused_launch(ln)
