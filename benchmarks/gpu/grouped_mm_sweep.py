@@ -4,9 +4,11 @@ PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/sr
     python3 benchmarks/gpu/grouped_mm_sweep.py            # H200, < 150 s
     python3 benchmarks/gpu/grouped_mm_sweep.py --dry-run  # CPU, interpreter, tiny
     python3 benchmarks/gpu/grouped_mm_sweep.py --ptx      # CPU: compile for sm_90a
+    python3 benchmarks/gpu/grouped_mm_sweep.py --tokens=512  # the world model's per-pass size
 
-Routing: ``moe_kernels.route`` on random softmax scores, T=2048 tokens, E=16 experts, top-8
-(P=16384 rows). GEMM1: x (T, 2048) gathered through the plan, w1 (E, 1024, 2048), SiLU.
+Routing: ``moe_kernels.route`` on random softmax scores, T=2048 tokens (``--tokens``), E=16
+experts, top-8 (P=16384 rows). GEMM1: x (T, 2048) gathered through the plan, w1 (E, 1024, 2048),
+SiLU.
 GEMM2: h (P, 1024) already sorted (row_indices None), w2 (E, 2048, 1024), no activation. bf16.
 
 Rows timed (all inside CUDA graphs: 20 calls captured, the graph replayed, median replay / 20):
@@ -58,7 +60,8 @@ if DRY:
     CONFIGS2 = CONFIGS
     CALLS, REPLAYS = 1, 1
 else:
-    T, E, K, D_MODEL, HIDDEN = 2048, 16, 8, 2048, 1024
+    T = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--tokens=")), 2048)
+    E, K, D_MODEL, HIDDEN = 16, 8, 2048, 1024
     C = tri.GemmConfig  # (block_m, block_n, block_k, group_m, num_warps, num_stages, tma)
     CONFIGS = [
         C(128, 128, 64, 8, 8, 3),
