@@ -194,3 +194,27 @@ def test_report_command(tmp_path, capsys):
     md = out.read_text()
     assert "moe-bench rollout --preset seed-moe" in md and "| 100.0 |" in md
     assert "box-2026-11-29/rollout.json" in md
+
+
+def test_rollout_modes_on_one_engine(capsys):
+    """--modes measures each runtime on one engine: a row each, in order."""
+    cli.main(["rollout", "--device", "cpu", "--preset", "tiny", "--frames", "2",
+              "--warmup-frames", "1", "--modes", "eager,compile", "--no-images",
+              "--no-progress"])  # fmt: skip
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("tiny ")]
+    assert [r.split()[2] for r in rows] == ["eager", "compile"]
+    assert all(" ok" in r for r in rows)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["rollout", "--modes", "fast"],
+        ["rollout", "--modes", "compile", "--compile"],
+        ["rollout", "--modes", "graph", "--no-cuda-graph"],
+    ],
+)
+def test_rollout_modes_bad_arguments(argv):
+    with pytest.raises(SystemExit):
+        cli.main(argv)

@@ -143,6 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
         const=False,
         help="no CUDA graphs, even with --compile",
     )
+    p.add_argument(
+        "--modes",
+        type=_csv,
+        default=None,
+        metavar="M,..",
+        help="runtimes measured on one engine, in order: eager, compile (no graphs), graph "
+        "(compile + CUDA graphs); replaces --compile / --cuda-graph",
+    )
+    p.add_argument(
+        "--no-images", action="store_true", help="keep each frame's latent: no decode, no copy"
+    )
     p.add_argument("--dtype", **dtype)
     p.add_argument(
         "--profile",
@@ -249,6 +260,8 @@ def _run(
             seed=args.seed,
             progress=progress,
             profile=args.profile,
+            modes=args.modes,
+            images=not args.no_images,
             profile_frames=args.profile_frames,
         )
     if args.command == "kernels" and args.sweep == "routing":
@@ -297,6 +310,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{flags} need(s) --sweep routing")
     if args.command == "rollout" and args.profile_frames and not args.profile:
         parser.error("--profile-frames needs --profile")
+    if args.command == "rollout" and args.modes:
+        from moe_tools.rollout import MODES
+
+        unknown = [m for m in args.modes if m not in MODES]
+        if unknown:
+            parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+        if args.compile or args.cuda_graph is not None:
+            parser.error("--modes replaces --compile / --cuda-graph / --no-cuda-graph")
 
     if args.command == "report":
         text = report.markdown_report(args.results, title=args.title)

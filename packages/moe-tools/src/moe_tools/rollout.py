@@ -11,6 +11,7 @@ steady frames of the same engine: ``extra["profile"]``, printed after the row.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,8 +30,10 @@ from moe_tools.timing import (
 COLUMNS = [
     "preset",
     "impl",
+    "mode",
     "compile",
     "cuda_graph",
+    "images",
     "frames",
     "fps",
     "frame_ms_median",
@@ -46,6 +49,15 @@ COLUMNS = [
 ]
 
 SNAPSHOT_FRAME = 16  # VRAM is read after this frame (1-based) and after the last one
+
+# ``--modes``: the engine's runtimes, (compile, cuda_graph) each. One engine serves them all in
+# one process (``WorldEngine.set_runtime``; the compiled passes are kept from "compile" to
+# "graph"), so their rows compare the same weights, run and machine state.
+MODES: dict[str, tuple[bool, bool]] = {
+    "eager": (False, False),
+    "compile": (True, False),
+    "graph": (True, True),
+}
 
 
 def build_engine(
@@ -82,11 +94,13 @@ def measure_rollout(
     device: torch.device,
     warmup_frames: int,
     progress: bool = False,
+    images: bool = True,
 ) -> dict[str, Any]:
-    """Warm up, reset, then roll out ``frames`` frames; returns the figures and per-frame times."""
+    """Warm up, reset, then roll out ``frames`` frames (decoded to images on the host, or the
+    latent kept on the device when not ``images``); returns the figures and per-frame times."""
     t0 = time.perf_counter()
     for _ in range(warmup_frames):
-        engine.gen_frame()
+        engine.gen_frame(return_img=images)
     synchronize(device)
     warmup_s = time.perf_counter() - t0
 
@@ -99,7 +113,7 @@ def measure_rollout(
     bar = report.progress(range(frames), enabled=progress, desc="rollout", unit="frame")
     for i in bar:
         with timer:
-            engine.gen_frame()
+            engine.gen_frame(return_img=images)
         if i + 1 == SNAPSHOT_FRAME:
             vram_snap = memory_gib(device)[0]
     synchronize(device)
@@ -138,29 +152,50 @@ def run(
     overrides: dict[str, Any] | None = None,
     profile: bool = False,
     profile_frames: int | None = None,
+    modes: Sequence[str] | None = None,
+    images: bool = True,
 ) -> Result:
-    """One row: the rollout's figures; ``extra["frame_ms"]`` holds the per-frame times.
-    ``cuda_graph=None`` leaves it to the engine (graphs when compiled on CUDA); the row shows what
-    the engine did. ``profile``: then ``profile_frames`` steady frames (default 16 on CUDA, 2 on
-    CPU) under ``torch.profiler``, ``extra["profile"]`` (``rollout_profile.Breakdown.to_dict``, or
-    a failed status) and the breakdown printed after the row (``text``)."""
+    """One row per runtime: the rollout's figures; ``extra["frame_ms"]`` holds the last row's
+    per-frame times.
+
+    ``modes``: names of ``MODES``, measured in that order on one engine (switched with
+    ``set_runtime``); without them, the one runtime ``compile`` / ``cuda_graph`` gives
+    (``cuda_graph=None`` leaves it to the engine: graphs when compiled on CUDA; the row shows what
+    the engine did). ``images``: frames decoded to host images (False: the latent stays on the
+    device, no decode). ``profile``: then ``profile_frames`` steady frames (default 16 on CUDA, 2
+    on CPU) of each runtime under ``torch.profiler``: ``extra["profiles"]`` per row (the last in
+    ``extra["profile"]``; ``rollout_profile.Breakdown.to_dict``, or a failed status), printed
+    after the rows (``text``)."""
     device = torch.device(device) if device is not None else default_device()
     cuda = device.type == "cuda"
     preset = preset or ("seed-moe" if cuda else "tiny")
     frames = frames or (256 if cuda else 16)
     warmup_frames = warmup_frames if warmup_frames is not None else (8 if cuda else 2)
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-    row: Row = {c: None for c in COLUMNS}
-    row.update(preset=preset, impl=impl, compile=compile, cuda_graph=cuda_graph, frames=frames)
+    unknown = [m for m in modes or () if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown modes {unknown}; choose from {list(MODES)}")
+    runtimes = [(m, *MODES[m]) for m in modes] if modes else [(None, compile, cuda_graph)]
+    rows: list[Row] = []
+    for mode, c, g in runtimes:
+        row: Row = {col: None for col in COLUMNS}
+        row.update(preset=preset, impl=impl, mode=mode, compile=c, cuda_graph=g, frames=frames)
+        row["images"] = images
+        rows.append(row)
     extra: dict[str, Any] = {
         "title": _title(preset, impl or "default", compile, cuda_graph),
         "dtype": str(dtype).removeprefix("torch."),
         "warmup_frames": warmup_frames,
         "overrides": overrides or {},
     }
-    if cuda_graph and not cuda:
-        row["status"] = "unavailable: --cuda-graph needs a CUDA device"
-        return Result("rollout", [row], COLUMNS, extra)
+
+    def done(text: str | None = None) -> Result:
+        return Result("rollout", rows, COLUMNS, extra, text=text)
+
+    if not cuda and any(g for _, _, g in runtimes):
+        for row in rows:
+            row["status"] = "unavailable: --cuda-graph needs a CUDA device"
+        return done()
     if profile:
         from moe_tools import rollout_profile
 
@@ -172,41 +207,60 @@ def run(
             device=device,
             dtype=dtype,
             impl=impl,
-            compile=compile,
-            cuda_graph=cuda_graph,
+            compile=runtimes[0][1],
+            cuda_graph=runtimes[0][2],
             seed=seed,
             overrides=overrides,
         )
     except Exception as exc:
-        row["status"] = f"unavailable: {short_error(exc)}"
-        return Result("rollout", [row], COLUMNS, extra)
-    build_s = time.perf_counter() - t0
-    row["impl"] = impl or getattr(getattr(engine, "config", None), "moe_impl", None)
-    row["cuda_graph"] = engine.cuda_graph
-    extra["title"] = _title(preset, row["impl"], compile, engine.cuda_graph)
-    row["params"] = int(engine.num_parameters())
-    row["active_params"] = int(engine.num_active_parameters())
-    try:
-        with torch.no_grad():
-            figures = measure_rollout(
-                engine, frames, device=device, warmup_frames=warmup_frames, progress=progress
-            )
-    except Exception as exc:
-        row["status"] = f"failed: {short_error(exc)}"
-        return Result("rollout", [row], COLUMNS, extra)
-    extra["frame_ms"] = figures.pop("frame_ms")
-    row.update(figures)
-    row["setup_s"] = build_s + figures["setup_s"]
-    row["status"] = "ok"
+        for row in rows:
+            row["status"] = f"unavailable: {short_error(exc)}"
+        return done()
+    setup_s = time.perf_counter() - t0
+    profiles: list[dict[str, Any]] = []
+    for row, (mode, c, g) in zip(rows, runtimes, strict=True):
+        try:
+            if row is not rows[0]:
+                t0 = time.perf_counter()
+                engine.set_runtime(compile=c, cuda_graph=g)
+                setup_s = time.perf_counter() - t0
+            with torch.no_grad():
+                figures = measure_rollout(
+                    engine,
+                    frames,
+                    device=device,
+                    warmup_frames=warmup_frames,
+                    progress=progress,
+                    images=images,
+                )
+        except Exception as exc:
+            row["status"] = f"failed: {short_error(exc)}"
+            continue
+        row["impl"] = impl or getattr(getattr(engine, "config", None), "moe_impl", None)
+        row["cuda_graph"] = engine.cuda_graph
+        row["params"] = int(engine.num_parameters())
+        row["active_params"] = int(engine.num_active_parameters())
+        extra["frame_ms"] = figures.pop("frame_ms")
+        row.update(figures)
+        row["setup_s"] = setup_s + figures["setup_s"]
+        row["status"] = "ok"
+        extra["title"] = _title(preset, row["impl"], c, engine.cuda_graph)
+        if profile:
+            try:
+                with torch.no_grad():
+                    found = rollout_profile.profile_engine(
+                        engine, profile_frames or (16 if cuda else 2), device=device
+                    )
+                prof = found.to_dict()
+            except Exception as exc:
+                prof = {"status": f"failed: {short_error(exc)}"}
+            profiles.append(prof if mode is None else {"mode": mode, **prof})
     if not profile:
-        return Result("rollout", [row], COLUMNS, extra)
-    try:
-        with torch.no_grad():
-            found = rollout_profile.profile_engine(
-                engine, profile_frames or (16 if cuda else 2), device=device
-            )
-        extra["profile"] = found.to_dict()
-    except Exception as exc:
-        extra["profile"] = {"status": f"failed: {short_error(exc)}"}
-    text = f"{report.format_table([row], COLUMNS)}\n\n{report.format_profile(extra['profile'])}"
-    return Result("rollout", [row], COLUMNS, extra, text=text)
+        return done()
+    extra["profiles"] = profiles
+    extra["profile"] = profiles[-1] if profiles else {"status": "failed: no runtime ran"}
+    parts = [report.format_table(rows, COLUMNS)]
+    for prof in profiles:
+        head = f"# profile: {prof['mode']}" if prof.get("mode") else None
+        parts.append("\n".join(filter(None, [head, report.format_profile(prof)])))
+    return done("\n\n".join(parts))

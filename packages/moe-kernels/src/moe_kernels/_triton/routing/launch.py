@@ -47,6 +47,7 @@ SEGMENTS = ("expert", "token", "weights", "inverse", "tcpe", "counts", "offsets"
             "hist", "packed", "scr_w")  # fmt: skip
 _SEG = {name: i for i, name in enumerate(SEGMENTS)}
 _N_OUT = _SEG["pad"]
+_FP32_SEGS = (_SEG["weights"], _SEG["scr_w"])
 _ROUTE_OUT = ("expert", "token", "weights", "inverse", "counts", "offsets")
 _SHUFFLE_OUT = ("expert", "token", "tcpe")
 
@@ -236,17 +237,17 @@ def run(
     ln = launches(p, plan)
     if one_buffer:
         buf = torch.empty(sum(ln.sizes), dtype=torch.int32, device=dev)
-        seg = list(buf.split_with_sizes(ln.sizes))
-    else:
-        out = [torch.empty(n, dtype=torch.int32, device=dev) for n in ln.sizes[:_N_OUT]]
-        scratch = ln.sizes[_N_OUT + 1 :]  # without the pad: 16-byte aligned as it is
-        rest = torch.empty(sum(scratch), dtype=torch.int32, device=dev).split(scratch)
-        seg = [*out, out[0][:0], *rest]
+        typed = list(buf.split_with_sizes(ln.sizes))
+        for i in _FP32_SEGS:  # fp32 bits
+            typed[i] = typed[i].view(torch.float32)
+    else:  # op calls: a tensor per segment (outputs must not alias; under Inductor, each
+        # kernel then writes only fresh tensors it can mutate in place, no views of a shared
+        # one), none for an empty segment (``_kernel_args`` passes another in its place)
+        dtypes = [torch.float32 if i in _FP32_SEGS else torch.int32 for i in range(len(ln.sizes))]
+        typed = [torch.empty(n, dtype=d, device=dev) if n else None
+                 for n, d in zip(ln.sizes, dtypes, strict=True)]  # fmt: skip
     x = scores_TE if p.kind == 0 else scores_TE.view(torch.int16)
     strides = scores_TE.stride()
-    typed = list(seg)
-    for i in (_SEG["weights"], _SEG["scr_w"]):  # fp32 bits
-        typed[i] = seg[i].view(torch.float32)
     args = _kernel_args(ln, typed, x, strides, vtc, p)
     # (kernel, grid, constexprs, options, its arguments from _kernel_args' and the barrier's)
     todo: list[tuple[FastKernel, int, dict, dict, Callable[[tuple, object], tuple]]] = []
