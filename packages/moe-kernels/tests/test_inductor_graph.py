@@ -1,0 +1,147 @@
+"""Under ``torch.compile`` every op's kernels reach Inductor's graph as launches it emits itself,
+writing only their own fresh outputs (no copies), on a machine without a GPU.
+
+``_dispatch.register_op`` traces an op's implementation into the graph where its kernels run on
+CUDA; Inductor then lowers each ``wrap_triton`` launch. A launch whose argument Inductor's TTIR
+analysis believes written, while the tensor is an input or a view of a shared buffer, gets a
+copy before it (and after it, for a graph input): host time and device passes on every call
+(session 16 found 18 such copies per ``route`` call). Here the CPU stands in for CUDA: the
+kernels are traced (not run) for an sm_90 target, and the graph is read right after Inductor's
+reinplacing and the lowering of the functional launches, where every launch must be a mutation
+node and no ``clone`` / ``copy`` / ``*_scatter`` node may remain. Skipped under the interpreter
+(whose ops stay opaque) and where this torch or Triton lacks the pieces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moe_kernels._dispatch import INTERPRET
+
+pytestmark = pytest.mark.skipif(INTERPRET, reason="ops are opaque under the interpreter")
+
+T, E, K, D, H = 64, 16, 8, 256, 128
+
+
+class _Stop(Exception):
+    """Raised once the graph is read: nothing is lowered to code for the stand-in device."""
+
+
+class _Sm90:
+    """A Triton driver answering only the target: what the TTIR analysis asks for."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+@pytest.fixture
+def graph_of(monkeypatch):
+    """``graph_of(fn, *args)``: the node targets of fn's post-grad graph, as strings."""
+    import triton
+
+    import moe_kernels._dispatch as dispatch
+    from moe_kernels._triton import grouped_mm
+    from moe_kernels._triton.routing import launch as routing_launch
+    from moe_kernels._triton.routing.plan import Device
+
+    try:
+        import torch._inductor.fx_passes.post_grad as post_grad
+
+        lower = post_grad.decompose_triton_kernel_wrapper_functional
+    except (ImportError, AttributeError) as exc:
+        pytest.skip(f"no post-grad lowering of triton launches here: {exc}")
+    monkeypatch.setattr(dispatch, "_BACKEND", "triton")  # CPU tensors run the launchers
+    monkeypatch.setattr(dispatch, "_traced_kernels", lambda args: True)
+    monkeypatch.setattr(routing_launch, "device_of", lambda index: Device(sm_count=132))
+    monkeypatch.setattr(grouped_mm, "_device_limits", lambda index: (227 * 1024, True))
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90())
+    seen: list[str] = []
+
+    def read(graph):
+        lower(graph)
+        seen.extend(str(n.target) for n in graph.nodes if n.op == "call_function")
+        raise _Stop
+
+    monkeypatch.setattr(post_grad, "decompose_triton_kernel_wrapper_functional", read)
+
+    def run(fn, *args):
+        seen.clear()
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:  # noqa: PT011 - _Stop, wrapped by Inductor
+            torch.compile(fn, fullgraph=True)(*args)
+        if not any(isinstance(e, _Stop) for e in _chain(info.value)):
+            raise info.value
+        return list(seen)
+
+    yield run
+    torch._dynamo.reset()
+
+
+def _chain(exc: BaseException):
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _plan():
+    from moe_kernels._reference.routing import route_reference
+
+    scores = torch.randn(T, E).softmax(-1)
+    return scores, route_reference(scores, K, None, 0, E, False)
+
+
+def _cases():
+    import moe_kernels as mk
+    from moe_kernels._reference import mxfp8 as ref_mx
+
+    g = torch.Generator().manual_seed(0)
+    scores, plan = _plan()
+    x = torch.randn(T, D, generator=g).bfloat16()
+    w1 = torch.randn(E, H, D, generator=g).bfloat16()
+    ys = torch.randn(T * K, D, generator=g).bfloat16()
+    data, scale = ref_mx.to_mxfp8(ys, "rceil")
+    ends = plan.offsets[1:].to(torch.int32)
+
+    def scatter(out, y, tok):
+        mk.scatter_add_dense_tokens(out, y, tok)
+        return out
+
+    return {
+        "router_scores": (lambda a, w: mk.router_scores(a, w), (x, torch.randn(E, D))),
+        "route": (lambda s: mk.route(s, K, renormalize=True), (scores,)),
+        "route_many_tokens": (lambda s: mk.route(s, 2), (torch.randn(50000, E).softmax(-1),)),
+        "index_shuffling": (lambda s: mk.index_shuffling(s, top_k=K), (scores.bfloat16(),)),
+        "dispatch": (lambda a, p: mk.dispatch(a, p), (x, plan)),
+        "combine": (lambda y, p: mk.combine(y, p), (ys, plan)),
+        "gather_grouped_mm": (
+            lambda a, w, p: mk.gather_grouped_mm(
+                a, w, p.offsets, p.token_indices, activation="silu"
+            ),
+            (x, w1, plan),
+        ),
+        "scatter_add_dense_tokens": (scatter, (torch.zeros(T, D), ys, plan.token_indices)),
+        "to_mxfp8": (lambda a: mk.to_mxfp8(a), (ys,)),
+        "to_mxfp8_dim1": (lambda a: mk.to_mxfp8_dim1(a), (ys,)),
+        "from_mxfp8": (lambda d, s: mk.from_mxfp8(d, s), (data, scale)),
+        "to_blocked_per_group_2d": (lambda s, e: mk.to_blocked_per_group_2d(s, e), (scale, ends)),
+    }
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_launches_are_inductor_mutations_without_copies(graph_of, name):
+    fn, args = _cases()[name]
+    targets = graph_of(fn, *args)
+    launches = [t for t in targets if "triton_kernel_wrapper" in t]
+    assert launches, f"no kernel launch reached the graph: {targets}"
+    assert all("triton_kernel_wrapper_mutation" in t for t in launches), launches
+    copies = [t for t in targets if any(w in t for w in ("clone", "copy", "scatter"))]
+    assert not copies, f"copies around the launches: {copies}"
+    assert not any("moe_kernels" in t for t in targets), "an op stayed opaque"
