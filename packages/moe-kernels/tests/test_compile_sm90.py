@@ -179,3 +179,79 @@ def test_scatter_add_compiles_for_float_and_integer_tokens(can_compile, out, inp
                              "i32"))  # fmt: skip
     consts = dict(BLOCK_N=1, BLOCK_D=1024, WHILE_LOOPS=False, INT_ADD=out.startswith("i"))
     _compile(tri._scatter_add_kernel, sig, consts, 4)
+
+
+def _rope_specialisation(dtype: str, head_dim: int, num_slots: int):
+    """The signature and constexprs of ``qk_norm_rope``'s kernel at the seed shape (N=512,
+    contiguous heads: Triton specialises the unit column strides), scales in bf16 (the engine
+    casts them), fp32 angles."""
+    from moe_kernels._triton import rope as tri
+    from moe_kernels._triton.blocks import next_pow2
+
+    cfg = tri.pick_config(512, head_dim)
+    sig = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", qw_ptr="*bf16",
+               kw_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", slots_ptr="*i64",
+               q_out_ptr=f"*{dtype}", k_cache_ptr=f"*{dtype}", v_cache_ptr=f"*{dtype}")  # fmt: skip
+    sig.update(dict.fromkeys(["N", "HQ", "KV", "S", "layer"], "i32"), eps="fp32")
+    sig.update(dict.fromkeys(["stride_qn", "stride_kn", "stride_vn", "stride_cn", "stride_sn"],
+                             "i32"))  # fmt: skip
+    consts = dict(stride_qc=1, stride_kc=1, stride_vc=1, stride_cp=1, stride_sp=1,
+                  HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, BLOCK_D=next_pow2(head_dim),
+                  NUM_SLOTS=num_slots, EXACT_MUL=True)  # fmt: skip
+    return tri, cfg, sig, consts
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "num_slots"),
+    [
+        ("bf16", 64, 1),
+        ("bf16", 64, 2),
+        ("fp16", 64, 2),
+        ("fp32", 64, 2),
+        ("bf16", 128, 1),
+        ("bf16", 48, 2),
+    ],  # fmt: skip
+)
+def test_rope_kernel_compiles_without_contracted_products(can_compile, dtype, head_dim, num_slots):
+    """QK-norm + RoPE + KV write: its products stay ``mul.rn.f32`` (no FMA contraction)."""
+    tri, cfg, sig, consts = _rope_specialisation(dtype, head_dim, num_slots)
+    k = _compile(tri._qk_norm_rope_kernel, sig, consts, cfg.num_warps)
+    ptx = k.asm["ptx"]
+    assert "mul.rn.f32" in ptx and "fma.rn.f32" not in ptx
+
+
+def test_rope_kernel_mutation_analysis_sees_only_its_outputs(monkeypatch):
+    """Inductor's TTIR analysis (what decides which kernel arguments a compiled graph copies
+    before the launch) counts q_out and the two caches as written, nothing else. Run on this
+    CPU machine with a stand-in driver that names an sm_90 target."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    tkw = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
+    if not hasattr(tkw, "identify_accessed_tensors"):
+        pytest.skip("this torch has no identify_accessed_tensors")
+
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    tri, _, _, consts = _rope_specialisation("bf16", 64, 2)
+    N, H, K, D, L, S = 512, 32, 16, 64, 2, 17
+    bf = torch.bfloat16
+    qkv = torch.empty(N, (H + 2 * K) * D, dtype=bf)
+    q, k, v = qkv[:, : H * D], qkv[:, H * D : (H + K) * D], qkv[:, (H + K) * D :]
+    cos = torch.empty(N, D // 2)
+    kc = torch.empty(L, K, S, N, D, dtype=bf)
+    tensors = [q, k, v, torch.empty(D, dtype=bf), torch.empty(D, dtype=bf), cos, cos.clone(),
+               torch.zeros(2, dtype=torch.int64), torch.empty(H, N, D, dtype=bf), kc,
+               torch.empty_like(kc)]  # fmt: skip
+    ints = [N, H, K, S, 1, 1e-6, q.stride(0), 1, k.stride(0), 1, v.stride(0), 1, D // 2, 1,
+            D // 2, 1]  # fmt: skip
+    kern = tri._qk_norm_rope_kernel
+    kwargs = dict(zip(kern.arg_names, [*tensors, *ints], strict=False))
+    kwargs.update((n, consts[n]) for n in kern.arg_names if n not in kwargs)
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90())
+    accesses = tkw.identify_accessed_tensors(kern, kwargs, {})
+    written = sorted(d.name for d in accesses.read_writes.writes)
+    assert written == ["k_cache_ptr", "q_out_ptr", "v_cache_ptr"]

@@ -19,6 +19,7 @@ from moe_kernels.mxfp8 import (
     to_mxfp8,
     to_mxfp8_dim1,
 )
+from moe_kernels.rope import qk_norm_rope
 from moe_kernels.router import router_scores
 from moe_kernels.routing import RoutingPlan, ShuffledIndices, index_shuffling, route
 from moe_kernels.tokens import (
@@ -39,6 +40,7 @@ __all__ = [
     "gather_scale_dense_tokens",
     "index_shuffling",
     "mxfp8_grouped_mm",
+    "qk_norm_rope",
     "route",
     "router_scores",
     "scatter_add_dense_tokens",

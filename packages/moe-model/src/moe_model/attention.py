@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_kernels import qk_norm_rope
 from moe_model.kv_cache import KVRingCache
-from moe_model.rope import apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +32,8 @@ class Attention(nn.Module):
     Query head h uses kv head h // G (G = n_heads // n_kv_heads). The G query heads sharing a kv
     head are folded into the query length, so a plain SDPA call (no GQA support needed) runs
     (kv_heads, G * N, head_dim) queries against (kv_heads, (window + 1) * N, head_dim) keys.
+    QK-norm, RoPE and the KV cache write are one op (``moe_kernels.qk_norm_rope``: one Triton
+    kernel on CUDA, the torch formula on the CPU); inference only (no autograd through it).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, eps: float = 1e-6) -> None:
@@ -44,6 +46,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
+
+    def _write_ring(self, k_NC, v_NC, cos_NP, sin_NP, cache: KVRingCache, layer: int) -> None:
+        """k (normed, rotated) and v of the frame into its ring slot ``frame % window``."""
+        qk_norm_rope(
+            None, k_NC, v_NC, None, self.k_norm.weight, cos_NP, sin_NP, cache.k, cache.v, layer,
+            cache.ring_slot(), eps=self.k_norm.eps,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -60,20 +69,25 @@ class Attention(nn.Module):
         """``bias_S``: additive mask over the (window + 1) * N keys, or None when every slot is
         filled (then SDPA can take its flash kernel). ``commit``: also write this frame's
         keys/values into the ring slot (after attending, so the frame sees the same history as
-        in the denoise pass). ``kv_only``: commit only."""
+        in the denoise pass: the slot still holds the frame ``window`` back). ``kv_only``:
+        commit only.
+
+        Per pass: one ``qk_norm_rope`` call writing the scratch slot and returning q, then SDPA;
+        a commit pass adds a second call without q for the ring slot; ``kv_only`` makes only that
+        one."""
         N = x_ND.shape[0]
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
-        k_NHD = apply_rope(self.k_norm(self.k_proj(x_ND).view(N, Hkv, Dh)), cos_NP, sin_NP)
-        k_HND = k_NHD.transpose(0, 1)
-        v_HND = self.v_proj(x_ND).view(N, Hkv, Dh).transpose(0, 1)
+        k_NC, v_NC = self.k_proj(x_ND), self.v_proj(x_ND)
         if kv_only:
-            cache.commit(layer, k_HND, v_HND)
+            self._write_ring(k_NC, v_NC, cos_NP, sin_NP, cache, layer)
             return None
-        q_NHD = apply_rope(self.q_norm(self.q_proj(x_ND).view(N, H, Dh)), cos_NP, sin_NP)
-        cache.write_scratch(layer, k_HND, v_HND)
+        q_HND = qk_norm_rope(
+            self.q_proj(x_ND), k_NC, v_NC, self.q_norm.weight, self.k_norm.weight, cos_NP,
+            sin_NP, cache.k, cache.v, layer, cache.scratch_slot, eps=self.k_norm.eps,
+        )  # fmt: skip
         k_HSD, v_HSD = cache.layer_kv(layer)
         G = H // Hkv
-        q_HMD = q_NHD.view(N, Hkv, G, Dh).permute(1, 2, 0, 3).reshape(Hkv, G * N, Dh)
+        q_HMD = q_HND.view(Hkv, G * N, Dh)  # head h = hkv * G + g
         o_HMD = F.scaled_dot_product_attention(
             q_HMD[None],
             k_HSD[None],
@@ -82,5 +96,5 @@ class Attention(nn.Module):
         )[0]
         o_ND = o_HMD.view(Hkv, G, N, Dh).permute(2, 0, 1, 3).reshape(N, H * Dh)
         if commit:
-            cache.commit(layer, k_HND, v_HND)
+            self._write_ring(k_NC, v_NC, cos_NP, sin_NP, cache, layer)
         return self.o_proj(o_ND)

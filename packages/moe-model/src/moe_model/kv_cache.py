@@ -5,36 +5,17 @@ Buffers ``k``/``v`` have shape (layers, kv_heads, window + 1, tokens_per_frame, 
 frame counter is a device tensor, so the write slot (``frame % window``) and the mask of filled
 slots are computed on the device: shapes never change, memory stays constant over an endless
 rollout, and one captured CUDA graph serves every frame.
+
+The slots are written by ``moe_kernels.qk_norm_rope`` (``Attention``), which takes the slot as a
+device tensor (``scratch_slot``, ``ring_slot()``) and declares its mutation, so ``torch.compile``
+writes the slots in place (slice assignments in a compiled graph made functionalization copy the
+whole buffer for every write: about 0.13 ms per write on the H200).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-
-@torch.library.custom_op("moe_model::kv_write", mutates_args=("k_cache", "v_cache"))
-def kv_write(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    layer: int,
-    slot: torch.Tensor,
-    k_HND: torch.Tensor,
-    v_HND: torch.Tensor,
-) -> None:
-    """In place: ``k_cache[layer, :, slot] = k_HND`` (and v), ``slot`` a (1,) int64 device tensor.
-
-    A custom op that declares its mutation, so ``torch.compile`` writes the one slot in place.
-    Written as plain slice assignments inside the compiled graph, functionalization copied the
-    whole cache buffer for every write (measured on the H200: about 0.13 ms per write, a third of
-    a frame's time)."""
-    k_cache[layer].index_copy_(1, slot, k_HND.unsqueeze(1))
-    v_cache[layer].index_copy_(1, slot, v_HND.unsqueeze(1))
-
-
-@kv_write.register_fake
-def _(k_cache, v_cache, layer, slot, k_HND, v_HND) -> None:
-    return None
 
 
 class KVRingCache(nn.Module):
@@ -79,13 +60,10 @@ class KVRingCache(nn.Module):
         bias = torch.where(valid, 0.0, float("-inf")).to(dtype)
         return bias.repeat_interleave(self.tokens)
 
-    def write_scratch(self, layer: int, k_HND: torch.Tensor, v_HND: torch.Tensor) -> None:
-        kv_write(self.k, self.v, layer, self.scratch_slot, k_HND, v_HND)
-
-    def commit(self, layer: int, k_HND: torch.Tensor, v_HND: torch.Tensor) -> None:
-        """Write a frame's keys/values into ring slot ``frame % window`` (computed on device)."""
-        slot = torch.remainder(self.frame, self.window).view(1)
-        kv_write(self.k, self.v, layer, slot, k_HND, v_HND)
+    def ring_slot(self) -> torch.Tensor:
+        """(1,) int64 device tensor: the ring slot ``frame % window`` a frame commits to
+        (computed on the device, no host read)."""
+        return torch.remainder(self.frame, self.window).view(1)
 
     def advance(self) -> None:
         self.frame.add_(1)

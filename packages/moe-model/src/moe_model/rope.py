@@ -58,7 +58,10 @@ class Rope3D(nn.Module):
 
 
 def apply_rope(x_NHD: torch.Tensor, cos_NP: torch.Tensor, sin_NP: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of each head by the token's angles; fp32 math."""
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of each head by the token's angles; fp32 math.
+
+    ``Attention`` runs this formula fused with the QK-norm and the KV write
+    (``moe_kernels.qk_norm_rope``); kept as the torch formula the tests compare against."""
     N, H, D = x_NHD.shape
     x_NHP2 = x_NHD.float().view(N, H, D // 2, 2)
     x0, x1 = x_NHP2[..., 0], x_NHP2[..., 1]
