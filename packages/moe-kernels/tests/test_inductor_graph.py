@@ -129,7 +129,25 @@ def _cases():
         "to_mxfp8_dim1": (lambda a: mk.to_mxfp8_dim1(a), (ys,)),
         "from_mxfp8": (lambda d, s: mk.from_mxfp8(d, s), (data, scale)),
         "to_blocked_per_group_2d": (lambda s, e: mk.to_blocked_per_group_2d(s, e), (scale, ends)),
+        "qk_norm_rope": (_rope, _rope_args(g)),
     }
+
+
+def _rope(q, k, v, wq, wk, cos, sin, k_cache, v_cache, slots):
+    """The attention prologue of a commit pass: the cache (a graph input) written in place."""
+    import moe_kernels as mk
+
+    out = mk.qk_norm_rope(q, k, v, wq, wk, cos, sin, k_cache, v_cache, 1, slots)
+    return out, k_cache, v_cache
+
+
+def _rope_args(g: torch.Generator) -> tuple:
+    n, heads, kv, dh = 32, 4, 2, 64
+    qkv = torch.randn(n, (heads + 2 * kv) * dh, generator=g).bfloat16()
+    q, k, v = qkv.split([heads * dh, kv * dh, kv * dh], dim=1)
+    cache = torch.zeros(2, kv, 3, n, dh, dtype=torch.bfloat16)
+    return (q, k, v, torch.ones(dh), torch.ones(dh), torch.rand(n, dh // 2),
+            torch.rand(n, dh // 2), cache, cache.clone(), torch.tensor([2, 0]))  # fmt: skip
 
 
 CASES = list(_cases())
