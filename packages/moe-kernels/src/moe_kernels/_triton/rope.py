@@ -80,7 +80,6 @@ def _qk_norm_rope_kernel(
     KV,  # kv heads
     S,
     layer,
-    eps,
     stride_qn,
     stride_qc,
     stride_kn,
@@ -96,6 +95,8 @@ def _qk_norm_rope_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
     EXACT_MUL: tl.constexpr,
+    EPS: tl.constexpr,  # a constant: a float argument is fp32 from Triton's launch, fp64 from
+    # Inductor's
 ):
     BLOCK_P: tl.constexpr = BLOCK_D // 2
     pid_n = tl.program_id(0)
@@ -126,7 +127,7 @@ def _qk_norm_rope_kernel(
             other=0.0,
         )
         w = tl.load(qw_ptr + cols, mask=cols < HEAD_DIM, other=0.0).to(tl.float32)
-        y = _normed(x_raw.to(tl.float32), w, eps, HEAD_DIM, EXACT_MUL)
+        y = _normed(x_raw.to(tl.float32), w, EPS, HEAD_DIM, EXACT_MUL)
         y = y.to(x_raw.dtype).to(tl.float32)  # the model rounds between norm and rope
         o = _rotate(y, c, s, EXACT_MUL).to(x_raw.dtype)
         dst = q_out_ptr + head.to(tl.int64) * N * HEAD_DIM + out_off
@@ -145,7 +146,7 @@ def _qk_norm_rope_kernel(
             other=0.0,
         )
         w = tl.load(kw_ptr + cols, mask=cols < HEAD_DIM, other=0.0).to(tl.float32)
-        y = _normed(x_raw.to(tl.float32), w, eps, HEAD_DIM, EXACT_MUL)
+        y = _normed(x_raw.to(tl.float32), w, EPS, HEAD_DIM, EXACT_MUL)
         y = y.to(x_raw.dtype).to(tl.float32)
         o = _rotate(y, c, s, EXACT_MUL).to(x_raw.dtype)
         head_base = (layer * KV + kvh).to(tl.int64) * S
@@ -221,7 +222,6 @@ def qk_norm_rope(
             K,
             S,
             layer,
-            eps,
             q_in.stride(0),
             q_in.stride(1),
             k_NC.stride(0),
@@ -239,6 +239,7 @@ def qk_norm_rope(
             BLOCK_D=next_pow2(D),
             NUM_SLOTS=slots_J.shape[0],
             EXACT_MUL=not INTERPRET,  # numpy rounds each product itself
+            EPS=float(eps),
         ),
         num_warps=cfg.num_warps,
     )
