@@ -139,17 +139,19 @@ def test_breakdown_arithmetic():
 
 
 def _ev(id_, name, kind, start, end, *, linked=0, thread=1, device=DeviceType.CPU):
-    return FunctionEvent(
+    e = FunctionEvent(
         id=id_,
         name=name,
         thread=thread,
         start_us=start,
         end_us=end,
         device_type=device,
-        activity_type=kind,
-        linked_correlation_id=linked,
         use_device="cuda",
+        is_user_annotation=kind == "user_annotation",
     )
+    # torch >= 2.13 records these; older torch's events have neither (read off the name)
+    e.activity_type, e.linked_correlation_id = kind, linked
+    return e
 
 
 def _kernel(cupti_id, name, start, end, *, linked=0, kind="kernel"):
@@ -318,3 +320,23 @@ def test_plot_profile(tmp_path):
     assert out.read_bytes()[:4] == b"\x89PNG"
     empty = report.plot_profile({"status": "failed: x"}, tmp_path / "e.png")
     assert empty.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_kind_read_off_events_without_activity_type():
+    """torch < 2.13 records no activity type: kernels, memcpys, runtime calls, annotations and
+    ops are told apart by device, flag and name."""
+    from moe_tools.rollout_profile import _kind
+
+    def ev(name, device=DeviceType.CPU, annotation=False):
+        e = FunctionEvent(id=1, name=name, thread=1, start_us=0, end_us=1, device_type=device,
+                          is_user_annotation=annotation)  # fmt: skip
+        e.activity_type = None  # what older torch's events amount to
+        return e
+
+    assert _kind(ev("triton_poi_fused_0", DeviceType.CUDA)) == "kernel"
+    assert _kind(ev("Memcpy DtoH (Device -> Pinned)", DeviceType.CUDA)) == "gpu_memcpy"
+    assert _kind(ev("Memset (Device)", DeviceType.CUDA)) == "gpu_memset"
+    assert _kind(ev("moe_model::frame", DeviceType.CUDA)) == "gpu_user_annotation"
+    assert _kind(ev("cudaGraphLaunch")) == _kind(ev("cuLaunchKernelEx")) == "cuda_runtime"
+    assert _kind(ev("moe_model::decode", annotation=True)) == "user_annotation"
+    assert _kind(ev("aten::mm")) == "cpu_op"

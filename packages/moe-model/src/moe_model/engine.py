@@ -297,8 +297,10 @@ class WorldEngine:
         CUDA-graph replay (captured now, after a warm-up; the state is then reset). The decoder
         is compiled too (H200: 334 against 560 us a frame in a CUDA graph, images within one
         level of eager's), inside its own CUDA graph when ``cuda_graph``. ``cuda_graph=None`` (the
-        default) means ``compile`` on a CUDA device: the fast mode unless told otherwise."""
+        default) means ``compile`` on a CUDA device: the fast mode unless told otherwise.
+        Compiling (graphs or not) runs both pass variants once now, then resets the state."""
         cuda_graph = self._check_runtime(compile, cuda_graph)
+        newly_compiled = compile and not self.compiled
         if compile and self.compiled:
             pass  # keep the compiled passes (and dynamo's cache)
         elif compile:
@@ -312,6 +314,17 @@ class WorldEngine:
         self._graphs, self._graph_dec = {}, None
         if cuda_graph:
             self._capture()
+        elif newly_compiled:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile both variants of the passes and the decoder now (then reset the state), not
+        at the first frame that needs each: the unmasked one would otherwise compile mid-rollout,
+        at frame ``window + 1`` (about 30 s for seed-moe on the H200's host)."""
+        for masked in (True, False):
+            self._frame_work(masked)
+            self._decode_work()
+        self.reset()
 
     def _check_runtime(self, compile: object, cuda_graph: object) -> bool:
         """The checked ``cuda_graph`` flag, None resolved to ``compile`` on CUDA."""

@@ -104,6 +104,25 @@ LAUNCH_CALLS = re.compile(r"Launch(Cooperative)?Kernel|GraphLaunch")
 _DEVICE_KINDS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 _CALL_KINDS = frozenset({"cuda_runtime", "cuda_driver"})
 _OP_KINDS = frozenset({"cpu_op", "user_annotation"})
+_RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]")  # cudaLaunchKernel, cuLaunchKernelEx, ...
+
+
+def _kind(e: Any) -> str:
+    """The event's kineto activity type; torch before 2.13 keeps none on its events (the device
+    ones then carry their own correlation id as ``id``, like the runtime calls), so it is read
+    off the device, the annotation flag and the name."""
+    kind = getattr(e, "activity_type", None)
+    if kind:
+        return kind
+    if e.device_type == DeviceType.CUDA:
+        if e.name in SCOPES:
+            return "gpu_user_annotation"
+        return (
+            "gpu_memcpy" if "Memcpy" in e.name else "gpu_memset" if "Memset" in e.name else "kernel"
+        )
+    if getattr(e, "is_user_annotation", False):
+        return "user_annotation"
+    return "cuda_runtime" if _RUNTIME_CALL.match(e.name) else "cpu_op"
 
 
 def rule_category(name: str) -> str:
@@ -230,7 +249,7 @@ def _ranges(events: Sequence[Any]) -> list[_Range]:
     return [
         _Range(e.time_range.start, e.time_range.end, SCOPES[e.name])
         for e in events
-        if _is_cpu(e) and e.activity_type == "user_annotation" and e.name in SCOPES
+        if _is_cpu(e) and _kind(e) == "user_annotation" and e.name in SCOPES
     ]
 
 
@@ -240,12 +259,12 @@ def _scope(event: Any, ranges: Sequence[_Range]) -> str:
     call with a parent), else unknown."""
     node = event
     while node is not None:
-        if node.activity_type == "user_annotation" and node.name in SCOPES:
+        if _kind(node) == "user_annotation" and node.name in SCOPES:
             return SCOPES[node.name]
         node = node.cpu_parent
     t = event.time_range.start
     scope = next((r.scope for r in ranges if r.start_us <= t <= r.end_us), None)
-    in_tree = event.cpu_parent is not None or event.activity_type in _OP_KINDS
+    in_tree = event.cpu_parent is not None or _kind(event) in _OP_KINDS
     return scope or ("outside" if in_tree else "unknown")
 
 
@@ -259,19 +278,17 @@ def cuda_activities(events: Sequence[Any]) -> CudaTrace:
     docstring), and the count of launch calls."""
     ranges = _ranges(events)
     cpu = [e for e in events if _is_cpu(e)]
-    calls = {e.id: e for e in cpu if e.activity_type in _CALL_KINDS}
-    ops = {e.id: e for e in cpu if e.activity_type in _OP_KINDS}
+    calls = {e.id: e for e in cpu if _kind(e) in _CALL_KINDS}
+    ops = {e.id: e for e in cpu if _kind(e) in _OP_KINDS}
     activities = []
     for e in events:
-        if e.device_type != DeviceType.CUDA or e.activity_type not in _DEVICE_KINDS:
+        if e.device_type != DeviceType.CUDA or _kind(e) not in _DEVICE_KINDS:
             continue  # a device-side range (gpu_user_annotation) or a CPU event
         launcher = calls.get(e.id)
-        if launcher is None and e.linked_correlation_id:
+        if launcher is None and getattr(e, "linked_correlation_id", 0):
             launcher = ops.get(e.linked_correlation_id)
         scope = "unknown" if launcher is None else _scope(launcher, ranges)
-        activities.append(
-            Activity(e.name, e.time_range.elapsed_us(), scope, e.activity_type == "kernel")
-        )
+        activities.append(Activity(e.name, e.time_range.elapsed_us(), scope, _kind(e) == "kernel"))
     launches = sum(1 for e in calls.values() if LAUNCH_CALLS.search(e.name))
     return CudaTrace(activities, launches)
 
@@ -282,7 +299,7 @@ def cpu_activities(events: Sequence[Any]) -> list[Activity]:
     return [
         Activity(e.name, e.self_cpu_time_total, _scope(e, ranges), True)
         for e in events
-        if _is_cpu(e) and e.activity_type == "cpu_op"
+        if _is_cpu(e) and _kind(e) == "cpu_op"
     ]
 
 
