@@ -314,6 +314,16 @@ def test_report_renders_a_profile(tmp_path):
     assert failed == "* profile: failed: RuntimeError: x"
 
 
+def test_report_renders_one_profile_per_mode(tmp_path):
+    profiles = [{"mode": m, **_profile_doc()} for m in ("compile", "graph")]
+    extra = {"title": "t", "profiles": profiles, "profile": profiles[-1]}
+    doc = report.make_document("rollout", [{"fps": 1.0}], report.environment("cpu"), extra=extra)
+    report.write_json(tmp_path / "res" / "rollout.json", doc)
+    md = report.markdown_report(tmp_path / "res")
+    assert md.index("Profile, mode compile:") < md.index("Profile, mode graph:")
+    assert md.count("| total | 0.5 | - | 1.5 |") == 2
+
+
 def test_plot_profile(tmp_path):
     pytest.importorskip("matplotlib")
     out = report.plot_profile(_profile_doc(), tmp_path / "p.png", title="t")

@@ -744,7 +744,11 @@ def markdown_report(
             else:
                 parts.append(markdown_table(rows, cols))
         extra = doc.get("extra") or {}
-        if isinstance(extra.get("profile"), Mapping):  # moe-bench rollout --profile
+        profiles = extra.get("profiles")  # moe-bench rollout --modes ... --profile: one each
+        if isinstance(profiles, list) and profiles:
+            for prof in profiles:
+                parts += ["", f"Profile, mode {prof.get('mode')}:", "", markdown_profile(prof)]
+        elif isinstance(extra.get("profile"), Mapping):  # moe-bench rollout --profile
             parts += ["", markdown_profile(extra["profile"])]
         scalars = {
             k: v for k, v in extra.items() if isinstance(v, (int, float, str)) and k != "sweep"
