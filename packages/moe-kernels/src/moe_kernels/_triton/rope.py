@@ -152,10 +152,12 @@ def _qk_norm_rope_kernel(
         head_base = (layer * KV + kvh).to(tl.int64) * S
         for j in tl.static_range(NUM_SLOTS):
             slot = tl.load(slots_ptr + j)
-            ok = (slot >= 0) & (slot < S)
+            # compared as a vector: Triton 3.9's interpreter rejects a mask from a scalar test
+            slot_n = rows.to(tl.int64) * 0 + slot
+            keep = tile_in & ((slot_n >= 0) & (slot_n < S))[:, None]
             off = (head_base + slot) * N * HEAD_DIM + out_off
-            tl.store(k_cache_ptr + off, o, mask=tile_in & ok)
-            tl.store(v_cache_ptr + off, v, mask=tile_in & ok)
+            tl.store(k_cache_ptr + off, o, mask=keep)
+            tl.store(v_cache_ptr + off, v, mask=keep)
 
 
 _qk_norm_rope = FastKernel(_qk_norm_rope_kernel)
