@@ -1,12 +1,15 @@
-"""Grouped GEMM for MoE experts that gathers its A rows and fuses the activation.
+"""Grouped GEMMs for MoE experts: the forward one that gathers its A rows and fuses the
+activation, and the K-grouped one of its weight gradient.
 
 ``gather_grouped_mm(x, w, offsets, row_indices, activation="silu")`` replaces
 ``dispatch`` + ``torch._grouped_mm`` + ``F.silu`` of an MoE layer's first expert GEMM by one
 kernel; with ``row_indices=None`` it is a plain grouped GEMM (the second expert GEMM).
+``grouped_weight_grad(dy, x, offsets, row_indices)`` is each expert's ``dy_e.T @ x_e``.
 
-A ``torch.library`` custom op (``moe_kernels::gather_grouped_mm``) with a fake implementation:
-on CUDA no host syncs (static grid, groups found on the device), safe under
+Both are ``torch.library`` custom ops (``moe_kernels::<name>``) with fake implementations: on
+CUDA no host syncs (static grids, groups found on the device), safe under
 ``torch.compile(fullgraph=True)`` and CUDA-graph capture, deterministic (no split-K, no atomics).
+``gather_grouped_mm`` is differentiable in x and w (backward below).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from moe_kernels import _validate as V
 from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
 from moe_kernels._reference import grouped_mm as _ref
 
-__all__ = ["ACTIVATIONS", "gather_grouped_mm"]
+__all__ = ["ACTIVATIONS", "gather_grouped_mm", "grouped_weight_grad"]
 
 ACTIVATIONS: tuple[str | None, ...] = (None, "silu")
 
@@ -54,6 +57,42 @@ def _fake(x, w, offsets, row_indices, activation):
 _op = register_op("gather_grouped_mm", _impl, _fake)
 
 
+def _setup_context(ctx, inputs, output):
+    x, w, offsets, row_indices, activation = inputs
+    ctx.save_for_backward(x, w, offsets, row_indices)
+    ctx.activation = activation
+
+
+def _backward(ctx, grad_PN):
+    """dz = dy * silu'(z) (z recomputed: one more forward GEMM, no saved activation);
+    dx = the per-token sum, in ascending p, of the rows ``dz @ w[e]`` (a grouped GEMM with the
+    transposed weights, then ``scatter_add_dense_tokens`` into fp32); dw = ``grouped_weight_grad``.
+    """
+    from moe_kernels.tokens import scatter_add_dense_tokens
+
+    x, w, offsets, rows = ctx.saved_tensors
+    grad_PN = grad_PN.to(x.dtype)
+    if ctx.activation == "silu":
+        z = _op(x, w, offsets, rows, "none").float()
+        sig = torch.sigmoid(z)
+        grad_PN = (grad_PN.float() * sig * (1.0 + z * (1.0 - sig))).to(x.dtype)
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        dx_PD = gather_grouped_mm(grad_PN, w.mT, offsets)
+        if rows is None:
+            grad_x = dx_PD
+        else:
+            grad_x = x.new_zeros(x.shape, dtype=torch.float32)
+            scatter_add_dense_tokens(grad_x, dx_PD, rows)
+            grad_x = grad_x.to(x.dtype)
+    if ctx.needs_input_grad[1]:
+        grad_w = grouped_weight_grad(grad_PN, x, offsets, rows, out_dtype=w.dtype)
+    return grad_x, grad_w, None, None, None
+
+
+_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def gather_grouped_mm(
     x_TD: torch.Tensor,
     w_END: torch.Tensor,
@@ -76,6 +115,9 @@ def gather_grouped_mm(
     before the single cast; rows p >= offsets[E] and rows whose index is outside [0, T) are zero.
     Offsets are read on the device: they must be non-decreasing and <= P (not checked, that would
     sync; violating values are clamped to stay memory-safe, with unspecified results).
+
+    Differentiable in x_TD and w_END (backward: two grouped GEMMs, plus one that recomputes the
+    pre-activation when ``activation="silu"``; deterministic, see ``_backward``).
     """
     x_TD = V.tensor("x_TD", x_TD)
     V.dtype("x_TD", x_TD, V.FLOAT_DTYPES)
@@ -103,3 +145,102 @@ def gather_grouped_mm(
     act = "none" if activation is None else activation
     op = _impl if eager_direct(x_TD, w_END) else _op
     return op(x_TD, w_END, offsets, row_indices, act)
+
+
+# --------------------------------------------------------------------------------------------
+# grouped_weight_grad
+
+
+def _cutlass_wgrad(dy_PN: torch.Tensor, x_PD: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm``'s K-grouped form (CUTLASS, sm90+, bf16, 16-aligned sizes)
+    runs this weight gradient (compared with the Triton kernel by ``benchmarks/gpu/train_gpu.py``).
+    """
+    if not hasattr(torch, "_grouped_mm") or not dy_PN.is_cuda or dy_PN.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_properties(dy_PN.device).major < 9:
+        return False
+    return dy_PN.shape[1] % 16 == 0 and x_PD.shape[1] % 16 == 0
+
+
+def _wgrad_impl(
+    dy_PN: torch.Tensor,
+    x_TD: torch.Tensor,
+    offsets: torch.Tensor,
+    row_indices: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    if not use_triton(dy_PN.device):
+        return _ref.grouped_weight_grad(dy_PN, x_TD, offsets, row_indices, out_dtype)
+    return triton_kernels("grouped_weight_grad").grouped_weight_grad(
+        dy_PN,
+        x_TD,
+        offsets.contiguous(),
+        row_indices.contiguous() if row_indices is not None else None,
+        out_dtype,
+    )
+
+
+def _wgrad_fake(dy_PN, x_TD, offsets, row_indices, out_dtype):
+    return dy_PN.new_empty((offsets.shape[0] - 1, dy_PN.shape[1], x_TD.shape[1]), dtype=out_dtype)
+
+
+_wgrad_op = register_op("grouped_weight_grad", _wgrad_impl, _wgrad_fake)
+
+
+def grouped_weight_grad(
+    dy_PN: torch.Tensor,
+    x_TD: torch.Tensor,
+    offsets: torch.Tensor,
+    row_indices: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Per-expert ``dy_e.T @ x_e``: the weight gradient of ``gather_grouped_mm``.
+
+    dy_PN: (P, N) bf16/fp16/fp32 rows in expert-sorted order; x_TD: (T, D), dy's dtype; offsets
+    and row_indices as in ``gather_grouped_mm`` (``row_indices=None``: P = T, source row p).
+    Returns (E, N, D) in ``out_dtype`` (default dy's dtype) with
+    ``out[e] = sum over offsets[e] <= p < offsets[e+1] of outer(dy[p], x[row_indices[p]])``
+    accumulated in fp32; rows whose index is outside [0, T) add nothing; an empty group gives
+    zeros. Deterministic (the Triton kernel runs each group's rows in one fixed order; on sm90+
+    bf16 with 16-aligned N and D, ``torch._grouped_mm``'s K-grouped CUTLASS GEMM runs instead).
+    """
+    dy_PN = V.tensor("dy_PN", dy_PN)
+    V.dtype("dy_PN", dy_PN, V.FLOAT_DTYPES)
+    V.rank("dy_PN", dy_PN, 2)
+    x_TD = V.tensor("x_TD", x_TD)
+    V.rank("x_TD", x_TD, 2)
+    if x_TD.dtype != dy_PN.dtype:
+        raise TypeError(f"x_TD must have dy_PN's dtype {dy_PN.dtype}, got {x_TD.dtype}")
+    V.same_device("dy_PN", dy_PN, x_TD=x_TD)
+    offsets = V.tensor("offsets", offsets)
+    V.dtype("offsets", offsets, V.INDEX_DTYPES)
+    V.rank("offsets", offsets, 1)
+    V.same_device("dy_PN", dy_PN, offsets=offsets)
+    if offsets.shape[0] < 1:
+        raise ValueError("offsets must have E+1 >= 1 entries, got shape (0,)")
+    if row_indices is None:
+        V.dim_size("dy_PN", dy_PN, 0, x_TD.shape[0], "T, the rows of x_TD (no row_indices)")
+    else:
+        row_indices = V.tensor("row_indices", row_indices)
+        V.dtype("row_indices", row_indices, V.INDEX_DTYPES)
+        V.rank("row_indices", row_indices, 1)
+        V.same_device("dy_PN", dy_PN, row_indices=row_indices)
+        V.dim_size("row_indices", row_indices, 0, dy_PN.shape[0], "P, the rows of dy_PN")
+    if out_dtype is None:
+        out_dtype = dy_PN.dtype
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in V.FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype!r}")
+    if _cutlass_wgrad(dy_PN, x_TD) and dy_PN.shape[0] > 0:
+        x_PD = x_TD if row_indices is None else _gather_rows(x_TD, row_indices)
+        offs = offsets[1:].to(torch.int32)
+        return torch._grouped_mm(dy_PN.mT, x_PD, offs=offs).to(out_dtype)
+    op = _wgrad_impl if eager_direct(dy_PN, x_TD) else _wgrad_op
+    return op(dy_PN, x_TD, offsets, row_indices, out_dtype)
+
+
+def _gather_rows(x_TD: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
+    """x[row_indices] with zero rows where the index is outside [0, T)."""
+    live = (row_indices >= 0) & (row_indices < x_TD.shape[0])
+    rows = x_TD.index_select(0, torch.where(live, row_indices, 0).long())
+    return torch.where(live[:, None], rows, 0.0).to(x_TD.dtype)

@@ -41,3 +41,35 @@ def gather_grouped_mm(
             h = F.silu(h)
         y_PN[start:end] = torch.where(live_P[start:end, None], h, 0.0)
     return y_PN.to(x_TD.dtype)
+
+
+def grouped_weight_grad(
+    dy_PN: torch.Tensor,
+    x_TD: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    row_indices_P: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(E, N, D) in ``out_dtype``: ``out[e] = dy[rows of e].T @ x[src of those rows]`` in fp32
+    (one host read of ``offsets``, like ``gather_grouped_mm``); rows whose source is outside
+    [0, T) contribute nothing, an empty group gives zeros."""
+    num_rows, n = dy_PN.shape
+    num_tokens, dim = x_TD.shape
+    num_experts = offsets_E1.shape[0] - 1
+    out = torch.zeros((num_experts, n, dim), dtype=torch.float32, device=dy_PN.device)
+    if num_tokens == 0:
+        return out.to(out_dtype)
+    src_P = torch.arange(num_rows, device=x_TD.device) if row_indices_P is None else row_indices_P
+    src_P = src_P.long()
+    live_P = (src_P >= 0) & (src_P < num_tokens)
+    bounds = [min(max(int(b), 0), num_rows) for b in offsets_E1.tolist()]  # the host read
+    for e in range(num_experts):
+        start, end = bounds[e], max(bounds[e + 1], bounds[e])
+        if end <= start:
+            continue
+        live = live_P[start:end, None]
+        xs = torch.where(
+            live, x_TD.index_select(0, torch.where(live[:, 0], src_P[start:end], 0)).float(), 0.0
+        )
+        out[e] = torch.where(live, dy_PN[start:end].float(), 0.0).T @ xs
+    return out.to(out_dtype)
