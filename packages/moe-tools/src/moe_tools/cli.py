@@ -14,6 +14,7 @@ import torch
 from moe_tools import __version__, report
 
 PRESETS = ("tiny", "seed-moe")
+TRAIN_PRESETS = ("tiny", "seed-moe", "training")  # moe_tools.train.PRESETS
 
 
 def _device(text: str) -> torch.device:
@@ -53,6 +54,16 @@ def _int_csv(text: str) -> list[int]:
 
 def _non_negative(text: str) -> int:
     return 0 if text.strip() == "0" else _positive(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 SWEEP_DTYPES = ("bf16", "fp32")
@@ -207,6 +218,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ops", type=_csv, default=None, help="only these checks")
 
+    p = sub.add_parser(
+        "train", parents=[common], help="every MoELayer impl training: step time, grads, loss"
+    )
+    p.add_argument(
+        "--preset",
+        choices=TRAIN_PRESETS,
+        default=None,
+        help="tokens and layer sizes: tiny (64 tokens, E=8, top-2, d_model 64, hidden 32), "
+        "seed-moe (2048, E=16, top-8, 2048, 1024), training (16384, E=128, top-8, 2048, 768); "
+        "default: seed-moe on CUDA, tiny on CPU",
+    )
+    p.add_argument("--tokens", type=_positive, default=None, help="tokens per step")
+    p.add_argument("--d-model", type=_positive, default=None, help="model width")
+    p.add_argument("--experts", type=_positive, default=None, help="number of experts (E)")
+    p.add_argument("--top-k", type=_positive, default=None, help="experts per token")
+    p.add_argument("--hidden", type=_positive, default=None, help="expert hidden size")
+    p.add_argument("--gated", action="store_true", help="SwiGLU experts (default: SiLU)")
+    p.add_argument("--renormalize", action="store_true", help="renormalise the top-k weights")
+    p.add_argument("--impls", type=_csv, default=None, help="comma-separated (default: all)")
+    p.add_argument("--dtype", **dtype)
+    p.add_argument("--warmup", type=_positive, default=None, help="untimed steps per variant")
+    p.add_argument("--iters", type=_positive, default=None, help="timed steps per variant")
+    p.add_argument(
+        "--steps",
+        type=_non_negative,
+        default=None,
+        help="AdamW steps of the convergence run (default: 50 on CUDA, 20 on CPU; 0: none)",
+    )
+    p.add_argument(
+        "--lr", type=_positive_float, default=None, help="AdamW lr (default 0.08/sqrt(d_model))"
+    )
+    p.add_argument("--no-compile", action="store_true", help="no compiled column")
+    p.add_argument(
+        "--compile-backend",
+        default=None,
+        metavar="NAME",
+        help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)",
+    )
+    p.add_argument("--no-graph", action="store_true", help="no CUDA-graph column")
+    p.add_argument("--plot", metavar="PNG", help="every impl's convergence loss curve")
+
     p = sub.add_parser("report", help="markdown page from saved JSON results")
     p.add_argument(
         "--results",
@@ -263,6 +315,32 @@ def _run(
             modes=args.modes,
             images=not args.no_images,
             profile_frames=args.profile_frames,
+        )
+    if args.command == "train":
+        from moe_tools import train
+
+        return train.run(
+            device=args.device,
+            preset=args.preset,
+            tokens=args.tokens,
+            d_model=args.d_model,
+            n_experts=args.experts,
+            top_k=args.top_k,
+            hidden=args.hidden,
+            gated=args.gated,
+            renormalize=args.renormalize,
+            impls=args.impls,
+            dtype=_dtype(args.dtype, args.device),
+            warmup=args.warmup,
+            iters=args.iters,
+            steps=args.steps,
+            lr=args.lr,
+            seed=args.seed,
+            progress=progress,
+            compile=not args.no_compile,
+            compile_backend=args.compile_backend,
+            graph=not args.no_graph,
+            plot=args.plot,
         )
     if args.command == "kernels" and args.sweep == "routing":
         from moe_tools import routing_sweep
@@ -355,6 +433,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "plot", None):
         if getattr(args, "sweep", None):
             out = report.plot_routing_sweep(result.rows, args.plot)
+        elif args.command == "train":
+            from moe_tools import train_report
+
+            out = train_report.plot_loss_curves(
+                result.extra.get("loss_curves", {}),
+                args.plot,
+                title=train_report.plot_title(result.extra),
+            )
         elif args.command == "kernels":
             out = report.plot_kernels(result.rows, result.extra.get("ceiling_gbps"), args.plot)
         elif args.profile:

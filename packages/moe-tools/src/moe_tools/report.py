@@ -750,6 +750,10 @@ def markdown_report(
                 parts += ["", f"Profile, mode {prof.get('mode')}:", "", markdown_profile(prof)]
         elif isinstance(extra.get("profile"), Mapping):  # moe-bench rollout --profile
             parts += ["", markdown_profile(extra["profile"])]
+        if doc.get("schema") == SCHEMA and doc.get("command") == "train":
+            from moe_tools.train_report import markdown_train
+
+            parts += ["", markdown_train(doc, path)]
         scalars = {
             k: v for k, v in extra.items() if isinstance(v, (int, float, str)) and k != "sweep"
         }
