@@ -382,9 +382,12 @@ def test_opcheck_all_ops():
         ops.scatter_add_dense_tokens.default,
         (torch.zeros(6, 20), rand((12, 20), torch.bfloat16, 23), plan.token_indices, vtc),
     )
-    _opcheck(ops.dispatch.default, (x, plan.token_indices, plan.weights, True))
+    _opcheck(ops.dispatch.default, (x, plan.token_indices, plan.weights, plan.inverse, True))
     y = rand((12, 20), torch.bfloat16, 24)
-    _opcheck(ops.combine.default, (y, plan.inverse, plan.weights, True, torch.float32))
+    _opcheck(
+        ops.combine.default,
+        (y, plan.inverse, plan.token_indices, plan.weights, True, torch.float32),
+    )
 
 
 def test_compile_fullgraph_matches_eager():

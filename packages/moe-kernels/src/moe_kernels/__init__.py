@@ -8,7 +8,8 @@ syncs, deterministic.
 
 __version__ = "0.1.0"
 
-from moe_kernels.grouped_mm import gather_grouped_mm
+from moe_kernels.activation import expert_activation
+from moe_kernels.grouped_mm import gather_grouped_mm, grouped_weight_grad
 from moe_kernels.mxfp8 import (
     compute_per_group_blocked_scale_offsets,
     from_mxfp8,
@@ -35,9 +36,11 @@ __all__ = [
     "combine",
     "compute_per_group_blocked_scale_offsets",
     "dispatch",
+    "expert_activation",
     "from_mxfp8",
     "gather_grouped_mm",
     "gather_scale_dense_tokens",
+    "grouped_weight_grad",
     "index_shuffling",
     "mxfp8_grouped_mm",
     "qk_norm_rope",

@@ -105,10 +105,18 @@ def _decompose(impl: Callable) -> Callable:
 
 
 def register_op(
-    name: str, impl: Callable, fake: Callable, mutates_args: tuple[str, ...] = ()
+    name: str,
+    impl: Callable,
+    fake: Callable,
+    mutates_args: tuple[str, ...] = (),
+    *,
+    traced: bool = True,
 ) -> torch.library.CustomOpDef:
     """The custom op ``moe_kernels::<name>``: ``impl`` (the Triton launch or the reference, by
     device), ``fake`` its fake kernel, ``mutates_args`` the inputs it writes in place.
+    ``traced=False`` keeps the op opaque under ``torch.compile`` on every device: for torch
+    math (backward formulas) whose result must not change when Inductor would refuse or reorder
+    it, so compiled gradients equal eager ones bit for bit.
 
     Under ``torch.compile`` (AOT autograd's FunctionalTensorMode) a call on CUDA tensors is traced
     into the graph rather than kept as an opaque op, as ``torch.library.triton_op`` does: the
@@ -119,6 +127,8 @@ def register_op(
     traced. Eager calls, fake tensors and ``torch.export`` see a plain custom op."""
     op = torch.library.custom_op(op_name(name), mutates_args=mutates_args)(impl)
     op.register_fake(fake)
+    if not traced:
+        return op
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
     op.register_torch_dispatch(FunctionalTensorMode, _decompose(impl))

@@ -68,14 +68,13 @@ def _backward(ctx, grad_PN):
     dx = the per-token sum, in ascending p, of the rows ``dz @ w[e]`` (a grouped GEMM with the
     transposed weights, then ``scatter_add_dense_tokens`` into fp32); dw = ``grouped_weight_grad``.
     """
+    from moe_kernels.activation import expert_activation_backward
     from moe_kernels.tokens import scatter_add_dense_tokens
 
     x, w, offsets, rows = ctx.saved_tensors
     grad_PN = grad_PN.to(x.dtype)
-    if ctx.activation == "silu":
-        z = _op(x, w, offsets, rows, "none").float()
-        sig = torch.sigmoid(z)
-        grad_PN = (grad_PN.float() * sig * (1.0 + z * (1.0 - sig))).to(x.dtype)
+    if ctx.activation == "silu":  # z in x's dtype: the fp32 accumulator rounded once
+        grad_PN = expert_activation_backward(grad_PN, _op(x, w, offsets, rows, "none"), False)
     grad_x = grad_w = None
     if ctx.needs_input_grad[0]:
         dx_PD = gather_grouped_mm(grad_PN, w.mT, offsets)

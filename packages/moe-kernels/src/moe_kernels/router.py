@@ -45,17 +45,36 @@ def _setup_context(ctx, inputs, output):
     ctx.score_fn = score_fn
 
 
-def _backward(ctx, grad_TE):
+def _backward_impl(
+    grad_TE: torch.Tensor,
+    x_TD: torch.Tensor,
+    weight_ED: torch.Tensor,
+    s_TE: torch.Tensor,
+    score_fn: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch backward of score_fn(x @ w.T) in fp32, from the saved scores s:
-    dlogits = s * (g - sum_e g s) (softmax) or g * s * (1 - s) (sigmoid)."""
-    x_TD, weight_ED, s_TE = ctx.saved_tensors
+    dlogits = s * (g - sum_e g s) (softmax) or g * s * (1 - s) (sigmoid); then (dx, dw)."""
     g_TE = grad_TE.float()
-    if ctx.score_fn == "softmax":
+    if score_fn == "softmax":
         dl_TE = s_TE * (g_TE - (g_TE * s_TE).sum(dim=-1, keepdim=True))
     else:
         dl_TE = g_TE * s_TE * (1.0 - s_TE)
-    grad_x = (dl_TE @ weight_ED.float()).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
-    grad_w = (dl_TE.T @ x_TD.float()).to(weight_ED.dtype) if ctx.needs_input_grad[1] else None
+    grad_x = (dl_TE @ weight_ED.float()).to(x_TD.dtype)
+    grad_w = (dl_TE.T @ x_TD.float()).to(weight_ED.dtype)
+    return grad_x, grad_w
+
+
+def _backward_fake(grad_TE, x_TD, weight_ED, s_TE, score_fn):
+    return torch.empty_like(x_TD), torch.empty_like(weight_ED)
+
+
+# Opaque under torch.compile: compiled gradients equal eager ones bit for bit.
+_backward_op = register_op("router_scores_backward", _backward_impl, _backward_fake, traced=False)
+
+
+def _backward(ctx, grad_TE):
+    x_TD, weight_ED, s_TE = ctx.saved_tensors
+    grad_x, grad_w = _backward_op(grad_TE, x_TD, weight_ED, s_TE, ctx.score_fn)
     return grad_x, grad_w, None
 
 

@@ -230,6 +230,57 @@ def _route_fake(scores, top_k, valid_token_count, expert_index_start, expert_ind
 _route_op = register_op("route", _route_impl, _route_fake)
 
 
+def _route_setup_context(ctx, inputs, output):
+    scores, top_k, valid_token_count, start, end, renormalize = inputs
+    _, _, expert_indices, _, _, inverse = output
+    ctx.save_for_backward(scores, expert_indices, inverse, valid_token_count)
+    ctx.top_k, ctx.start, ctx.end, ctx.renormalize = top_k, start, end, renormalize
+
+
+def _route_backward(ctx, *grads):
+    """d scores[t, e] = the weight gradient of the pair (t, e) (zero where no pair), with
+    ``renormalize`` the quotient rule over the token's k choices:
+    ``(g_j - sum_i g_i w_i) / S`` for w_j = s_j / S. Sync-free, no atomics: each token's choices
+    are distinct experts, written by one scatter (unrouted choices go to spare columns)."""
+    scores, expert_indices, inverse, vtc = ctx.saved_tensors
+    grad_P = grads[4]
+    if grad_P is None or not ctx.needs_input_grad[0]:
+        return (None,) * 6
+    T, E = scores.shape
+    k = ctx.top_k
+    ok_TK = inverse >= 0
+    safe_TK = torch.where(ok_TK, inverse, 0).long()
+    g_TK = torch.where(ok_TK, grad_P.float()[safe_TK], 0.0)
+    spare_TK = torch.arange(E, E + k, device=scores.device).expand(T, k)
+    e_TK = torch.where(ok_TK, expert_indices.long()[safe_TK] + ctx.start, spare_TK)
+    if ctx.renormalize:
+        if ctx.start != 0 or ctx.end != E:  # unrouted choices count in the sum: recompute them
+            e_TK = _choices(scores, k)
+        s_TK = scores.float().gather(1, e_TK.clamp(max=E - 1))
+        sum_T = s_TK[:, 0]
+        for j in range(1, k):  # the forward's sequential order
+            sum_T = sum_T + s_TK[:, j]
+        w_TK = s_TK / sum_T[:, None]
+        d_TK = (g_TK - (g_TK * w_TK).sum(dim=1, keepdim=True)) / sum_T[:, None]
+        d_TK = torch.where(ok_TK.any(dim=1, keepdim=True), d_TK, 0.0)
+    else:
+        d_TK = g_TK
+    grad = scores.new_zeros((T, E + k), dtype=torch.float32).scatter(1, e_TK, d_TK)
+    return grad[:, :E].to(scores.dtype), None, None, None, None, None
+
+
+def _choices(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(T, k) int64: every token's top_k experts in descending score order, the kernels' rule
+    (NaN as -inf, -0.0 as +0.0, ties to the lower expert)."""
+    x = scores.float()
+    rank = torch.where(torch.isnan(x), float("-inf"), x)
+    rank = torch.where(rank == 0, 0.0, rank)
+    return torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :top_k]
+
+
+_route_op.register_autograd(_route_backward, setup_context=_route_setup_context)
+
+
 def route(
     scores: torch.Tensor,
     top_k: int,
@@ -246,6 +297,10 @@ def route(
     divided by the sum of the token's top_k scores when ``renormalize`` (the sum runs over all
     k choices, also those outside the expert range, in descending-score order). The other
     arguments are those of ``index_shuffling``; L = expert_index_end - expert_index_start.
+
+    ``plan.weights`` is differentiable with respect to ``scores`` (the other fields are
+    integers): d scores[t, e] is the gradient of the pair (t, e)'s weight, through the quotient
+    rule over the token's k choices with ``renormalize``; zero for experts not chosen.
     """
     key, out = _fast(
         scores, valid_token_count, top_k, expert_index_start, expert_index_end, renormalize, True

@@ -76,6 +76,38 @@ def _gather_scale_fake(x, token_indices, expert_indices, scores, valid_token_cou
 _gather_scale_op = register_op("gather_scale_dense_tokens", _gather_scale_impl, _gather_scale_fake)
 
 
+def _gather_scale_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _gather_scale_backward(ctx, grad_ND):
+    """dx[t] = sum over live rows i of token t of grad[i] * s_i, dscores[t, e] = the sum over
+    live rows of the pair (t, e) of grad[i] . x[t]: both through ``scatter_add_dense_tokens``
+    into fp32 (ascending i, no atomics), then cast."""
+    x, tok, exp, scores, vtc = ctx.saved_tensors
+    T, E = scores.shape
+    live = _ref._row_mask(tok, T, vtc) & (exp >= 0) & (exp < E)
+    dead = torch.full_like(tok, -1)
+    safe_tok = torch.where(live, tok, 0).long()
+    grad32 = grad_ND.float()
+    grad_x = grad_s = None
+    if ctx.needs_input_grad[0]:
+        scale = scores.float()[safe_tok, torch.where(live, exp, 0).long()]
+        grad_x = x.new_zeros(x.shape, dtype=torch.float32)
+        _scatter_add_op(grad_x, grad32 * scale[:, None], torch.where(live, tok, dead), None)
+        grad_x = grad_x.to(x.dtype)
+    if ctx.needs_input_grad[3]:
+        dots = (grad32 * x.float()[safe_tok]).sum(dim=1, keepdim=True)
+        flat = torch.where(live, tok.long() * E + exp.long(), -1)
+        grad_s = scores.new_zeros((T * E, 1), dtype=torch.float32)
+        _scatter_add_op(grad_s, dots, flat, None)
+        grad_s = grad_s.view(T, E).to(scores.dtype)
+    return grad_x, None, None, grad_s, None
+
+
+_gather_scale_op.register_autograd(_gather_scale_backward, setup_context=_gather_scale_setup)
+
+
 def gather_scale_dense_tokens(
     x: torch.Tensor,
     token_indices: torch.Tensor,
@@ -90,6 +122,9 @@ def gather_scale_dense_tokens(
     shuffled list, read on the device). Returns (N, D) in x's dtype with
     ``out[i] = x[tok[i]] * scores[tok[i], exp[i]]`` computed in fp32; rows with token index -1,
     expert index -1, or i >= valid_token_count are zero.
+
+    Differentiable in x and scores (deterministic: the per-token sums run in ascending i through
+    the scatter below, in fp32).
     """
     x = _float_2d("x", x)
     token_indices = _index_1d("token_indices", token_indices, "x", x)
@@ -131,6 +166,46 @@ _scatter_add_op = register_op(
 )
 
 
+def _scatter_added_impl(
+    out_tokens: torch.Tensor,
+    in_tokens: torch.Tensor,
+    token_indices: torch.Tensor,
+    valid_token_count: torch.Tensor | None,
+) -> torch.Tensor:
+    new = out_tokens.clone()
+    _scatter_add_impl(new, in_tokens, token_indices, valid_token_count)
+    return new
+
+
+def _scatter_added_fake(out_tokens, in_tokens, token_indices, valid_token_count):
+    return torch.empty_like(out_tokens)
+
+
+# The functional form autograd differentiates (torch.library registers no autograd formula on an
+# op that mutates its inputs): ``scatter_add_dense_tokens`` runs it, then copies the result into
+# out_tokens, when a gradient is needed.
+_scatter_added_op = register_op(
+    "scatter_added_dense_tokens", _scatter_added_impl, _scatter_added_fake
+)
+
+
+def _scatter_added_setup(ctx, inputs, output):
+    _, in_tokens, token_indices, vtc = inputs
+    ctx.save_for_backward(token_indices, vtc)
+    ctx.in_dtype = in_tokens.dtype
+
+
+def _scatter_added_backward(ctx, grad_TD):
+    """d out_tokens = grad; d in_tokens[i] = grad[tok[i]] (zero for skipped entries)."""
+    tok, vtc = ctx.saved_tensors
+    live = _ref._row_mask(tok, grad_TD.shape[0], vtc)
+    grad_in = _ref.gather_rows(grad_TD, tok, None, live).to(ctx.in_dtype)
+    return grad_TD, grad_in, None, None
+
+
+_scatter_added_op.register_autograd(_scatter_added_backward, setup_context=_scatter_added_setup)
+
+
 def scatter_add_dense_tokens(
     out_tokens: torch.Tensor,
     in_tokens: torch.Tensor,
@@ -150,6 +225,9 @@ def scatter_add_dense_tokens(
     Integer adds are exact in out's dtype (two's complement, wrapping on overflow like FBGEMM's
     integer atomics), so their order does not matter. Bitwise reproducible on every backend (a
     stable sort of the destinations, then one program per destination row; no atomics).
+
+    Differentiable (float out) in out_tokens and in_tokens when autograd records: the sum is
+    then computed out of place and copied into out_tokens (one extra copy of out_tokens).
     """
     out_tokens = V.tensor("out_tokens", out_tokens)
     V.dtype("out_tokens", out_tokens, V.FLOAT_DTYPES + V.INDEX_DTYPES)
@@ -163,7 +241,14 @@ def scatter_add_dense_tokens(
     V.dim_size("in_tokens", in_tokens, 1, out_tokens.shape[1], "D of out_tokens")
     V.dim_size("in_tokens", in_tokens, 0, token_indices.shape[0], "len(token_indices)")
     V.valid_token_count(valid_token_count, "out_tokens", out_tokens)
-    if eager_direct(out_tokens, in_tokens, valid_token_count):
+    if int_add or not torch.is_grad_enabled():
+        needs_grad = False
+    else:
+        needs_grad = out_tokens.requires_grad or in_tokens.requires_grad
+    if needs_grad:
+        new = _scatter_added_op(out_tokens, in_tokens, token_indices, valid_token_count)
+        out_tokens.copy_(new)
+    elif eager_direct(out_tokens, in_tokens, valid_token_count):
         _scatter_add_impl(out_tokens, in_tokens, token_indices, valid_token_count)
         torch.autograd.graph.increment_version(out_tokens)  # what the custom op does for us
     else:
@@ -175,7 +260,11 @@ def scatter_add_dense_tokens(
 
 
 def _dispatch_impl(
-    x: torch.Tensor, token_indices: torch.Tensor, weights: torch.Tensor, scale: bool
+    x: torch.Tensor,
+    token_indices: torch.Tensor,
+    weights: torch.Tensor,
+    inverse: torch.Tensor,
+    scale: bool,
 ) -> torch.Tensor:
     if not use_triton(x.device):
         return _ref.dispatch(x, token_indices, weights, scale)
@@ -188,16 +277,55 @@ def _dispatch_impl(
     )
 
 
-def _dispatch_fake(x, token_indices, weights, scale):
+def _dispatch_fake(x, token_indices, weights, inverse, scale):
     return x.new_empty((token_indices.shape[0], x.shape[1]))
 
 
 _dispatch_op = register_op("dispatch", _dispatch_impl, _dispatch_fake)
 
 
+def _dispatch_setup(ctx, inputs, output):
+    x, token_indices, weights, inverse, scale = inputs
+    ctx.save_for_backward(x, token_indices, weights, inverse)
+    ctx.scale = scale
+
+
+def _dispatch_backward(ctx, grad_PD):
+    """dx = ``combine`` of the incoming rows (weighted when scaled): each token's k rows summed
+    in j order through the inverse map, in fp32; d weights[p] = grad[p] . x[tok[p]] (scaled)."""
+    x, tok, weights, inverse = ctx.saved_tensors
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        # In x's dtype from the op (fp32 sums, one rounding): a torch cast here would be fused
+        # with the addition of x's other gradients by Inductor, skipping the rounding.
+        grad_x = _combine_op(grad_PD, inverse, tok, weights, ctx.scale, x.dtype)
+    if ctx.scale and ctx.needs_input_grad[2]:
+        grad_w = _row_dots_op(grad_PD, x, tok)
+    return grad_x, None, grad_w, None, None
+
+
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+def _row_dots_impl(a_PD: torch.Tensor, b_TD: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """(P,) fp32: a[p] . b[tok[p]] in fp32, 0 where tok[p] is outside [0, T)."""
+    rows = _ref.gather_rows(b_TD, tok, None, _ref._row_mask(tok, b_TD.shape[0], None))
+    return (a_PD.float() * rows.float()).sum(dim=1)
+
+
+def _row_dots_fake(a_PD, b_TD, tok):
+    return a_PD.new_empty(a_PD.shape[0], dtype=torch.float32)
+
+
+# The weight gradients of dispatch (scaled) and combine; opaque under torch.compile (Inductor
+# would sum the rows in another order): compiled gradients equal eager ones bit for bit.
+_row_dots_op = register_op("row_dots", _row_dots_impl, _row_dots_fake, traced=False)
+
+
 def _combine_impl(
     y: torch.Tensor,
     inverse: torch.Tensor,
+    token_indices: torch.Tensor,
     weights: torch.Tensor,
     weighted: bool,
     out_dtype: torch.dtype,
@@ -207,11 +335,34 @@ def _combine_impl(
     return _triton().combine(y, inverse, weights.contiguous() if weighted else None, out_dtype)
 
 
-def _combine_fake(y, inverse, weights, weighted, out_dtype):
+def _combine_fake(y, inverse, token_indices, weights, weighted, out_dtype):
     return y.new_empty((inverse.shape[0], y.shape[1]), dtype=out_dtype)
 
 
 _combine_op = register_op("combine", _combine_impl, _combine_fake)
+
+
+def _combine_setup(ctx, inputs, output):
+    y, inverse, tok, weights, weighted, out_dtype = inputs
+    ctx.save_for_backward(y, inverse, tok, weights)
+    ctx.weighted = weighted
+
+
+def _combine_backward(ctx, grad_TD):
+    """dy[p] = weights[p] * grad[tok[p]] (``dispatch``, scaled when weighted), in fp32 then cast;
+    d weights[p] = y[p] . grad[tok[p]] in fp32. Row-parallel gathers: no reduction across rows."""
+    y, inverse, tok, weights = ctx.saved_tensors
+    grad_y = grad_w = None
+    if ctx.needs_input_grad[0]:
+        # No torch casts around the op: Inductor would fuse a round trip away (compiled
+        # gradients must equal eager ones); the op computes in fp32 and rounds once.
+        grad_y = _dispatch_op(grad_TD, tok, weights, inverse, ctx.weighted).to(y.dtype)
+    if ctx.weighted and ctx.needs_input_grad[3]:
+        grad_w = _row_dots_op(y, grad_TD, tok)
+    return grad_y, None, None, grad_w, None, None
+
+
+_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 def _check_plan(plan: object, ref_name: str, ref: torch.Tensor) -> RoutingPlan:
@@ -235,15 +386,16 @@ def dispatch(x: torch.Tensor, plan: RoutingPlan, *, scale: bool = False) -> torc
 
     x: (T, D) float32/bf16/fp16 (may be strided). Returns (T*top_k, D) in x's dtype with
     ``out[p] = x[plan.token_indices[p]]`` (times ``plan.weights[p]`` in fp32 when ``scale``);
-    tail rows (token index -1) are zero.
+    tail rows (token index -1) are zero. Differentiable in x (and in ``plan.weights`` when
+    ``scale``): the backward is an unweighted (weighted) ``combine``.
     """
     x = _float_2d("x", x)
     plan = _check_plan(plan, "x", x)
     V.dim_size("x", x, 0, plan.inverse.shape[0], "T, the rows of plan.inverse")
     if not isinstance(scale, bool):
         raise TypeError(f"scale must be a bool, got {type(scale).__name__}")
-    op = _dispatch_impl if eager_direct(x) else _dispatch_op
-    return op(x, plan.token_indices, plan.weights, scale)
+    op = _dispatch_impl if eager_direct(x, plan.weights if scale else None) else _dispatch_op
+    return op(x, plan.token_indices, plan.weights, plan.inverse, scale)
 
 
 def combine(
@@ -259,6 +411,8 @@ def combine(
     (default y's dtype; float32/bf16/fp16) with ``out[t] = sum_j weights[inv[t, j]] * y[inv[t, j]]``
     (``inv = plan.inverse``; unweighted when ``weighted=False``; entries -1 skipped), accumulated
     in fp32 in j order (product, then sum: no fused multiply-add), bitwise reproducible.
+    Differentiable in y and ``plan.weights`` (backward: a scaled ``dispatch`` and one dot per
+    row).
     """
     y = _float_2d("y", y)
     plan = _check_plan(plan, "y", y)
@@ -271,5 +425,5 @@ def combine(
         raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
     if out_dtype not in V.FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of float32, bfloat16, float16, got {out_dtype}")
-    op = _combine_impl if eager_direct(y) else _combine_op
-    return op(y, plan.inverse, plan.weights, weighted, out_dtype)
+    op = _combine_impl if eager_direct(y, plan.weights if weighted else None) else _combine_op
+    return op(y, plan.inverse, plan.token_indices, plan.weights, weighted, out_dtype)

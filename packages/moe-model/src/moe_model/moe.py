@@ -5,7 +5,10 @@ layer. The data path of the sync-free implementations:
 ``scores = router(x)`` -> ``plan = route(scores, k)`` -> ``xs = dispatch(x, plan)`` ->
 ``h = grouped_mm(xs, in_proj^T)`` -> activation -> ``ys = grouped_mm(h, out_proj^T)`` ->
 ``y = combine(ys, plan)``; the ``triton_*`` implementations fuse the dispatch into the first
-grouped GEMM (the rows are gathered inside it, which also applies the SiLU).
+grouped GEMM (the rows are gathered inside it, which also applies the SiLU) when no gradient is
+recorded. Training (autograd recording) runs the unfused chain, every step differentiable through
+the ops' own backward (deterministic, no float atomics): the dispatched rows are what the weight
+gradient of the first GEMM reads, and the activation's input is saved rather than recomputed.
 """
 
 from __future__ import annotations
@@ -115,14 +118,15 @@ def _forward_torch(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor)
 def _kernels_experts(
     layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor, mm: Callable
 ) -> tuple[torch.Tensor, object]:
+    from moe_kernels.activation import expert_activation
     from moe_kernels.routing import route
     from moe_kernels.tokens import dispatch
 
-    plan = route(scores_TE.float(), layer.top_k, renormalize=layer.renormalize)
+    plan = route(scores_TE, layer.top_k, renormalize=layer.renormalize)
     w_dtype = layer.in_proj.dtype
     xs_PD = dispatch(x_TD.to(w_dtype), plan)
     h_PH = mm(xs_PD, layer.in_proj.mT, plan)
-    ys_PD = mm(_activation(h_PH, layer.gated), layer.out_proj.mT, plan)
+    ys_PD = mm(expert_activation(h_PH, layer.gated), layer.out_proj.mT, plan)
     return ys_PD, plan
 
 
@@ -133,7 +137,7 @@ def _fused_experts(
     grouped GEMM; the second GEMM (``torch._grouped_mm`` where it runs, else the Triton grouped
     GEMM). SwiGLU layers apply the gate between the GEMMs (outside the kernel). Returns the
     expert outputs (T * k, D) in the plan's sorted order, and the plan."""
-    from moe_kernels import gather_grouped_mm, route
+    from moe_kernels import expert_activation, gather_grouped_mm, route
 
     plan = route(scores_TE, layer.top_k, renormalize=layer.renormalize)
     w_dtype = layer.in_proj.dtype
@@ -141,7 +145,7 @@ def _fused_experts(
     act = None if layer.gated else "silu"
     h_PH = gather_grouped_mm(x_TD, layer.in_proj, plan.offsets, plan.token_indices, activation=act)
     if layer.gated:
-        h_PH = _activation(h_PH, gated=True)
+        h_PH = expert_activation(h_PH, gated=True)
     if _grouped_mm_supported(h_PH, layer.out_proj.mT):
         ys_PD = grouped_mm(h_PH, layer.out_proj.mT, plan.offsets, plan.expert_indices)
     else:  # the Triton grouped GEMM, not grouped_mm's E-times-the-FLOPs fallback
@@ -149,16 +153,37 @@ def _fused_experts(
     return ys_PD, plan
 
 
+def _mm_kernels(a_MK: torch.Tensor, b_EKN: torch.Tensor, plan) -> torch.Tensor:
+    """``torch._grouped_mm`` where it runs, else the moe-kernels Triton grouped GEMM; both
+    differentiable."""
+    from moe_kernels import gather_grouped_mm
+
+    b_EKN = b_EKN.to(a_MK.dtype)
+    if _grouped_mm_supported(a_MK, b_EKN):
+        return grouped_mm(a_MK, b_EKN, plan.offsets, plan.expert_indices)
+    return gather_grouped_mm(a_MK, b_EKN.mT, plan.offsets)
+
+
+def _records_grad(layer: MoELayer, x_TD: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (
+        x_TD.requires_grad or any(p.requires_grad for p in layer.parameters())
+    )
+
+
 def _make_triton(out_dtype: torch.dtype) -> Callable:
     def _forward(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
         from moe_kernels import combine
 
-        ys_PD, plan = _fused_experts(layer, x_TD, scores_TE)
+        if _records_grad(layer, x_TD):
+            ys_PD, plan = _kernels_experts(layer, x_TD, scores_TE, _mm_kernels)
+        else:
+            ys_PD, plan = _fused_experts(layer, x_TD, scores_TE)
         return combine(ys_PD, plan, weighted=True, out_dtype=out_dtype).to(x_TD.dtype)
 
     _forward.__doc__ = (
         "moe-kernels route, gather + first grouped GEMM + SiLU fused, second grouped GEMM, "
-        f"combine accumulated in fp32 and returned in {out_dtype} before the cast to x's dtype."
+        f"combine accumulated in fp32 and returned in {out_dtype} before the cast to x's dtype "
+        "(training: route, dispatch, the two grouped GEMMs and the activation unfused)."
     )
     return _forward
 
@@ -203,6 +228,11 @@ def _forward_fbgemm(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor
     T, D = x_TD.shape
     if layer.renormalize:
         raise ValueError("impl 'fbgemm' does not support renormalize=True")
+    if _records_grad(layer, x_TD):
+        raise ValueError(
+            "impl 'fbgemm' is inference-only (fbgemm's ops have no backward): call the layer "
+            "under torch.no_grad(), or train with another impl"
+        )
     counts, e_P, t_P = index_shuffling(scores_TE.to(torch.bfloat16), top_k=layer.top_k)[:3]
     counts_E = counts[: layer.n_experts].to(torch.int32)
     offsets = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0, dtype=torch.int32)])
@@ -301,10 +331,10 @@ class MoELayer(nn.Module):
     Routing: softmax over all E logits (or sigmoid), top-k with ties to the lower expert, combine
     weights = the top-k scores (renormalised over the k only if ``renormalize``).
 
-    ``impl`` (see ``MOE_IMPLS``) can be changed on an existing layer. Backward is supported by
-    ``"baseline"`` and ``"torch"``; the ``triton_*``, ``mxfp8`` and ``fbgemm`` paths are for
-    inference. All but ``"baseline"`` are free of host syncs (torch.compile fullgraph, CUDA
-    graphs) and bitwise deterministic.
+    ``impl`` (see ``MOE_IMPLS``) can be changed on an existing layer. Every impl but
+    ``"fbgemm"`` (inference only: ValueError when autograd records) backpropagates to x, the
+    router and the experts. All but ``"baseline"`` are free of host syncs (torch.compile
+    fullgraph, CUDA graphs) and bitwise deterministic, gradients included.
     """
 
     def __init__(

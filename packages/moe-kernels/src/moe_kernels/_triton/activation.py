@@ -1,0 +1,100 @@
+"""Triton kernels of the expert activation (SiLU, or SwiGLU ``silu(gate) * up``), forward and
+backward, and their launchers.
+
+Elementwise over (BLOCK_M, BLOCK_H) tiles of a 2-D grid; every value computed in fp32 and cast
+once to the output dtype. ``silu(g) = g / (1 + exp(-g))``, ``silu'(g) = s (1 + g (1 - s))`` with
+``s = 1 / (1 + exp(-g))``. Nothing here checks arguments: ``moe_kernels.activation`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_kernels._dispatch import INTERPRET
+from moe_kernels._triton.blocks import cdiv, next_pow2
+from moe_kernels._triton.launch import FastKernel
+
+
+@triton.jit
+def _activation_kernel(
+    h_ptr, out_ptr, M, H, stride_hm, stride_hh,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows < M)[:, None] & (cols < H)[None, :]
+    g_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :] * stride_hh
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g))
+    if GATED:
+        u = tl.load(g_ptrs + H * stride_hh, mask=mask, other=0.0).to(tl.float32)
+        y = y * u
+    out = out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _activation_backward_kernel(
+    go_ptr, h_ptr, dh_ptr, M, H, stride_gm, stride_gh, stride_hm, stride_hh,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows < M)[:, None] & (cols < H)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    go = tl.load(go_ptr + r64 * stride_gm + cols[None, :] * stride_gh, mask=mask, other=0.0)
+    go = go.to(tl.float32)
+    g_ptrs = h_ptr + r64 * stride_hm + cols[None, :] * stride_hh
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    dsilu = s * (1.0 + g * (1.0 - s))
+    width = 2 * H if GATED else H
+    dg_ptrs = dh_ptr + r64 * width + cols[None, :]
+    if GATED:
+        u = tl.load(g_ptrs + H * stride_hh, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dg_ptrs, (go * u * dsilu).to(dh_ptr.dtype.element_ty), mask=mask)
+        du = go * (g / (1.0 + tl.exp(-g)))
+        tl.store(dg_ptrs + H, du.to(dh_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dg_ptrs, (go * dsilu).to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+_forward = FastKernel(_activation_kernel)
+_backward = FastKernel(_activation_backward_kernel)
+
+
+def _blocks(m: int, h: int) -> tuple[int, int]:
+    if INTERPRET:  # few, large programs
+        return max(1, min(64, next_pow2(m))), max(1, min(256, next_pow2(h)))
+    return 8, max(16, min(256, next_pow2(h)))
+
+
+def activation(h_MX: torch.Tensor, gated: bool) -> torch.Tensor:
+    """(M, H) in h's dtype; see ``moe_kernels.activation.expert_activation``."""
+    m, width = h_MX.shape
+    hidden = width // 2 if gated else width
+    out = torch.empty((m, hidden), dtype=h_MX.dtype, device=h_MX.device)
+    if out.numel() == 0:
+        return out
+    bm, bh = _blocks(m, hidden)
+    args = (h_MX, out, m, hidden, h_MX.stride(0), h_MX.stride(1))
+    _forward.launch((cdiv(m, bm), cdiv(hidden, bh)), args,
+                    dict(GATED=gated, BLOCK_M=bm, BLOCK_H=bh), num_warps=4)  # fmt: skip
+    return out
+
+
+def activation_backward(grad_MH: torch.Tensor, h_MX: torch.Tensor, gated: bool) -> torch.Tensor:
+    """(M, H or 2H) in h's dtype: the gradient of the activation's input."""
+    m, width = h_MX.shape
+    hidden = width // 2 if gated else width
+    dh = torch.empty((m, width), dtype=h_MX.dtype, device=h_MX.device)
+    if dh.numel() == 0:
+        return dh
+    bm, bh = _blocks(m, hidden)
+    args = (grad_MH, h_MX, dh, m, hidden, grad_MH.stride(0), grad_MH.stride(1), h_MX.stride(0),
+            h_MX.stride(1))  # fmt: skip
+    _backward.launch((cdiv(m, bm), cdiv(hidden, bh)), args,
+                     dict(GATED=gated, BLOCK_M=bm, BLOCK_H=bh), num_warps=4)  # fmt: skip
+    return dh
