@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _mxfp8_train as _train
 from . import _validate as v
 from ._dispatch import eager_direct, register_op, triton_kernels, use_triton
 from ._reference import mxfp8 as _ref
@@ -401,7 +402,14 @@ def _mxfp8_grouped_mm_impl(
     a_dq = _dequant(a_data, a_scale)
     b_dq = _dequant(b_data.view(E * N, K), b_scale.view(E * N, K // BLOCK))
     b_dq = b_dq.view(E, N, K).transpose(-2, -1)  # (E, K, N), column-major per expert
-    if _grouped_mm_ok(a.device, out_dtype, K, N):
+    return _dequantized_grouped_mm(a_dq, b_dq, offsets, out_dtype)
+
+
+def _dequantized_grouped_mm(
+    a_dq: torch.Tensor, b_dq: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The emulation's GEMM (also dA's in the backward): fp32-accumulated, zero tail rows."""
+    if _grouped_mm_ok(a_dq.device, out_dtype, a_dq.shape[1], b_dq.shape[2]):
         out = torch._grouped_mm(a_dq, b_dq, offs=offsets, out_dtype=out_dtype)
         return _zero_tail(out, offsets)
     return _ref.grouped_mm_dequantized(a_dq, b_dq, offsets, out_dtype)
@@ -416,6 +424,7 @@ def _mxfp8_grouped_mm_fake(
 _mxfp8_grouped_mm_op = register_op(
     "mxfp8_grouped_mm", _mxfp8_grouped_mm_impl, _mxfp8_grouped_mm_fake
 )
+_mxfp8_grouped_mm_op.register_autograd(_train.backward, setup_context=_train.setup_context)
 
 
 def mxfp8_grouped_mm(
@@ -435,8 +444,12 @@ def mxfp8_grouped_mm(
 
     Runs ``torch._scaled_grouped_mm`` with blocked scales on compute capability 10.x; elsewhere an
     emulation with the same numerics (dequantise exactly to bf16, then ``torch._grouped_mm`` on
-    CUDA sm90+, or a per-expert masked GEMM with static shapes, fp32 accumulation). Inference only:
-    the op has no autograd formula (backward raises).
+    CUDA sm90+, or a per-expert masked GEMM with static shapes, fp32 accumulation).
+
+    Differentiable in a and b (torchao's MXFP8 training recipe, every cast rceil): dA = q(dY along
+    N) @ q(b[g] along N).T, dB[e] = q(a_e along M).T @ q(dY_e along M) with blocks of 32 rows from
+    each group's start; emulated exactly on every device, sync-free and deterministic. Saves only
+    a, b and offsets. Details, and what sm100 would run: ``moe_kernels._mxfp8_train``.
     """
     v.dtype("a", a, (torch.bfloat16,))
     v.dtype("b", b, (torch.bfloat16,))
