@@ -69,11 +69,11 @@ def graph_of(monkeypatch):
 
     monkeypatch.setattr(post_grad, "decompose_triton_kernel_wrapper_functional", read)
 
-    def run(fn, *args):
+    def run(fn, *args, dynamic=False):
         seen.clear()
         torch._dynamo.reset()
         with pytest.raises(Exception) as info:  # noqa: PT011 - _Stop, wrapped by Inductor
-            torch.compile(fn, fullgraph=True)(*args)
+            torch.compile(fn, fullgraph=True, dynamic=dynamic)(*args)
         if not any(isinstance(e, _Stop) for e in _chain(info.value)):
             raise info.value
         return list(seen)
@@ -163,3 +163,12 @@ def test_launches_are_inductor_mutations_without_copies(graph_of, name):
     copies = [t for t in targets if any(w in t for w in ("clone", "copy", "scatter"))]
     assert not copies, f"copies around the launches: {copies}"
     assert not any("moe_kernels" in t for t in targets), "an op stayed opaque"
+
+
+@pytest.mark.parametrize("name", ["route", "dispatch", "gather_grouped_mm"])
+def test_symbolic_sizes_keep_the_op_opaque(graph_of, name):
+    """Under dynamic shapes the launchers cannot choose plans and grids: the op stays whole."""
+    fn, args = _cases()[name]
+    targets = graph_of(fn, *args, dynamic=True)
+    assert any(t.startswith(f"moe_kernels.{name}") for t in targets), targets
+    assert not any("triton_kernel_wrapper" in t for t in targets), targets

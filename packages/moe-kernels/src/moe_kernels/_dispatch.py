@@ -83,11 +83,21 @@ def _traced_kernels(args: Sequence[object]) -> bool:
     return first is not None and first.device.type == "cuda"
 
 
+def _symbolic(args: Sequence[object]) -> bool:
+    """Whether a tensor argument has a symbolic size or stride (a SymInt, under dynamic shapes)."""
+    return any(
+        isinstance(a, torch.Tensor) and not all(isinstance(s, int) for s in (*a.shape, *a.stride()))
+        for a in args
+    )
+
+
 def _decompose(impl: Callable) -> Callable:
     """The FunctionalTensorMode rule of an op: run ``impl`` under the mode (its launches become
     ``wrap_triton`` nodes Inductor lowers) where ``_traced_kernels``, else keep the op opaque.
-    Tensor subclasses other than fake and functional ones, and ``torch.export`` (which keeps
-    custom ops whole, as it does for triton ops), keep it too."""
+    Tensor subclasses other than fake and functional ones, symbolic sizes (``dynamic=True``, or
+    the automatic dynamic shapes of a recompile: the launchers choose plans and grids from
+    concrete sizes) and ``torch.export`` (which keeps custom ops whole, as it does for triton
+    ops) keep it too."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 
@@ -96,7 +106,8 @@ def _decompose(impl: Callable) -> Callable:
 
     def rule(mode, func, types, args, kwargs):  # noqa: ANN001, ANN202
         decompose = getattr(torch._functorch.config, "decompose_custom_triton_ops", True)
-        if not (decompose and _traced_kernels(args) and all(map(known, types))):
+        traced = decompose and _traced_kernels(args) and not _symbolic(args)
+        if not (traced and all(map(known, types))):
             return mode.__torch_dispatch__(func, types, args, kwargs)
         with mode:
             return impl(*args, **kwargs)

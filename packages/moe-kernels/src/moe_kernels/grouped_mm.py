@@ -40,6 +40,10 @@ def _impl(
     if not use_triton(x.device):
         return _ref.gather_grouped_mm(x, w, offsets, row_indices, act)
     tri = _triton()
+    if row_indices is None and act is None and _cutlass_forward(x, w):
+        y = torch._grouped_mm(x, w.mT, offs=offsets[1:].to(torch.int32))
+        tri.zero_tail(y, offsets)
+        return y
     return tri.gather_grouped_mm(
         x,
         w,
@@ -148,6 +152,16 @@ def gather_grouped_mm(
 
 # --------------------------------------------------------------------------------------------
 # grouped_weight_grad
+
+
+def _cutlass_forward(x_TD: torch.Tensor, w_END: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` (CUTLASS) runs a plain grouped GEMM (sorted rows, no
+    activation): sm90+, bf16, rows of x contiguous, 16-aligned sizes. Its weight gradient then
+    comes out in w's own layout (no transposed copy, unlike autograd through ``_grouped_mm`` of
+    ``w.mT``)."""
+    if not _cutlass_wgrad(x_TD, w_END[0]):
+        return False
+    return x_TD.stride(1) == 1 and w_END.shape[1] % 16 == 0 and x_TD.storage_offset() % 8 == 0
 
 
 def _cutlass_wgrad(dy_PN: torch.Tensor, x_PD: torch.Tensor) -> bool:

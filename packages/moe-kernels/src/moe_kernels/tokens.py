@@ -300,26 +300,41 @@ def _dispatch_backward(ctx, grad_PD):
         # with the addition of x's other gradients by Inductor, skipping the rounding.
         grad_x = _combine_op(grad_PD, inverse, tok, weights, ctx.scale, x.dtype)
     if ctx.scale and ctx.needs_input_grad[2]:
-        grad_w = _row_dots_op(grad_PD, x, tok)
+        grad_w = _gather_dots_op(grad_PD, x, tok, None, None)[1]
     return grad_x, None, grad_w, None, None
 
 
 _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 
 
-def _row_dots_impl(a_PD: torch.Tensor, b_TD: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-    """(P,) fp32: a[p] . b[tok[p]] in fp32, 0 where tok[p] is outside [0, T)."""
-    rows = _ref.gather_rows(b_TD, tok, None, _ref._row_mask(tok, b_TD.shape[0], None))
-    return (a_PD.float() * rows.float()).sum(dim=1)
+def _gather_dots_impl(
+    a_PD: torch.Tensor | None,
+    b_TD: torch.Tensor,
+    tok: torch.Tensor,
+    w: torch.Tensor | None,
+    rows_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's gathered rows ``(w *) b[tok]`` and row dots ``a . b[tok]`` in one pass
+    (``_triton/tokens_backward.py``); a result not asked for is an empty tensor."""
+    if use_triton(b_TD.device):
+        rows, dots = triton_kernels("tokens_backward").gather_dots(a_PD, b_TD, tok, w, rows_dtype)
+    else:
+        rows, dots = _ref.gather_dots(a_PD, b_TD, tok, w, rows_dtype)
+    empty = b_TD.new_empty
+    return (
+        empty((0, b_TD.shape[1])) if rows is None else rows,
+        empty(0, dtype=torch.float32) if dots is None else dots,
+    )
 
 
-def _row_dots_fake(a_PD, b_TD, tok):
-    return a_PD.new_empty(a_PD.shape[0], dtype=torch.float32)
+def _gather_dots_fake(a_PD, b_TD, tok, w, rows_dtype):
+    n = tok.shape[0]
+    rows = b_TD.new_empty((n if rows_dtype is not None else 0, b_TD.shape[1]), dtype=rows_dtype)
+    return rows, b_TD.new_empty(n if a_PD is not None else 0, dtype=torch.float32)
 
 
-# The weight gradients of dispatch (scaled) and combine; opaque under torch.compile (Inductor
-# would sum the rows in another order): compiled gradients equal eager ones bit for bit.
-_row_dots_op = register_op("row_dots", _row_dots_impl, _row_dots_fake, traced=False)
+# The weight gradients of dispatch (scaled) and combine, and combine's row gradients.
+_gather_dots_op = register_op("gather_dots", _gather_dots_impl, _gather_dots_fake)
 
 
 def _combine_impl(
@@ -349,16 +364,19 @@ def _combine_setup(ctx, inputs, output):
 
 
 def _combine_backward(ctx, grad_TD):
-    """dy[p] = weights[p] * grad[tok[p]] (``dispatch``, scaled when weighted), in fp32 then cast;
-    d weights[p] = y[p] . grad[tok[p]] in fp32. Row-parallel gathers: no reduction across rows."""
+    """dy[p] = weights[p] * grad[tok[p]] (unscaled when not weighted), in fp32 then cast;
+    d weights[p] = y[p] . grad[tok[p]] in fp32: one gather pass, no reduction across rows."""
     y, inverse, tok, weights = ctx.saved_tensors
     grad_y = grad_w = None
-    if ctx.needs_input_grad[0]:
-        # No torch casts around the op: Inductor would fuse a round trip away (compiled
-        # gradients must equal eager ones); the op computes in fp32 and rounds once.
-        grad_y = _dispatch_op(grad_TD, tok, weights, inverse, ctx.weighted).to(y.dtype)
-    if ctx.weighted and ctx.needs_input_grad[3]:
-        grad_w = _row_dots_op(y, grad_TD, tok)
+    want_w = ctx.weighted and ctx.needs_input_grad[3]
+    rows_dtype = y.dtype if ctx.needs_input_grad[0] else None
+    # One pass over grad[tok[p]]; in y's dtype from the op (fp32 math, one rounding: no torch
+    # cast that Inductor could fuse away).
+    rows, dots = _gather_dots_op(
+        y if want_w else None, grad_TD, tok, weights if ctx.weighted else None, rows_dtype
+    )
+    grad_y = rows if ctx.needs_input_grad[0] else None
+    grad_w = dots if want_w else None
     return grad_y, None, None, grad_w, None, None
 
 

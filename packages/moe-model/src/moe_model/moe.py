@@ -154,14 +154,11 @@ def _fused_experts(
 
 
 def _mm_kernels(a_MK: torch.Tensor, b_EKN: torch.Tensor, plan) -> torch.Tensor:
-    """``torch._grouped_mm`` where it runs, else the moe-kernels Triton grouped GEMM; both
-    differentiable."""
+    """``moe_kernels.gather_grouped_mm`` (CUTLASS where it runs, else Triton): differentiable,
+    weight gradients in the parameters' own layout."""
     from moe_kernels import gather_grouped_mm
 
-    b_EKN = b_EKN.to(a_MK.dtype)
-    if _grouped_mm_supported(a_MK, b_EKN):
-        return grouped_mm(a_MK, b_EKN, plan.offsets, plan.expert_indices)
-    return gather_grouped_mm(a_MK, b_EKN.mT, plan.offsets)
+    return gather_grouped_mm(a_MK, b_EKN.to(a_MK.dtype).mT, plan.offsets)
 
 
 def _records_grad(layer: MoELayer, x_TD: torch.Tensor) -> bool:

@@ -34,7 +34,7 @@ def gather_rows(
     rows_ND = x_TD.index_select(0, safe_N)
     if row_scale_N is not None:
         rows_ND = (rows_ND.float() * row_scale_N.float()[:, None]).to(x_TD.dtype)
-    return torch.where(live_N[:, None], rows_ND, torch.zeros((), dtype=x_TD.dtype))
+    return torch.where(live_N[:, None], rows_ND, rows_ND.new_zeros(()))
 
 
 def gather_scale_dense_tokens(
@@ -142,3 +142,23 @@ def combine(
             term_TD = weights_N.float().index_select(0, safe_T)[:, None] * term_TD
         acc_TD = torch.where(ok_T[:, None], acc_TD + term_TD, acc_TD)
     return acc_TD.to(out_dtype)
+
+
+def gather_dots(
+    a_PD: torch.Tensor | None,
+    b_TD: torch.Tensor,
+    tok_P: torch.Tensor,
+    w_P: torch.Tensor | None,
+    rows_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(rows, dots): ``rows[p] = w[p] * b[tok[p]]`` in fp32 cast to ``rows_dtype`` (unscaled
+    without w; None without rows_dtype), ``dots[p] = sum_d a[p, d] * b[tok[p], d]`` in fp32 (None
+    without a); zero where tok[p] is outside [0, T)."""
+    live_P = _row_mask(tok_P, b_TD.shape[0], None)
+    b_PD = gather_rows(b_TD, tok_P, None, live_P).float()
+    rows = dots = None
+    if rows_dtype is not None:
+        rows = (b_PD if w_P is None else b_PD * w_P.float()[:, None]).to(rows_dtype)
+    if a_PD is not None:
+        dots = (a_PD.float() * b_PD).sum(dim=1)
+    return rows, dots

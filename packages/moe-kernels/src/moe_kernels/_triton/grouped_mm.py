@@ -197,6 +197,32 @@ def _gather_grouped_mm_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
 
+@triton.jit
+def _zero_tail_kernel(y_ptr, offs_ptr, P, N, E, BM: tl.constexpr, BN: tl.constexpr):
+    """Zero rows [offsets[E], P) of y (P, N), one BM x BN tile a program (most exit at once)."""
+    end = tl.minimum(tl.maximum(tl.load(offs_ptr + E).to(tl.int64), 0), P)
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    if tl.program_id(0).to(tl.int64) * BM + BM > end:
+        mask = ((rows >= end) & (rows < P))[:, None] & (cols < N)[None, :]
+        zero = tl.zeros((BM, BN), dtype=y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], zero, mask=mask)
+
+
+_zero_tail = FastKernel(_zero_tail_kernel)
+
+
+def zero_tail(y_PN: torch.Tensor, offsets_E1: torch.Tensor) -> None:
+    """In place: rows of contiguous y_PN at or past offsets[E] set to zero (no host read)."""
+    num_rows, n = y_PN.shape
+    if y_PN.numel() == 0:
+        return
+    bm, bn = 64, min(max(next_pow2(n), 16), 256)
+    grid = (cdiv(num_rows, bm), cdiv(n, bn))
+    args = (y_PN, offsets_E1, num_rows, n, offsets_E1.shape[0] - 1)
+    _zero_tail.launch(grid, args, dict(BM=bm, BN=bn), num_warps=4)
+
+
 # --------------------------------------------------------------------------------------------
 # Launcher
 

@@ -129,18 +129,20 @@ class WgradConfig(NamedTuple):
 
     block_n: int = 128
     block_d: int = 128
-    block_k: int = 32
+    block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
 
 
 def pick_config(n: int, d: int) -> WgradConfig:
-    """128 x 128 output tiles over 32-row steps, 8 warps, 3 stages on the GPU (smaller tiles for
-    small N or D); the interpreter: few, large programs."""
+    """128 x 128 output tiles over 64-row steps, 8 warps, 3 stages on the GPU (smaller tiles for
+    small N or D): the best of the H200 sweep at 4096-131072 rows (``benchmarks/gpu/
+    train_gpu.py --sweep``; 1907 us against CUTLASS's 1449 at 131072 x 1536 x 2048, E=128, where
+    ``grouped_weight_grad`` runs CUTLASS); the interpreter: few, large programs."""
     clamp = lambda v, lo, hi: max(lo, min(hi, next_pow2(max(v, 1))))  # noqa: E731
     if INTERPRET:
         return WgradConfig(clamp(n, 16, 64), clamp(d, 16, 64), 16, 4, 1)
-    return WgradConfig(clamp(n, 16, 128), clamp(d, 16, 128), 32, 8, 3)
+    return WgradConfig(clamp(n, 16, 128), clamp(d, 16, 128), 64, 8, 3)
 
 
 _launcher = FastKernel(_grouped_weight_grad_kernel)

@@ -1,0 +1,305 @@
+"""Training on the GPU (issue 22): each op's backward against the CPU reference's autograd, the
+weight-gradient GEMM (Triton against CUTLASS), and the MoE layer's forward + backward per impl
+(eager, compiled) beside its six grouped GEMMs alone, with bitwise repeatability.
+
+    PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \\
+        python3 benchmarks/gpu/train_gpu.py [--shapes=seed,train] [--profile] [--dry-run]
+
+``--dry-run``: tiny shapes on the CPU (run it under ``TRITON_INTERPRET=1`` for the kernels).
+Shapes: seed = 2048 tokens, E=16, top-8, d_model 2048, hidden 1024; train = 16384 tokens,
+E=128, top-8, d_model 2048, hidden 768 (both bf16, SiLU experts; ``gated`` rows add SwiGLU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+from common import FAILS, bench_us, capture, check, same_bits
+
+import moe_kernels as mk
+from moe_kernels._triton import grouped_weight_grad as tri_wgrad
+from moe_model import MoELayer
+
+SHAPES = {  # name: (tokens, experts, top_k, d_model, hidden)
+    "seed": (2048, 16, 8, 2048, 1024),
+    "train": (16384, 128, 8, 2048, 768),
+}
+TINY = {"seed": (64, 8, 2, 64, 32), "train": (96, 8, 2, 64, 48)}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in fp64."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------ ops
+
+
+def op_checks(dev: str) -> None:
+    """Each op's backward on ``dev`` against autograd of the same call on CPU (the reference)."""
+    print("\n## each op's backward on the device vs the CPU reference's autograd")
+    g = torch.Generator().manual_seed(0)
+    T, E, k, D, H = 300, 16, 4, 96, 64
+
+    def grads(fn, *inputs, on):
+        ins = [t.detach().to(on).clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        out = fn(*ins)
+        out.backward(torch.cos(torch.arange(out.numel(), device=on).view_as(out).float()).to(out))
+        return [t.grad for t in ins if t.is_floating_point()]
+
+    def compare(name, fn, *inputs, tol=1e-5):
+        dev_g = grads(fn, *inputs, on=dev)
+        ref_g = grads(fn, *inputs, on="cpu")
+        again = grads(fn, *inputs, on=dev)
+        err = max(rel_err(a, b) for a, b in zip(dev_g, ref_g, strict=True))
+        rep = all(same_bits(a, b) for a, b in zip(dev_g, again, strict=True))
+        check(f"{name}: grads vs CPU reference, repeatable", err <= tol and rep, f"err {err:.1e}")
+
+    scores = torch.rand(T, E, generator=g)
+    x = torch.randn(T, D, generator=g)
+    for renorm in (False, True):
+        compare(
+            f"route renormalize={renorm}",
+            lambda s, r=renorm: mk.route(s, k, renormalize=r).weights * 1.0,
+            scores,
+        )  # noqa: E501
+
+    def disp(x, s):
+        return mk.dispatch(x, mk.route(s, k, expert_index_start=2, expert_index_end=14), scale=True)
+
+    compare("dispatch (scaled)", disp, x, scores)
+    y = torch.randn(T * k, D, generator=g)
+
+    def comb(y, s):
+        return mk.combine(y, mk.route(s, k, renormalize=True), out_dtype=torch.float32)
+
+    compare("combine (weighted)", comb, y, scores)
+    _, e_idx, t_idx = mk.index_shuffling(scores, top_k=k)
+
+    def gs(x, s):
+        return mk.gather_scale_dense_tokens(x, t_idx.to(x.device), e_idx.to(x.device), s)
+
+    compare("gather_scale_dense_tokens", gs, x, scores)
+
+    def sa(o, yy):
+        o = o * 1.0
+        mk.scatter_add_dense_tokens(o, yy, t_idx.to(o.device))
+        return o
+
+    compare("scatter_add_dense_tokens", sa, x, y)
+    for gated in (False, True):
+        h = torch.randn(T, 2 * H if gated else H, generator=g)
+        compare(
+            f"expert_activation gated={gated}", lambda h, gt=gated: mk.expert_activation(h, gt), h
+        )  # noqa: E501
+    plan = mk.route(scores, k)
+    w = torch.randn(E, H, D, generator=g) / D**0.5
+    for act in (None, "silu"):
+
+        def ggmm(x, w, a=act):
+            p = plan._replace(offsets=plan.offsets.to(x.device))
+            return mk.gather_grouped_mm(
+                x, w, p.offsets, plan.token_indices.to(x.device), activation=a
+            )  # noqa: E501
+
+        compare(f"gather_grouped_mm activation={act} (fp32)", ggmm, x, w, tol=1e-4)
+    xs = mk.dispatch(x, plan).bfloat16()  # sorted rows: CUTLASS forward on sm90 bf16
+
+    def gmm(a, w):
+        return mk.gather_grouped_mm(a, w, plan.offsets.to(a.device))
+
+    compare("gather_grouped_mm sorted rows (bf16)", gmm, xs, w.bfloat16(), tol=2e-2)
+
+
+def wgrad_checks(dev: str, dry: bool, sweep: bool) -> None:
+    """grouped_weight_grad: the Triton kernel and torch._grouped_mm's K-grouped GEMM (CUTLASS)
+    against an fp32 reference, bitwise repeatability, times."""
+    print("\n## grouped_weight_grad (dW[e] = dy_e^T x_e): Triton vs CUTLASS")
+    g = torch.Generator().manual_seed(1)
+    cases = [(256, 64, 96, 8)] if dry else [(16384, 1024, 2048, 16), (131072, 1536, 2048, 128),
+                                            (131072, 2048, 768, 128), (4096, 2048, 1024, 16)]  # fmt: skip
+    for P, N, D, E in cases:
+        counts = torch.randint(0, 2 * P // E, (E,), generator=g)
+        counts[1] = 0  # an empty group
+        counts = (counts * P / counts.sum()).floor().long()  # unaligned sizes, sum <= P
+        offs = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).int().to(dev)
+        dy = torch.randn(P, N, generator=g).to(dev, torch.bfloat16)
+        x = torch.randn(P, D, generator=g).to(dev, torch.bfloat16)
+        ref = mk._reference.grouped_mm.grouped_weight_grad(
+            dy.float(), x.float(), offs, None, torch.float32
+        )  # noqa: E501
+        tri = lambda: tri_wgrad.grouped_weight_grad(dy, x, offs, None, torch.bfloat16)  # noqa: E731
+        a, b = tri(), tri()
+        check(f"triton P={P} N={N} D={D} E={E}", rel_err(a, ref) < 1e-2 and same_bits(a, b),
+              f"err {rel_err(a, ref):.1e}")  # fmt: skip
+        line = f"    triton {bench_us(tri, dry=dry):9.1f} us"
+        if dev == "cuda" and hasattr(torch, "_grouped_mm"):
+            cut = lambda: torch._grouped_mm(dy.mT, x, offs=offs[1:])  # noqa: E731
+            try:
+                c, c2 = cut(), cut()
+                check(f"cutlass P={P}", rel_err(c, ref) < 1e-2 and same_bits(c, c2),
+                      f"err {rel_err(c, ref):.1e}")  # fmt: skip
+                line += f"   cutlass {bench_us(cut):9.1f} us"
+            except Exception as exc:  # noqa: BLE001
+                check(f"cutlass P={P}", False, f"{type(exc).__name__}: {exc}"[:200])
+        print(line)
+        if dev == "cuda" and not dry and sweep:
+            for cfg in WGRAD_CONFIGS:
+                c = tri_wgrad.WgradConfig(*cfg)
+                fn = lambda c=c: tri_wgrad.grouped_weight_grad(dy, x, offs, None, torch.bfloat16, c)  # noqa: E501,E731
+                ok = rel_err(fn(), ref) < 1e-2
+                print(f"      config {cfg}: {bench_us(fn):9.1f} us{'' if ok else '  WRONG'}")
+
+
+# (block_n, block_d, block_k, num_warps, num_stages) tried beside the default
+WGRAD_CONFIGS = [(128, 128, 32, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                 (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4)]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ layer
+
+
+def six_gemms(xs, w1, w2, offs, dy):
+    """The layer's six grouped GEMMs alone (``torch._grouped_mm``): two forward, four backward
+    (the activation's input and output stand in as fixed tensors: no pointwise work timed)."""
+    o = offs[1:]
+    a = torch.randn(xs.shape[0], w2.shape[2], device=xs.device, dtype=xs.dtype)
+    dh = torch.randn(xs.shape[0], w1.shape[1], device=xs.device, dtype=xs.dtype)
+
+    def run():
+        torch._grouped_mm(xs, w1.mT, offs=o)  # h
+        y = torch._grouped_mm(a, w2.mT, offs=o)
+        da = torch._grouped_mm(dy, w2, offs=o)
+        dw2 = torch._grouped_mm(dy.mT, a, offs=o)
+        dx = torch._grouped_mm(dh, w1, offs=o)
+        dw1 = torch._grouped_mm(dh.mT, xs, offs=o)
+        return y, da, dx, dw1, dw2
+
+    return run
+
+
+def layer_rows(dev: str, shapes: list[str], dry: bool, profile: bool) -> None:
+    print("\n## MoE layer forward + backward (bf16 params and activations, fp32 router)")
+    print(f"{'shape':<14}{'impl':<13}{'eager ms':>10}{'compiled ms':>13}{'graph ms':>10}"
+          f"{'repeat':>8}{'cmp==eager':>11}{'dx err':>9}{'dw1 err':>9}")  # fmt: skip
+    dt = torch.float32 if dry else torch.bfloat16
+    for name in shapes:
+        for gated in (False, True):
+            T, E, k, D, H = (TINY if dry else SHAPES)[name]
+            torch.manual_seed(0)
+            base = MoELayer(D, E, k, H, gated=gated, impl="torch").to(dev)
+            base.in_proj.data = base.in_proj.data.to(dt)
+            base.out_proj.data = base.out_proj.data.to(dt)
+            x = torch.randn(T, D, device=dev, dtype=dt)
+            dy = torch.randn(T, D, device=dev, dtype=dt) / D**0.5
+            ref = None
+            tag = f"{name}{'-gated' if gated else ''}"
+            for impl in ("baseline", "torch", "triton_bf16", "mxfp8"):
+                if impl == "baseline" and not dry and name == "train":
+                    continue  # the host-syncing loop: seed shape only
+                layer = copy.deepcopy(base)
+                layer.impl = impl
+
+                def step(m=layer):
+                    m.zero_grad(set_to_none=True)
+                    xx = x.detach().requires_grad_()
+                    m(xx).backward(dy)
+                    return [xx.grad, m.router.weight.grad, m.in_proj.grad, m.out_proj.grad]
+
+                first, second = step(), step()
+                rep = all(same_bits(a, b) for a, b in zip(first, second, strict=True))
+                if impl == "baseline":
+                    ref = [t.float() for t in first]
+                err = (rel_err(first[0], ref[0]), rel_err(first[2], ref[2])) if ref else (0, 0)
+                eager = bench_us(step, dry=dry) / 1e3
+                comp_ms, graph_ms, same = float("nan"), float("nan"), "-"
+                if impl != "baseline":
+                    torch._dynamo.reset()  # one compiled layer at a time: no recompile limit
+                    cl = copy.deepcopy(base)
+                    cl.impl = impl
+                    cm = torch.compile(cl, fullgraph=True)
+
+                    def cstep(m=cl, f=cm):
+                        m.zero_grad(set_to_none=True)
+                        xx = x.detach().requires_grad_()
+                        f(xx).backward(dy)
+                        return [xx.grad, m.router.weight.grad, m.in_proj.grad, m.out_proj.grad]
+
+                    c = cstep()
+                    same = (
+                        "yes"
+                        if all(same_bits(a, b) for a, b in zip(first, c, strict=True))
+                        else "no"
+                    )  # noqa: E501
+                    comp_ms = bench_us(cstep, dry=dry) / 1e3
+                    if dev == "cuda" and impl in ("torch", "triton_bf16"):
+                        try:
+                            graph, _ = capture(cstep, warmup=2)
+                            graph_ms = bench_us(graph.replay) / 1e3
+                        except Exception as exc:  # noqa: BLE001
+                            check(
+                                f"{tag} {impl} compiled step in a CUDA graph", False, str(exc)[:160]
+                            )
+                    if profile and impl == "triton_bf16" and not dry:
+                        profile_step(cstep, f"{tag} {impl} compiled")
+                print(f"{tag:<14}{impl:<13}{eager:>10.3f}{comp_ms:>13.3f}{graph_ms:>10.3f}"
+                      f"{'yes' if rep else 'no':>8}{same:>11}{err[0]:>9.1e}{err[1]:>9.1e}")  # fmt: skip
+                if impl != "torch":
+                    check(f"{tag} {impl} repeatable", rep)
+            if dev == "cuda" and not dry:
+                plan = mk.route(base.scores(x), k)
+                xs = mk.dispatch(x, plan)
+                gemms = six_gemms(
+                    xs, base.in_proj, base.out_proj, plan.offsets, mk.dispatch(dy, plan)
+                )  # noqa: E501
+                print(f"{tag:<14}{'6 GEMMs':<13}{bench_us(gemms) / 1e3:>10.3f}")
+
+
+def profile_step(fn, title: str) -> None:
+    """The kernels of a few steps of ``fn`` by CUDA time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True
+    ) as prof:  # noqa: E501
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n### profile: {title} (5 steps), by self CUDA time, with input shapes")
+    table = prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60,
+        max_shapes_column_width=70,
+    )  # fmt: skip
+    print(table)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="seed,train")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--skip", default="", help="comma list of: ops, wgrad, layer")
+    ap.add_argument("--sweep", action="store_true", help="the weight-gradient launch configs")
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    dev = "cpu" if args.dry_run else "cuda"
+    skip = set(filter(None, args.skip.split(",")))
+    print(
+        f"torch {torch.__version__}, device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}"
+    )  # noqa: E501
+    if "ops" not in skip and dev == "cuda":
+        op_checks(dev)
+    if "wgrad" not in skip:
+        wgrad_checks(dev, args.dry_run, args.sweep)
+    if "layer" not in skip:
+        layer_rows(dev, args.shapes.split(","), args.dry_run, args.profile)
+    print(f"\n{len(FAILS)} failed checks" + (": " + "; ".join(FAILS) if FAILS else ""))
+
+
+if __name__ == "__main__":
+    main()
