@@ -216,6 +216,11 @@ def _forward_fbgemm(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor
     expert outputs) the gather uses unit scores and the weights scale the outputs before the
     scatter-add. Not exercised in CI (fbgemm_gpu is not installed there).
     """
+    if _records_grad(layer, x_TD):
+        raise ValueError(
+            "impl 'fbgemm' is inference-only (fbgemm's ops have no backward): call the layer "
+            "under torch.no_grad(), or train with another impl"
+        )
     from fbgemm_gpu.experimental.gen_ai.moe import (
         gather_scale_dense_tokens,
         index_shuffling,
@@ -225,11 +230,6 @@ def _forward_fbgemm(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor
     T, D = x_TD.shape
     if layer.renormalize:
         raise ValueError("impl 'fbgemm' does not support renormalize=True")
-    if _records_grad(layer, x_TD):
-        raise ValueError(
-            "impl 'fbgemm' is inference-only (fbgemm's ops have no backward): call the layer "
-            "under torch.no_grad(), or train with another impl"
-        )
     counts, e_P, t_P = index_shuffling(scores_TE.to(torch.bfloat16), top_k=layer.top_k)[:3]
     counts_E = counts[: layer.n_experts].to(torch.int32)
     offsets = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0, dtype=torch.int32)])
