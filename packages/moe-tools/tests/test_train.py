@@ -4,6 +4,7 @@ command must catch (a backward that raises, a non-repeatable backward), the repo
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -13,6 +14,7 @@ import torch
 
 from moe_tools import cli, report, train, train_report
 
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 IMPLS = ["baseline", "torch", "triton_bf16", "triton_fp32", "mxfp8", "fbgemm"]
 STEPS = 12
 
@@ -48,9 +50,9 @@ def train_run(tmp_path_factory):
         "aot_eager",
         "--json",
         str(out / "train.json"),
-        "--plot",
-        str(out / "train.png"),
     ]
+    if HAS_MPL:  # the plot is optional (moe-tools[plot]); CI's test sessions lack matplotlib
+        argv += ["--plot", str(out / "train.png")]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         assert cli.main(argv) == 0
@@ -120,7 +122,8 @@ def test_cli_prints_table_and_writes_json(train_run):
     assert "grad_router_err" in stdout and "bitwise" in stdout
     assert "# graph, every impl measured: " + train.CPU_GRAPH_STATUS in stdout
     assert "# loss torch at steps 0," in stdout
-    assert f"# wrote {out / 'train.json'}" in stdout and f"# wrote {out / 'train.png'}" in stdout
+    assert f"# wrote {out / 'train.json'}" in stdout
+    assert f"# wrote {out / 'train.png'}" in stdout or not HAS_MPL
     assert doc["schema"] == report.SCHEMA and doc["command"] == "train"
     assert doc["columns"] == train.COLUMNS
     assert [r["impl"] for r in doc["rows"]] == IMPLS
@@ -133,7 +136,8 @@ def test_cli_prints_table_and_writes_json(train_run):
     )
     assert extra["compile_backend"] == "aot_eager" and extra["lr"] == pytest.approx(0.01)
     assert extra["error_measure"] == train.ERROR_MEASURE
-    assert extra["plot"] == str(out / "train.png") and (out / "train.png").stat().st_size > 0
+    if HAS_MPL:
+        assert extra["plot"] == str(out / "train.png") and (out / "train.png").stat().st_size > 0
     assert doc["args"]["command"] == "train"
 
 
@@ -255,7 +259,8 @@ def test_report_renders_train_section(train_run, tmp_path):
     assert "| impl | eager_ms | compiled_ms | graph_ms |" in text
     assert f"Convergence run ({STEPS} AdamW steps)" in text
     assert "| step | " + " | ".join(doc["extra"]["loss_curves"]) + " |" in text
-    assert f"![moe-bench train loss curves]({(out / 'train.png').as_posix()})" in text
+    if HAS_MPL:
+        assert f"![moe-bench train loss curves]({(out / 'train.png').as_posix()})" in text
     assert f"* errors (*_err): {train.ERROR_MEASURE}" in text
     # through the CLI too, and without the figure no image link
     (tmp_path / "train.json").write_text(json.dumps(doc))
