@@ -18,7 +18,7 @@ import torch
 
 from . import _validate as V
 from ._dispatch import eager_direct, plain_eager, register_op, triton_kernels, use_triton
-from ._reference.routing import index_shuffling_reference, route_reference
+from ._reference.routing import index_shuffling_reference, route_reference, topk_choices
 from ._routing_outputs import RoutingPlan, ShuffledIndices
 
 __all__ = ["RoutingPlan", "ShuffledIndices", "index_shuffling", "route"]
@@ -255,7 +255,7 @@ def _route_backward(ctx, *grads):
     e_TK = torch.where(ok_TK, expert_indices.long()[safe_TK] + ctx.start, spare_TK)
     if ctx.renormalize:
         if ctx.start != 0 or ctx.end != E:  # unrouted choices count in the sum: recompute them
-            e_TK = _choices(scores, k)
+            e_TK = topk_choices(scores, k)
         s_TK = scores.float().gather(1, e_TK.clamp(max=E - 1))
         sum_T = s_TK[:, 0]
         for j in range(1, k):  # the forward's sequential order
@@ -267,15 +267,6 @@ def _route_backward(ctx, *grads):
         d_TK = g_TK
     grad = scores.new_zeros((T, E + k), dtype=torch.float32).scatter(1, e_TK, d_TK)
     return grad[:, :E].to(scores.dtype), None, None, None, None, None
-
-
-def _choices(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """(T, k) int64: every token's top_k experts in descending score order, the kernels' rule
-    (NaN as -inf, -0.0 as +0.0, ties to the lower expert)."""
-    x = scores.float()
-    rank = torch.where(torch.isnan(x), float("-inf"), x)
-    rank = torch.where(rank == 0, 0.0, rank)
-    return torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :top_k]
 
 
 _route_op.register_autograd(_route_backward, setup_context=_route_setup_context)

@@ -477,6 +477,17 @@ def _pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> Path:
+    """Write a matplotlib figure to ``path`` (folders created), close it, return the path."""
+    import matplotlib.pyplot as plt
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
 def plot_kernels(
     rows: Sequence[Mapping[str, Any]], ceiling_gbps: float | None, path: str | os.PathLike[str]
 ) -> Path:
@@ -512,11 +523,7 @@ def plot_kernels(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 def plot_routing_sweep(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
@@ -575,11 +582,7 @@ def plot_routing_sweep(rows: Sequence[Mapping[str, Any]], path: str | os.PathLik
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.5, label="speedup vs torch-native (x, log)")
     fig.suptitle("moe-bench kernels --sweep routing: speedup vs torch-native")
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_profile(
@@ -617,11 +620,7 @@ def plot_profile(
     ax.set_title(title or "moe-bench rollout --profile: where a frame's time goes")
     ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 def plot_rollout(
@@ -640,11 +639,7 @@ def plot_rollout(
     ax.set_title(title or "moe-bench rollout: time per frame")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------

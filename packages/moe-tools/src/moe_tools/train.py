@@ -106,26 +106,13 @@ def layer_config(
 def build_layer(
     cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int, impl: str = REFERENCE
 ) -> torch.nn.Module:
-    """A trainable ``MoELayer`` of ``cfg`` (see :func:`layer_config`), seeded: expert weights in
-    ``dtype``, the router in fp32 (as the world model keeps it), every parameter requiring grad."""
-    from moe_model import MoELayer
+    """A trainable ``MoELayer`` of ``cfg`` (see :func:`layer_config`): ``matrix.build_layer``'s
+    seeded layer (expert weights in ``dtype``, the router in fp32), in train mode, every parameter
+    requiring grad."""
+    from moe_tools.matrix import build_layer as build_eval_layer
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        layer = MoELayer(
-            cfg["d_model"],
-            cfg["n_experts"],
-            cfg["top_k"],
-            cfg["hidden"],
-            gated=cfg["gated"],
-            renormalize=cfg["renormalize"],
-            impl=impl,
-        )
-    layer = layer.to(device).train()
-    for name, p in layer.named_parameters():
-        if not name.endswith("router.weight"):
-            p.data = p.data.to(dtype)
-    return layer.requires_grad_(True)
+    sizes = {"score_fn": "softmax", **cfg}
+    return build_eval_layer(sizes, device, dtype, seed, impl).train().requires_grad_(True)
 
 
 def default_lr(d_model: int) -> float:

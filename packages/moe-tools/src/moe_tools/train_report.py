@@ -79,11 +79,9 @@ def plot_loss_curves(
     ax.set_title(title or "moe-bench train: student fitting a random teacher MoE layer")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    from moe_tools.report import save_figure
+
+    return save_figure(fig, path)
 
 
 def plot_title(extra: Mapping[str, Any]) -> str:

@@ -11,6 +11,15 @@ import torch
 from .._routing_outputs import RoutingPlan, ShuffledIndices
 
 
+def topk_choices(scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(T, top_k) int64: each token's experts by descending score, the kernels' rule: NaN counts
+    as -inf, -0.0 equals +0.0, ties go to the lower expert (a stable descending sort)."""
+    x_TE = scores_TE.float()
+    rank_TE = torch.where(torch.isnan(x_TE), float("-inf"), x_TE)
+    rank_TE = torch.where(rank_TE == 0, 0.0, rank_TE)
+    return torch.sort(rank_TE, dim=1, descending=True, stable=True).indices[:, :top_k]
+
+
 def route_reference(
     scores_TE: torch.Tensor,
     top_k: int,
@@ -41,10 +50,7 @@ def route_reference(
             torch.empty(0, top_k, dtype=i32, device=dev),
         )
     x_TE = scores_TE.float()
-    # Ranking key: NaN -> -inf, -0.0 -> +0.0. A stable descending sort keeps ties in expert order.
-    rank_TE = torch.where(torch.isnan(x_TE), float("-inf"), x_TE)
-    rank_TE = torch.where(rank_TE == 0, 0.0, rank_TE)
-    choice_TK = torch.sort(rank_TE, dim=1, descending=True, stable=True).indices[:, :top_k]
+    choice_TK = topk_choices(x_TE, top_k)
     w_TK = x_TE.gather(1, choice_TK)  # the original fp32 scores (NaN and -0.0 kept)
     if renormalize:
         s_T = w_TK[:, 0]
