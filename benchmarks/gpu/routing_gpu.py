@@ -78,7 +78,7 @@ def check_case(T, E, k, dtype, start=None, end=None, valid=None, kind="softmax",
             renormalize=renorm,
         )
         want = route_reference(x, k, vtc, s, e, renorm)
-        op = torch.ops.moe_kernels.route.default(x, k, vtc, s, e, renorm)
+        op = torch.ops.moe_kernels.route.default(x, k, vtc, s, e, renorm, None, 1, 1, 1.0)
         bad = [f for f, a, b in zip(got._fields, got, want, strict=True) if not same(a, b)]
         bad += [f"op:{f}" for f, a, b in zip(got._fields, got, op, strict=True) if not same(a, b)]
         check(f"route renorm={renorm} {launch} {tag}", not bad, str(bad) if bad else "")
@@ -216,7 +216,7 @@ def _no_sync_graph_compile(T: int, E: int, k: int, renorm: bool) -> None:
         try:
             torch.cuda.set_sync_debug_mode("error")
             out = fn(x, vtc)
-            out += tuple(torch.ops.moe_kernels.route.default(x, k, vtc, 0, E, False))
+            out += tuple(torch.ops.moe_kernels.route.default(x, k, vtc, 0, E, False, None, 1, 1, 1.0))
             torch.cuda.set_sync_debug_mode(0)
             check("no host sync (route, index_shuffling, op path)", True)
         except Exception as exc:

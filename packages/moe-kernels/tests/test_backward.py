@@ -208,8 +208,8 @@ def test_opcheck_autograd():
     x = torch.randn(T, D, generator=_g(1), requires_grad=True)
     ops = torch.ops.moe_kernels
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(ops.route.default, (s.requires_grad_(), K, None, 0, E, True),
-                          test_utils=checks)  # fmt: skip
+    torch.library.opcheck(ops.route.default, (s.requires_grad_(), K, None, 0, E, True, None, 1, 1,
+                          1.0), test_utils=checks)  # fmt: skip
     args = (x, plan.token_indices, plan.weights, plan.inverse, False)
     torch.library.opcheck(ops.dispatch.default, args, test_utils=checks)
     y = torch.randn(T * K, D, generator=_g(2), requires_grad=True)

@@ -295,8 +295,13 @@ def test_opcheck():
     vtc = torch.tensor([17], dtype=torch.int32)
     torch.library.opcheck(torch.ops.moe_kernels.index_shuffling.default, (x, 1, 5, vtc, 2))
     torch.library.opcheck(torch.ops.moe_kernels.index_shuffling.default, (x, 0, 6, None, 6))
-    torch.library.opcheck(torch.ops.moe_kernels.route.default, (x, 3, vtc, 2, 6, True))
-    torch.library.opcheck(torch.ops.moe_kernels.route.default, (x, 1, None, 0, 6, False))
+    plain = (None, 1, 1, 1.0)
+    torch.library.opcheck(torch.ops.moe_kernels.route.default, (x, 3, vtc, 2, 6, True, *plain))
+    torch.library.opcheck(torch.ops.moe_kernels.route.default, (x, 1, None, 0, 6, False, *plain))
+    bias = torch.linspace(-0.1, 0.2, 6)
+    torch.library.opcheck(
+        torch.ops.moe_kernels.route.default, (x, 2, vtc, 1, 5, True, bias, 3, 2, 2.5)
+    )
 
 
 def test_compile_fullgraph_matches_eager():

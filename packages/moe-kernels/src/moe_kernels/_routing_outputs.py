@@ -44,3 +44,18 @@ class ShuffledIndices(NamedTuple):
     token_count_per_expert: torch.Tensor
     expert_indices: torch.Tensor
     token_indices: torch.Tensor
+
+
+class Selection(NamedTuple):
+    """route's selection arguments, validated: ``bias`` (E,) float or None, ``n_groups`` and
+    ``topk_groups`` (<= n_groups) of contiguous expert groups, ``scale`` of the weights."""
+
+    bias: torch.Tensor | None = None
+    n_groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+
+    @property
+    def plain(self) -> bool:
+        """Whether the selection is plain top-k of the scores with unscaled weights."""
+        return self.bias is None and self.topk_groups == self.n_groups and self.scale == 1.0

@@ -13,18 +13,20 @@ of ``_triton/routing/eager.py`` before anything else: one allocation and the lau
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from . import _validate as V
 from ._dispatch import eager_direct, plain_eager, register_op, triton_kernels, use_triton
 from ._reference.routing import index_shuffling_reference, route_reference, topk_choices
-from ._routing_outputs import RoutingPlan, ShuffledIndices
+from ._routing_outputs import RoutingPlan, Selection, ShuffledIndices
 
 __all__ = ["RoutingPlan", "ShuffledIndices", "index_shuffling", "route"]
 
 
 _LANE_ON_CPU = False  # tests: CPU tensors through the lane, with stand-in kernels
+SELECTION_MAX_EXPERTS = 8192  # bias / groups: a token's whole row is one tile of kernel A
 
 
 @functools.cache
@@ -74,6 +76,47 @@ def _check(
     if T * top_k >= 2**31 or T * E >= 2**31:
         raise ValueError(f"{name} is too large for int32 indices: shape {tuple(scores.shape)}")
     return scores, top_k, start, end
+
+
+def _check_selection(
+    scores: torch.Tensor,
+    top_k: int,
+    bias: object,
+    n_groups: object,
+    topk_groups: object,
+    scale: object,
+    renormalize: object,
+) -> Selection:
+    """Validate route's selection arguments (after ``_check``); returns them normalised."""
+    T, E = scores.shape
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    if bias is not None:
+        bias = V.tensor("bias", bias)
+        V.rank("bias", bias, 1)
+        V.dtype("bias", bias, V.FLOAT_DTYPES)
+        V.dim_size("bias", bias, 0, E, "the experts of scores")
+        V.same_device("scores", scores, bias=bias)
+    n_groups = V.int_arg("n_groups", n_groups, 1, E)
+    if E % n_groups:
+        raise ValueError(f"n_groups={n_groups} must divide the {E} experts of scores")
+    topk_groups = n_groups if topk_groups is None else topk_groups
+    topk_groups = V.int_arg("topk_groups", topk_groups, 1, n_groups)
+    if top_k > topk_groups * (E // n_groups):
+        raise ValueError(
+            f"top_k={top_k} exceeds the {topk_groups * (E // n_groups)} experts of "
+            f"topk_groups={topk_groups} groups of {E // n_groups}"
+        )
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    scale = float(scale)
+    if not -math.inf < scale < math.inf:  # (not math.isfinite: dynamo would break the graph)
+        raise ValueError(f"scale must be finite, got {scale}")
+    if (bias is not None or n_groups > 1) and E > SELECTION_MAX_EXPERTS:
+        raise ValueError(
+            f"bias and n_groups take at most {SELECTION_MAX_EXPERTS} experts, got {E}"
+        )
+    return Selection(bias, n_groups, topk_groups, scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,14 +224,16 @@ def _route_run(
     expert_index_start: int,
     expert_index_end: int,
     renormalize: bool,
+    sel: Selection,
     one_buffer: bool = False,
     eager_key: tuple | None = None,
 ) -> RoutingPlan:
     T, _ = scores.shape
-    if T == 0 or not use_triton(scores.device):
+    if T == 0 or not use_triton(scores.device) or not sel.plain:  # TODO(kernel A): selection
         return route_reference(
-            scores, top_k, valid_token_count, expert_index_start, expert_index_end, renormalize
-        )
+            scores, top_k, valid_token_count, expert_index_start, expert_index_end, renormalize,
+            *sel,
+        )  # fmt: skip
     return _triton()[0].run(
         scores, top_k, valid_token_count, expert_index_start, expert_index_end, renormalize,
         True, one_buffer=one_buffer, eager_key=eager_key,
@@ -202,16 +247,22 @@ def _route_impl(
     expert_index_start: int,
     expert_index_end: int,
     renormalize: bool,
+    bias: torch.Tensor | None,
+    n_groups: int,
+    topk_groups: int,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    sel = Selection(bias, n_groups, topk_groups, scale)
     return tuple(
         _route_run(
-            scores, top_k, valid_token_count, expert_index_start, expert_index_end, renormalize
+            scores, top_k, valid_token_count, expert_index_start, expert_index_end, renormalize,
+            sel,
         )
-    )
+    )  # fmt: skip
 
 
 def _route_fake(scores, top_k, valid_token_count, expert_index_start, expert_index_end,
-                renormalize):  # fmt: skip
+                renormalize, bias, n_groups, topk_groups, scale):  # fmt: skip
     T, _ = scores.shape
     L = expert_index_end - expert_index_start
     P = T * top_k
@@ -231,31 +282,35 @@ _route_op = register_op("route", _route_impl, _route_fake)
 
 
 def _route_setup_context(ctx, inputs, output):
-    scores, top_k, valid_token_count, start, end, renormalize = inputs
+    scores, top_k, valid_token_count, start, end, renormalize, bias, n_groups, tg, scale = inputs
     _, _, expert_indices, _, _, inverse = output
-    ctx.save_for_backward(scores, expert_indices, inverse, valid_token_count)
+    ctx.save_for_backward(scores, expert_indices, inverse, bias)
     ctx.top_k, ctx.start, ctx.end, ctx.renormalize = top_k, start, end, renormalize
+    ctx.n_groups, ctx.topk_groups, ctx.scale = n_groups, tg, scale
 
 
 def _route_backward(ctx, *grads):
-    """d scores[t, e] = the weight gradient of the pair (t, e) (zero where no pair), with
-    ``renormalize`` the quotient rule over the token's k choices:
-    ``(g_j - sum_i g_i w_i) / S`` for w_j = s_j / S. Sync-free, no atomics: each token's choices
-    are distinct experts, written by one scatter (unrouted choices go to spare columns)."""
-    scores, expert_indices, inverse, vtc = ctx.saved_tensors
+    """d scores[t, e] = ``scale`` times the weight gradient of the pair (t, e) (zero where no
+    pair), with ``renormalize`` the quotient rule over the token's k choices:
+    ``(g_j - sum_i g_i w_i) / S`` for w_j = s_j / S. The bias only selects: no gradient.
+    Sync-free, no atomics: each token's choices are distinct experts, written by one scatter
+    (unrouted choices go to spare columns)."""
+    scores, expert_indices, inverse, bias = ctx.saved_tensors
     grad_P = grads[4]
     if grad_P is None or not ctx.needs_input_grad[0]:
-        return (None,) * 6
+        return (None,) * 10
     T, E = scores.shape
     k = ctx.top_k
     ok_TK = inverse >= 0
     safe_TK = torch.where(ok_TK, inverse, 0).long()
     g_TK = torch.where(ok_TK, grad_P.float()[safe_TK], 0.0)
+    if ctx.scale != 1.0:
+        g_TK = g_TK * ctx.scale
     spare_TK = torch.arange(E, E + k, device=scores.device).expand(T, k)
     e_TK = torch.where(ok_TK, expert_indices.long()[safe_TK] + ctx.start, spare_TK)
     if ctx.renormalize:
         if ctx.start != 0 or ctx.end != E:  # unrouted choices count in the sum: recompute them
-            e_TK = topk_choices(scores, k)
+            e_TK = topk_choices(scores, k, bias, ctx.n_groups, ctx.topk_groups)
         s_TK = scores.float().gather(1, e_TK.clamp(max=E - 1))
         sum_T = s_TK[:, 0]
         for j in range(1, k):  # the forward's sequential order
@@ -266,7 +321,7 @@ def _route_backward(ctx, *grads):
     else:
         d_TK = g_TK
     grad = scores.new_zeros((T, E + k), dtype=torch.float32).scatter(1, e_TK, d_TK)
-    return grad[:, :E].to(scores.dtype), None, None, None, None, None
+    return (grad[:, :E].to(scores.dtype),) + (None,) * 9
 
 
 _route_op.register_autograd(_route_backward, setup_context=_route_setup_context)
@@ -276,33 +331,53 @@ def route(
     scores: torch.Tensor,
     top_k: int,
     *,
+    bias: torch.Tensor | None = None,
+    n_groups: int = 1,
+    topk_groups: int | None = None,
+    scale: float = 1.0,
+    renormalize: bool = False,
     valid_token_count: torch.Tensor | None = None,
     expert_index_start: int | None = None,
     expert_index_end: int | None = None,
-    renormalize: bool = False,
 ) -> RoutingPlan:
     """The routing plan of ``scores`` (T, E) for ``top_k`` experts per token (see ``RoutingPlan``).
 
     ``scores`` are the router weights (e.g. softmax or sigmoid probabilities, computed by the
-    caller), float32/bfloat16/float16 with any strides. A pair's weight is its score as float32,
-    divided by the sum of the token's top_k scores when ``renormalize`` (the sum runs over all
-    k choices, also those outside the expert range, in descending-score order). The other
-    arguments are those of ``index_shuffling``; L = expert_index_end - expert_index_start.
+    caller), float32/bfloat16/float16 with any strides.
+
+    Selection: experts are chosen by ``scores + bias`` (fp32; ``bias`` (E,) float on the scores'
+    device, e.g. DeepSeek-V3's load-balancing correction; NaN counts as -inf, ties go to the
+    lower expert). With ``n_groups > 1`` the E experts form that many contiguous equal groups (E
+    divisible), a group's score is the sum of its two largest biased scores (its one score for
+    one-expert groups) and each token chooses only among its ``topk_groups`` best groups (ties to
+    the lower group; default all); ``top_k <= topk_groups * E // n_groups``. At most
+    ``SELECTION_MAX_EXPERTS`` experts with a bias or groups.
+
+    Weights: a pair's weight is its unbiased score as float32, divided by the sum of the token's
+    top_k scores when ``renormalize`` (the sum runs over all k choices, also those outside the
+    expert range, in choice order), then multiplied by ``scale``. ``inverse[t, j]`` orders the
+    token's choices by descending selection score. The other arguments are those of
+    ``index_shuffling``; L = expert_index_end - expert_index_start.
 
     ``plan.weights`` is differentiable with respect to ``scores`` (the other fields are
-    integers): d scores[t, e] is the gradient of the pair (t, e)'s weight, through the quotient
-    rule over the token's k choices with ``renormalize``; zero for experts not chosen.
+    integers, the bias only selects): d scores[t, e] is ``scale`` times the gradient of the pair
+    (t, e)'s weight, through the quotient rule over the token's k choices with ``renormalize``;
+    zero for experts not chosen.
     """
-    key, out = _fast(
-        scores, valid_token_count, top_k, expert_index_start, expert_index_end, renormalize, True
-    )
+    plain = bias is None and n_groups == 1 and topk_groups is None and scale == 1.0
+    key, out = None, None
+    if plain:
+        key, out = _fast(
+            scores, valid_token_count, top_k, expert_index_start, expert_index_end, renormalize,
+            True,
+        )  # fmt: skip
     if out is not None:
         return out
     scores, top_k, start, end = _check(
         scores, "scores", top_k, expert_index_start, expert_index_end, valid_token_count
     )
-    if not isinstance(renormalize, bool):
-        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
-    if key is not None or eager_direct(scores, valid_token_count):  # one allocation, no dispatcher
-        return _route_run(scores, top_k, valid_token_count, start, end, renormalize, True, key)
-    return RoutingPlan(*_route_op(scores, top_k, valid_token_count, start, end, renormalize))
+    sel = _check_selection(scores, top_k, bias, n_groups, topk_groups, scale, renormalize)
+    if key is not None or eager_direct(scores, valid_token_count, sel.bias):  # one allocation
+        return _route_run(scores, top_k, valid_token_count, start, end, renormalize, sel, True,
+                          key)  # fmt: skip
+    return RoutingPlan(*_route_op(scores, top_k, valid_token_count, start, end, renormalize, *sel))
