@@ -229,14 +229,14 @@ def _route_run(
     eager_key: tuple | None = None,
 ) -> RoutingPlan:
     T, _ = scores.shape
-    if T == 0 or not use_triton(scores.device) or not sel.plain:  # TODO(kernel A): selection
+    if T == 0 or not use_triton(scores.device):
         return route_reference(
             scores, top_k, valid_token_count, expert_index_start, expert_index_end, renormalize,
             *sel,
         )  # fmt: skip
     return _triton()[0].run(
         scores, top_k, valid_token_count, expert_index_start, expert_index_end, renormalize,
-        True, one_buffer=one_buffer, eager_key=eager_key,
+        True, one_buffer=one_buffer, eager_key=eager_key, selection=sel,
     )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from ..._dispatch import INTERPRET, tracing
-from ..._routing_outputs import RoutingPlan, ShuffledIndices
+from ..._routing_outputs import RoutingPlan, Selection, ShuffledIndices
 from ..blocks import next_pow2
 from ..grid_sync import barrier_words
 from ..launch import BoundLaunches, FastKernel, Rel, aligned, current_stream, fast_path_open
@@ -27,15 +27,17 @@ from . import eager as lane
 from .expert_runs import expert_runs_kernel
 from .fused import fused_kernel
 from .place import PLACE, place_kernel
-from .plan import INTERPRETER, Constraints, Device, Plan, Problem, choose_plan
+from .plan import INTERPRETER, Constraints, Device, Plan, Problem, choose_plan, grouped_width
 from .scan import scan_kernel
 from .topk_columns import topk_columns_kernel
+from .topk_grouped import topk_grouped_kernel
 from .topk_rows import topk_rows_kernel
 
 # triton < 3.6's interpreter miscounts tl.histogram (topk_rows); the GPU never takes this
 _OLD_INTERP = INTERPRET and tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6)
 _topk_rows = FastKernel(topk_rows_kernel)
 _topk_columns = FastKernel(topk_columns_kernel)
+_topk_grouped = FastKernel(topk_grouped_kernel)
 _scan = FastKernel(scan_kernel)
 _place = FastKernel(place_kernel)
 _expert_runs = FastKernel(expert_runs_kernel)
@@ -84,6 +86,14 @@ def launches(p: Problem, plan: Plan) -> Launches:
         a = dict(K=K, E_PAD=e_pad, TP=tokens, HAS_VTC=p.has_vtc, FULL_RANGE=full_range,
                  MODE=mode, WEIGHTS=route)  # fmt: skip
         packed, scr_w = plan.n_programs * (tokens * K + e_pad), 0  # slots, then run starts
+    elif plan.topk == "grouped":
+        g_pad, eg_pad = grouped_width(p)
+        a = dict(K=K, K_PAD=k_pad, G=p.n_groups, G_PAD=g_pad, EG=E // p.n_groups,
+                 EG_PAD=eg_pad, TOPK_G=p.topk_groups, BLOCK_T=plan.block_t, SUB=plan.sub,
+                 KIND=p.kind, HAS_VTC=p.has_vtc, HAS_BIAS=p.has_bias, RENORM=p.renormalize,
+                 SCALED=p.scaled, FULL_RANGE=full_range, HB=2 * l_pad,
+                 OLD_INTERP=_OLD_INTERP)  # fmt: skip
+        packed, scr_w = P, P
     else:
         a = dict(
             K=K, K_PAD=k_pad, E_PAD=e_pad, L_BITS=l_bits, BLOCK_T=plan.block_t, SUB=plan.sub,
@@ -139,7 +149,7 @@ def device_of(index: int) -> Device:
 
 
 def problem_of(scores: torch.Tensor, top_k: int, vtc: object, start: int, end: int,
-               renormalize: bool, route: bool) -> Problem:  # fmt: skip
+               renormalize: bool, route: bool, sel: Selection = Selection()) -> Problem:  # fmt: skip
     """The ``Problem`` of a call (16-bit rows read as pairs where 4-byte aligned)."""
     T, E = scores.shape
     words = (
@@ -147,7 +157,8 @@ def problem_of(scores: torch.Tensor, top_k: int, vtc: object, start: int, end: i
         and aligned(scores, 4)
     )  # fmt: skip
     return Problem(T, E, top_k, start, end, scores.dtype, route, renormalize, vtc is not None,
-                   words)  # fmt: skip
+                   words, sel.bias is not None, sel.n_groups, sel.topk_groups,
+                   sel.scale != 1.0)  # fmt: skip
 
 
 def _kernel_args(ln: Launches, seg: list, x: object, strides: tuple[int, int], vtc: object,
@@ -213,17 +224,19 @@ def run(
     constraints: Constraints | None = None,
     one_buffer: bool = False,
     eager_key: tuple | None = None,
+    selection: Selection = Selection(),
 ) -> RoutingPlan | ShuffledIndices:
     """Route ``scores_TE`` (T > 0; arguments already checked): ``RoutingPlan`` for route,
     ``ShuffledIndices`` for index_shuffling. ``one_buffer``: outputs are views of one allocation
     (eager calls), and the launches are bound for the next call with the same ``eager_key``
-    (``eager.eager_key``). ``constraints`` narrow the plan (tests, benchmarks)."""
+    (``eager.eager_key``; not for route's ``selection`` options). ``constraints`` narrow the
+    plan (tests, benchmarks)."""
     converted = scores_TE.dtype != torch.float32 and scores_TE.shape[1] > 2**16
     if converted:  # 16-bit keys hold the expert in 16 bits; fp32 is exact (never bound)
         scores_TE = scores_TE.float()
     vtc = valid_token_count
     key = None
-    if one_buffer and not converted and fast_path_open():
+    if one_buffer and not converted and selection.plain and fast_path_open():
         key = eager_key
         if key is None:  # (a public call's lane has looked its own key up already)
             key = lane.eager_key(scores_TE, top_k, vtc, start, end, renormalize, route,
@@ -231,7 +244,7 @@ def run(
             out = lane.bound_call(key, scores_TE, vtc)
             if out is not None:
                 return out
-    p = problem_of(scores_TE, top_k, vtc, start, end, renormalize, route)
+    p = problem_of(scores_TE, top_k, vtc, start, end, renormalize, route, selection)
     dev = scores_TE.device
     plan = choose_plan(p, device_of(dev.index or 0), constraints)
     ln = launches(p, plan)
@@ -261,8 +274,15 @@ def run(
         todo.append((_fused, ln.n_prog, consts, opts, pick))
     else:
         bar = None
-        ka = _topk_columns if plan.placement == "columns" else _topk_rows
-        todo.append((ka, ln.n_prog, ln.a, dict(num_warps=ln.a_warps), lambda a, b: a[0]))
+        if plan.topk == "grouped":
+            bias = selection.bias
+            bias = x if bias is None else bias.to(torch.float32).contiguous()
+            a_sel = (*args[0], bias, selection.scale)
+            todo.append((_topk_grouped, ln.n_prog, ln.a, dict(num_warps=ln.a_warps),
+                         lambda a, b: a_sel))  # fmt: skip
+        else:
+            ka = _topk_columns if plan.placement == "columns" else _topk_rows
+            todo.append((ka, ln.n_prog, ln.a, dict(num_warps=ln.a_warps), lambda a, b: a[0]))
         if ln.scan is not None:
             todo.append((_scan, ln.scan[0], ln.scan[1], dict(num_warps=ln.scan[2]),
                          lambda a, b: a[1]))  # fmt: skip

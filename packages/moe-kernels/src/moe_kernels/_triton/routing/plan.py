@@ -43,7 +43,7 @@ import torch
 from ..blocks import cdiv, next_pow2
 
 Placement = Literal["ranked", "sorted", "counted", "prefix", "columns"]
-TopK = Literal["rounds", "insert", "threshold"]
+TopK = Literal["rounds", "insert", "threshold", "grouped"]
 
 RANKED_MAX_PAIRS = 32768
 SCAN_IN_C_MAX_PROGRAMS = 256
@@ -71,6 +71,16 @@ class Problem:
     renormalize: bool = False
     has_vtc: bool = False
     words: bool = False
+    has_bias: bool = False
+    n_groups: int = 1
+    topk_groups: int = 1
+    scaled: bool = False
+
+    @property
+    def selection(self) -> bool:
+        """route's selection options (a bias, a group limit, scaled weights): kernel A
+        ``topk_grouped``."""
+        return self.has_bias or self.topk_groups < self.n_groups or self.scaled
 
     @property
     def kind(self) -> int:
@@ -147,13 +157,15 @@ def columns_apply(p: Problem) -> bool:
     """The ``columns`` family's conditions (rule 1)."""
     return (
         p.kind != 0 and p.words and p.E in (64, 128) and p.top_k <= 8
-        and not (p.route and p.renormalize)
+        and not (p.route and p.renormalize) and not p.selection
     )  # fmt: skip
 
 
 def _family(p: Problem, c: Constraints) -> Placement:
     if c.placement is not None:
         return c.placement
+    if p.selection:
+        return "counted" if max(next_pow2(p.L), 2) <= 16 else "sorted"
     if columns_apply(p) and c.topk is None and c.block_t is None and c.sub is None:
         return "columns"
     if p.T * p.top_k <= RANKED_MAX_PAIRS or not _keys_fit(p, INSERT_TOKENS):
@@ -195,6 +207,25 @@ def _rows_blocks(
     return block_t, c.sub or sub, 1 if d.interpret else warps
 
 
+def grouped_width(p: Problem) -> tuple[int, int]:
+    """(G_PAD, EG_PAD): the padded groups and experts a group of ``topk_grouped``'s tile."""
+    return next_pow2(p.n_groups), next_pow2(p.E // p.n_groups)
+
+
+def _grouped_blocks(p: Problem, d: Device, c: Constraints) -> tuple[int, int, int]:
+    """(block_t, sub, warps of A) of ``topk_grouped``: about 2048 tile entries a block (1024
+    up to T = 65536), C's ~SORT_PAIRS pairs a program (at most 128 tokens: ``counted``)."""
+    g_pad, eg_pad = grouped_width(p)
+    width = g_pad * eg_pad
+    keys = 1024 if p.T <= 65536 and not d.interpret else 2048
+    min_programs = 1 if d.interpret else 128
+    block_t = c.block_t or max(1, min(keys // width, 32, next_pow2(cdiv(p.T, min_programs))))
+    tokens = max(block_t, min(128, SORT_PAIRS // next_pow2(p.top_k)))
+    sub = c.sub or max(1, min(tokens // block_t, next_pow2(cdiv(p.T, block_t * 256))))
+    warps = max(1, min(8, block_t * width // 512))
+    return block_t, sub, 1 if d.interpret else warps
+
+
 @functools.lru_cache(maxsize=1024)
 def choose_plan(p: Problem, d: Device, c: Constraints | None = None) -> Plan:
     """The plan of problem ``p`` on device ``d`` (the module's rules), within ``c``. Cached: a
@@ -213,6 +244,16 @@ def choose_plan(p: Problem, d: Device, c: Constraints | None = None) -> Plan:
             raise ValueError("Constraints.topk/block_t/sub do not apply to placement='columns'")
         topk: TopK = "threshold"
         block_t, sub, warps_a = COLUMNS_TOKENS, 1, 1 if d.interpret else COLUMNS_TOKENS // 32
+    elif p.selection:
+        if placement not in ("sorted", "counted") or c.topk is not None:
+            raise ValueError(
+                "a selection bias, group limit or weight scale takes kernel A 'grouped' with "
+                f"placement 'sorted' or 'counted', not placement={placement!r}, topk={c.topk!r}"
+            )
+        topk = "grouped"
+        block_t, sub, warps_a = _grouped_blocks(p, d, c)
+        if block_t > 32:
+            raise ValueError(f"Constraints.block_t={block_t} too large for topk='grouped'")
     else:
         topk = c.topk or ("insert" if placement != "ranked" and k_pad <= 8 else "rounds")
         if topk == "insert" and (placement == "ranked" or k_pad > 8):
@@ -245,7 +286,7 @@ def choose_plan(p: Problem, d: Device, c: Constraints | None = None) -> Plan:
     merge = topk == "insert" and k_pad == 8 and p.kind != 0 and p.E > 4
     pack_w = (
         placement in ("sorted", "counted") and p.route and not p.renormalize and p.kind != 0
-        and l_bits + idx_bits <= 16
+        and l_bits + idx_bits <= 16 and topk != "grouped"
     )  # fmt: skip
     if d.interpret:
         warps_c = 1
@@ -260,6 +301,7 @@ def choose_plan(p: Problem, d: Device, c: Constraints | None = None) -> Plan:
         warps_c = max(warps_c, min(8, hist // 2048))
     cooperative = (
         not d.interpret and scan_in_c and not expert_runs and n_programs <= d.sm_count
+        and topk != "grouped"
     )  # fmt: skip
     return Plan(
         placement=placement, topk=topk, block_t=block_t, sub=sub, n_programs=n_programs,
