@@ -107,16 +107,36 @@ def test_columns_plan_with_c_writing_the_pairs_compiles(can_compile):
     assert p.placement == "columns" and not p.expert_runs
 
 
+# route's selection options: (T, E, top_k, start, end, kind, renormalize, bias, n_groups,
+# topk_groups, scaled)
+SELECTION_PLANS = [
+    (4096, 256, 8, 0, 256, 0, True, True, 8, 4, True),  # DeepSeek-V3
+    (1 << 20, 256, 8, 0, 256, 1, True, True, 8, 4, True),
+    (65536, 256, 8, 32, 64, 0, True, True, 8, 4, True),  # an expert-parallel rank's range
+    (64, 128, 8, 0, 128, 2, False, True, 1, 1, False),  # bias alone
+    (300000, 16, 2, 0, 16, 0, False, False, 4, 2, True),  # counted
+    (65536, 96, 6, 0, 96, 1, True, True, 3, 2, False),  # 32 experts a group, 3 groups
+    (4096, 60, 4, 0, 60, 0, False, True, 12, 3, False),  # 5 experts a group (padded tile)
+    (1000, 8, 2, 0, 8, 0, True, True, 8, 2, False),  # one expert a group
+    (100, 8192, 8, 0, 8192, 0, False, True, 64, 8, True),  # the most experts
+]
+
+
+@pytest.mark.parametrize("plan", SELECTION_PLANS, ids=str)
+def test_selection_plans_compile(can_compile, plan):
+    assert _compile_plan(plan, True, None).topk == "grouped"
+
+
 def _compile_plan(args, route, constraints):
     import torch
 
     from moe_kernels._triton.routing import launch as L
     from moe_kernels._triton.routing import plan as P
 
-    T, E, k, start, end, kind, renorm = args
+    T, E, k, start, end, kind, renorm, *sel = args
     dtype = (torch.float32, torch.bfloat16, torch.float16)[kind]
     # words: the scores' rows as 4-byte aligned pairs (contiguous 16-bit scores)
-    prob = P.Problem(T, E, k, start, end, dtype, route, renorm and route, True, kind != 0)
+    prob = P.Problem(T, E, k, start, end, dtype, route, renorm and route, True, kind != 0, *sel)
     plan = P.choose_plan(prob, P.Device(sm_count=132), constraints)  # an H200's SMs
     p = L.launches(prob, plan)
     x_t = "*fp32" if kind == 0 else "*i16"
@@ -124,6 +144,8 @@ def _compile_plan(args, route, constraints):
     a_sig = dict(x_ptr=x_t, stride_t="i32", stride_e="i32", stride_w="i32", vtc_ptr="*i32",
                  pack_ptr="*i32", scr_w_ptr="*fp32", hist_ptr="*i32", **ints)  # fmt: skip
     kern_a = L.topk_columns_kernel if plan.placement == "columns" else L.topk_rows_kernel
+    if plan.topk == "grouped":
+        kern_a, a_sig = L.topk_grouped_kernel, dict(a_sig, bias_ptr="*fp32", scale="fp32")
     _compile(kern_a, a_sig, dict(p.a), p.a_warps)
     if p.scan is not None:
         _, consts, warps = p.scan

@@ -173,6 +173,43 @@ def test_cooperative_launch():
     assert not plan(1 << 20, 128, 8).cooperative  # scan and D launches
 
 
+def _selection(T, E, k, dtype=FP32, bias=True, groups=(1, 1), scaled=False, L=None):
+    return Problem(T, E, k, 0, E if L is None else L, dtype, True, True, False, dtype != FP32,
+                   bias, *groups, scaled)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "prob",
+    [
+        _selection(64, 256, 8, groups=(8, 4), scaled=True),  # DeepSeek-V3, decode-sized
+        _selection(1 << 20, 256, 8, BF16, groups=(8, 4), scaled=True),
+        _selection(4096, 128, 8, BF16),  # would be columns without the bias
+        _selection(4096, 16, 2, bias=False, scaled=True),  # scale alone
+        _selection(300000, 64, 4, bias=False, groups=(4, 2)),
+    ],
+    ids=str,
+)
+def test_selection_options_take_kernel_a_grouped(prob):
+    """A bias, a group limit or scaled weights: kernel A 'grouped', a sorted placement (counted
+    for <= 16 local experts), weights in fp32 scratch, two launches (no cooperative one)."""
+    p = choose_plan(prob, H200)
+    assert prob.selection and p.topk == "grouped"
+    assert p.placement == ("counted" if prob.L <= 16 else "sorted")
+    assert not p.pack_w and not p.cooperative
+    assert p.block_t * p.sub <= (128 if p.placement == "counted" else 512)
+    assert choose_plan(dataclasses.replace(prob, has_bias=False, n_groups=4, topk_groups=4,
+                                           scaled=False), H200).topk != "grouped"  # fmt: skip
+
+
+def test_selection_constraints():
+    prob = _selection(300, 64, 4, groups=(4, 2))
+    assert choose_plan(prob, H200, Constraints(block_t=2, sub=4)).tokens_per_program == 8
+    for c in (Constraints(placement="ranked"), Constraints(topk="rounds"),
+              Constraints(placement="columns"), Constraints(block_t=64)):  # fmt: skip
+        with pytest.raises(ValueError):
+            choose_plan(prob, H200, c)
+
+
 def test_plans_are_frozen_and_repeatable():
     a, b = plan(65536, 64, 5, FP16), plan(65536, 64, 5, FP16)
     assert a == b and hash(a) == hash(b)
