@@ -3,11 +3,13 @@ model (diffusion transformer + KV ring buffer) built on moe-kernels."""
 
 from moe_model.config import PRESETS, WorldModelConfig
 from moe_model.engine import WorldEngine, count_parameters
+from moe_model.expert_parallel import ExpertParallelMoE
 from moe_model.moe import MOE_IMPLS, MoELayer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExpertParallelMoE",
     "MOE_IMPLS",
     "PRESETS",
     "MoELayer",
