@@ -43,6 +43,15 @@ def test_parser_defaults_and_errors(capsys):
     capsys.readouterr()
 
 
+def test_matrix_takes_the_moe_presets():
+    from moe_model import MOE_PRESETS
+
+    assert tuple(MOE_PRESETS) == cli.MOE_PRESETS
+    p = cli.build_parser()
+    for name in MOE_PRESETS:
+        assert p.parse_args(["matrix", "--preset", name]).preset == name
+
+
 def test_profile_frames_need_profile(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["rollout", "--device", "cpu", "--profile-frames", "2"])

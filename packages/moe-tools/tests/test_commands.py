@@ -90,6 +90,51 @@ def test_matrix_detects_a_drifting_impl(monkeypatch):
     assert tor["compiled_ms"] is None
 
 
+def test_matrix_on_an_moe_preset_with_small_overrides():
+    """deepseek-v3's routing (sigmoid, expert bias, 8 groups / top-4, scale 2.5, renormalised,
+    a shared expert) on a small layer: every impl sees the preset's options."""
+    small = dict(d_model=32, hidden=16, n_experts=16)  # 8 groups of 2: top-8 of 4 groups
+    res = matrix.run(
+        device="cpu",
+        preset="deepseek-v3",
+        tokens=12,
+        impls=["baseline", "torch", "triton_fp32", "fbgemm"],
+        warmup=1,
+        iters=1,
+        progress=False,
+        compile=False,
+        layer_overrides=small,
+    )
+    layer = res.extra["layer"]
+    assert res.extra["preset"] == "deepseek-v3" and res.extra["tokens"] == 12
+    assert layer["n_experts"] == 16 and layer["d_model"] == 32 and layer["top_k"] == 8
+    assert layer["n_groups"] == 8 and layer["topk_groups"] == 4 and layer["expert_bias"]
+    assert layer["routed_scaling_factor"] == 2.5 and layer["n_shared_experts"] == 1
+    rows = {r["impl"]: r for r in res.rows}
+    for impl in ("torch", "triton_fp32"):
+        assert rows[impl]["status"] == "ok", rows[impl]["status"]
+        assert rows[impl]["self_max"] == 0.0 and rows[impl]["vs_base_max"] < 1e-4
+    assert rows["fbgemm"]["status"].startswith("unavailable: ")  # not installed, or the options
+
+
+def test_matrix_builds_presets_on_the_device_in_the_dtype():
+    """The full deepseek-v3 layer on the meta device: bf16 expert weights straight away (no fp32
+    host copy), the router fp32; tiny's world-model layer keeps its sizes."""
+    sizes = matrix.layer_sizes("deepseek-v3")
+    assert sizes["n_experts"] == 256 and sizes["hidden"] == 2048
+    layer = matrix.build_layer(sizes, torch.device("meta"), torch.bfloat16, seed=0)
+    assert layer.in_proj.device.type == "meta" and layer.in_proj.dtype == torch.bfloat16
+    assert layer.shared_experts.in_proj.dtype == torch.bfloat16
+    assert layer.router.weight.dtype == torch.float32 and not layer.training
+    assert layer.route_options()["n_groups"] == 8 and layer.expert_bias is not None
+    tiny = matrix.build_layer(matrix.layer_sizes("tiny", top_k=1), "cpu", torch.bfloat16, seed=3)
+    again = matrix.build_layer(matrix.layer_sizes("tiny", top_k=1), "cpu", torch.bfloat16, seed=3)
+    assert tiny.top_k == 1 and tiny.in_proj.dtype == torch.bfloat16
+    assert all(
+        torch.equal(a, b) for a, b in zip(tiny.parameters(), again.parameters(), strict=True)
+    )
+
+
 def test_rollout_row_on_tiny_preset():
     from moe_model import WorldModelConfig, count_parameters
 

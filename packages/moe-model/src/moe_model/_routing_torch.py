@@ -1,7 +1,9 @@
 """Plain-torch routing for the ``baseline`` and ``torch`` MoE implementations.
 
-Same contract as ``moe_kernels.routing.route`` (ties to the lower expert, NaN counts as -inf,
-pairs sorted by (expert, token)), written with torch ops that never read a value on the host.
+Same contract as ``moe_kernels.routing.route`` (selection bias, expert groups, weight scale,
+ties to the lower expert, NaN counts as -inf, pairs sorted by (expert, token)), written anew with
+torch ops that never read a value on the host (the tests hold it bitwise to moe_kernels'
+reference).
 """
 
 from __future__ import annotations
@@ -28,21 +30,72 @@ class TorchPlan(NamedTuple):
     inverse: torch.Tensor
 
 
-def topk_choices(
-    scores_TE: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of each row by descending score, ties to the lower expert, NaN treated as -inf.
+def _ranked(x_TE: torch.Tensor) -> torch.Tensor:
+    """fp32 selection values as they rank: NaN as -inf, -0.0 as +0.0 (a radix sort, as CUDA's
+    may be, would otherwise put -0.0 below +0.0)."""
+    x_TE = torch.where(torch.isnan(x_TE), torch.full_like(x_TE, float("-inf")), x_TE)
+    return torch.where(x_TE == 0, torch.zeros_like(x_TE), x_TE)
 
-    Returns ``(weights_Tk fp32, experts_Tk int64)``, choices ordered by descending score; weights
-    are the chosen scores, divided by their sum over the k choices when ``renormalize``.
+
+def _order(x_TC: torch.Tensor) -> torch.Tensor:
+    """Columns by descending value; a stable sort keeps equal values in column order."""
+    return torch.sort(x_TC, dim=-1, descending=True, stable=True).indices
+
+
+def group_mask(sel_TE: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """(T, E) bool: the experts of each token's ``topk_groups`` best groups.
+
+    The E experts form ``n_groups`` contiguous groups of E // n_groups; a group's score is the
+    sum of its two largest (ranked) selection values, its one value for one-expert groups (a NaN
+    sum, inf + -inf, ranks as -inf); ties go to the lower group. ``sel_TE``: ranked fp32.
+    """
+    T, E = sel_TE.shape
+    per_group = E // n_groups
+    desc_TGP = torch.sort(sel_TE.view(T, n_groups, per_group), dim=-1, descending=True).values
+    group_TG = desc_TGP[..., 0] + desc_TGP[..., 1] if per_group > 1 else desc_TGP[..., 0]
+    best_TG = _order(_ranked(group_TG))[:, :topk_groups]
+    chosen_TG = torch.zeros(T, n_groups, dtype=torch.bool, device=sel_TE.device)
+    chosen_TG = chosen_TG.scatter(1, best_TG, True)
+    return chosen_TG.repeat_interleave(per_group, dim=1)
+
+
+def topk_choices(
+    scores_TE: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    *,
+    bias: torch.Tensor | None = None,
+    n_groups: int = 1,
+    topk_groups: int | None = None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` experts of ``scores_TE`` (T, E), and their weights.
+
+    Selection: by descending fp32 ``scores + bias`` (``bias`` (E,) or None), NaN as -inf, ties to
+    the lower expert; with ``topk_groups < n_groups`` only the experts of the token's
+    ``topk_groups`` best groups (``group_mask``) can be chosen. Weights: the unbiased fp32 scores
+    of the choices, divided by their sum (added in choice order) when ``renormalize``, then
+    times ``scale``.
+
+    Returns ``(weights_Tk fp32, experts_Tk int64)``, choices by descending selection value.
     """
     s_TE = scores_TE.float()
-    s_TE = torch.where(torch.isnan(s_TE), torch.full_like(s_TE, float("-inf")), s_TE)
-    # A stable descending sort keeps equal scores in expert order: ties go to the lower expert.
-    vals_TE, idx_TE = torch.sort(s_TE, dim=-1, descending=True, stable=True)
-    w_Tk, e_Tk = vals_TE[:, :top_k], idx_TE[:, :top_k]
+    sel_TE = _ranked(s_TE if bias is None else s_TE + bias.float())
+    order_TE = _order(sel_TE)
+    if n_groups > 1 and topk_groups is not None and topk_groups < n_groups:
+        # A second stable sort, on admission: the admitted experts first, each part still in
+        # value order (ties to the lower expert), so top_k <= admitted experts never leaves them.
+        admitted_TE = group_mask(sel_TE, n_groups, topk_groups).gather(1, order_TE)
+        order_TE = order_TE.gather(1, _order(admitted_TE.to(torch.int8)))
+    e_Tk = order_TE[:, :top_k]
+    w_Tk = s_TE.gather(1, e_Tk)
     if renormalize:
-        w_Tk = w_Tk / w_Tk.sum(dim=-1, keepdim=True)
+        sum_T = w_Tk[:, 0]
+        for j in range(1, top_k):  # sequentially, in choice order: moe_kernels' sum
+            sum_T = sum_T + w_Tk[:, j]
+        w_Tk = w_Tk / sum_T[:, None]
+    if scale != 1.0:
+        w_Tk = w_Tk * scale
     return w_Tk, e_Tk
 
 

@@ -15,6 +15,7 @@ from moe_tools import __version__, report
 
 PRESETS = ("tiny", "seed-moe")
 TRAIN_PRESETS = ("tiny", "seed-moe", "training")  # moe_tools.train.PRESETS
+MOE_PRESETS = ("deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # moe_model.MOE_PRESETS
 
 
 def _device(text: str) -> torch.device:
@@ -100,15 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("matrix", parents=[common], help="every MoELayer impl: speed and drift")
     p.add_argument(
         "--preset",
-        choices=PRESETS,
+        choices=PRESETS + MOE_PRESETS,
         default=None,
-        help="layer sizes (default: seed-moe on CUDA, tiny on CPU)",
+        help="the layer: a world model's (tiny, seed-moe) or a published model's with its "
+        "routing options (moe_model.MOE_PRESETS); default: seed-moe on CUDA, tiny on CPU",
     )
     p.add_argument(
         "--tokens",
         type=_positive,
         default=None,
-        help="tokens per call (default: 2048 on CUDA, 64 on CPU)",
+        help="tokens per call (default: 2048 on CUDA, 4096 for an MoE preset; 64 on CPU)",
     )
     p.add_argument("--impls", type=_csv, default=None, help="comma-separated (default: all)")
     p.add_argument("--dtype", **dtype)

@@ -6,6 +6,10 @@ the layer's own group sizes (``vs_gemms``), determinism (eager vs a second eager
 from the eager ``baseline`` and between compiled and eager. Errors are measured in fp32 on the
 layer outputs. One layer is built and its ``impl`` switched, so every implementation sees the
 same parameters; Dynamo is reset between implementations.
+
+``preset`` names a world-model preset (``moe_model.PRESETS``: its MoE layer) or an MoE preset
+(``moe_model.MOE_PRESETS``: a published model's layer with all its routing options, e.g.
+``deepseek-v3``); the layer is built directly on the device in the benchmark dtype.
 """
 
 from __future__ import annotations
@@ -53,10 +57,21 @@ def diff_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return float(d.max()), float(d.mean())
 
 
-def layer_sizes(preset: str) -> dict[str, Any]:
-    """The MoE layer of a world-model preset: MoELayer's constructor arguments."""
-    from moe_model import WorldModelConfig
+def is_moe_preset(preset: str) -> bool:
+    """Whether ``preset`` names an MoE layer preset (``moe_model.MOE_PRESETS``)."""
+    from moe_model import MOE_PRESETS
 
+    return preset in MOE_PRESETS
+
+
+def layer_sizes(preset: str, **overrides: Any) -> dict[str, Any]:
+    """MoELayer's constructor arguments (all but impl, device and dtype) of a preset: an MoE
+    preset's own, or the MoE layer of a world-model preset; ``overrides`` replace any of them
+    (e.g. a smaller ``d_model`` for a test)."""
+    from moe_model import MOE_PRESETS, WorldModelConfig
+
+    if preset in MOE_PRESETS:
+        return {**MOE_PRESETS[preset], **overrides}
     cfg = WorldModelConfig.from_preset(preset)
     return {
         "d_model": cfg.d_model,
@@ -66,33 +81,24 @@ def layer_sizes(preset: str) -> dict[str, Any]:
         "gated": cfg.gated,
         "score_fn": cfg.score_fn,
         "renormalize": cfg.renormalize,
+        **overrides,
     }
 
 
 def build_layer(
     sizes: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int, impl: str = BASELINE
 ) -> torch.nn.Module:
-    """A ``MoELayer`` of ``sizes`` (see :func:`layer_sizes`) in eval mode, seeded; expert weights in
-    ``dtype``, the router left in fp32 as the world model keeps it."""
+    """A ``MoELayer`` of ``sizes`` (its keyword arguments, see :func:`layer_sizes`) in eval mode,
+    seeded, built directly on ``device`` with its expert weights in ``dtype`` (no fp32 copy on
+    the host: a deepseek-v3 layer is 22 GB in bf16); the router stays fp32, as the layer keeps
+    it."""
     from moe_model import MoELayer
 
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        layer = MoELayer(
-            sizes["d_model"],
-            sizes["n_experts"],
-            sizes["top_k"],
-            sizes["hidden"],
-            gated=sizes["gated"],
-            score_fn=sizes["score_fn"],
-            renormalize=sizes["renormalize"],
-            impl=impl,
-        )
-    layer = layer.to(device).eval().requires_grad_(False)
-    for name, p in layer.named_parameters():
-        if not name.endswith("router.weight"):
-            p.data = p.data.to(dtype)
-    return layer
+        layer = MoELayer(**sizes, impl=impl, device=device, dtype=dtype)
+    return layer.eval().requires_grad_(False)
 
 
 def _free(device: torch.device) -> None:
@@ -119,19 +125,27 @@ def run(
     progress: bool = True,
     compile: bool = True,
     compile_backend: str = "inductor",
+    layer_overrides: dict[str, Any] | None = None,
 ) -> Result:
     """Measure every implementation; one row each, in ``impls`` order (default: ``MOE_IMPLS``).
 
+    ``preset``: a world-model or an MoE preset (default: seed-moe on CUDA, tiny on CPU), its
+    layer's arguments replaced by ``layer_overrides`` (e.g. a small ``d_model`` for a test).
+    ``tokens`` defaults to 2048 on CUDA (4096 for an MoE preset), 64 on CPU.
     ``compile=False`` skips the compiled columns; ``compile_backend`` is passed to
     ``torch.compile`` (the tests use "eager": Dynamo's fullgraph capture without Inductor).
     """
     device = torch.device(device) if device is not None else default_device()
     cuda = device.type == "cuda"
     preset = preset or ("seed-moe" if cuda else "tiny")
-    tokens = tokens or (2048 if cuda else 64)
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
     warmup = warmup or (5 if cuda else 1)
     iters = iters or (20 if cuda else 3)
+    try:
+        moe_preset = is_moe_preset(preset)
+    except Exception:  # moe_model missing or broken: reported below
+        moe_preset = False
+    tokens = tokens or ((4096 if moe_preset else 2048) if cuda else 64)
     extra: dict[str, Any] = {
         "preset": preset,
         "tokens": tokens,
@@ -142,7 +156,7 @@ def run(
     try:
         from moe_model import MOE_IMPLS
 
-        sizes = layer_sizes(preset)
+        sizes = layer_sizes(preset, **(layer_overrides or {}))
     except Exception as exc:  # moe_model missing or broken: one row says so
         reason = f"unavailable: moe_model: {short_error(exc)}"
         return Result(
@@ -276,7 +290,7 @@ def _grouped_gemms_rows(
     xs = torch.randn(n_rows, w_in.shape[1], device=device, dtype=w_in.dtype, generator=gen)
     h = torch.randn(n_rows, w_out.shape[1], device=device, dtype=w_out.dtype, generator=gen)
     even = (torch.arange(1, E + 1, device=device) * n_rows // E).to(torch.int32)
-    plan = route(layer.scores(x_TD), k, renormalize=layer.renormalize)
+    plan = route(layer.scores(x_TD), k, **layer.route_options())
     routed = plan.offsets[1:].to(torch.int32)  # every token routes k times: ends at n_rows
     for row, offs in zip(rows, (even, routed), strict=True):
 

@@ -111,7 +111,7 @@ def build_layer(
     requiring grad."""
     from moe_tools.matrix import build_layer as build_eval_layer
 
-    sizes = {"score_fn": "softmax", **cfg}
+    sizes = {"score_fn": "softmax", **{k: v for k, v in cfg.items() if k != "tokens"}}
     return build_eval_layer(sizes, device, dtype, seed, impl).train().requires_grad_(True)
 
 
