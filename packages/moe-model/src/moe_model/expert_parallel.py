@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_model import _ep_exchange as X
+from moe_model._moe_options import switch_aux_loss
 from moe_model.moe import MoELayer
 
 EP_MODES: tuple[str, ...] = ("dropless", "padded")
@@ -210,14 +211,12 @@ class ExpertParallelMoE(nn.Module):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
         _group, W, rank = _group_size(group)
         _check_split(n_experts, W)
-        if dtype is not None:
-            options["dtype"] = dtype
-        with torch.device("meta"):  # every check, no memory
-            layer = MoELayer(d_model, n_experts, top_k, hidden, **options)
+        # Every check of MoELayer, no memory; then everything but the experts on the CPU.
+        layer = MoELayer(d_model, n_experts, top_k, hidden, device="meta", dtype=dtype, **options)
         meta_in, meta_out = layer.in_proj, layer.out_proj
         del layer.in_proj, layer.out_proj
         layer.to_empty(device="cpu")
-        for buf in layer.buffers():
+        for buf in layer.buffers():  # (reset_parameters zeroes the ones it knows)
             buf.zero_()
         # Zero-expert stand-ins, so that the layer's own init covers everything but the experts.
         layer.in_proj = nn.Parameter(meta_in.new_empty(0, *meta_in.shape[1:], device="cpu"))
@@ -297,7 +296,7 @@ class ExpertParallelMoE(nn.Module):
         T, D = x_TD.shape
         E, k, W = layer.n_experts, layer.top_k, self.world_size
         scores_TE = layer.scores(x_TD)  # the dtype check of the impl, before any collective
-        plan = route(scores_TE, k, **_route_options(layer))
+        plan = route(scores_TE, k, **layer.route_options())
         record = torch.is_grad_enabled() and (
             x_TD.requires_grad or any(p.requires_grad for p in self.parameters())
         )
@@ -305,8 +304,7 @@ class ExpertParallelMoE(nn.Module):
         with torch.no_grad():
             self.local_counts.copy_(plan.counts)
             self.last_counts.copy_(counts_WE.sum(0, dtype=torch.int32))
-            if isinstance(getattr(layer, "last_counts", None), torch.Tensor):
-                layer.last_counts.copy_(self.last_counts)
+            layer.last_counts.copy_(self.last_counts)
         baseline = layer.impl == "baseline"
         x_send = x_TD if baseline else x_TD.to(self.in_proj.dtype)
         if self.mode == "dropless":
@@ -333,16 +331,12 @@ class ExpertParallelMoE(nn.Module):
             ys_PD = X.move_rows(back_ND, pad.slot_P, pad.pair_of_slot)
             kept = plan._replace(inverse=torch.where(pad.slot_TK >= 0, plan.inverse, -1))
         y_TD = _combine(layer, ys_PD, plan, kept, x_TD.dtype)
-        shared = getattr(layer, "shared_output", None)
-        shared_TD = shared(x_TD) if shared is not None else None
+        shared_TD = layer.shared_output(x_TD)  # replicated: this rank's own tokens
         if shared_TD is not None:
             y_TD = y_TD + shared_TD
         self.aux_loss = None
-        coef = getattr(layer, "aux_loss_coef", 0.0)
-        if coef > 0 and torch.is_grad_enabled():
-            from moe_model._moe_options import switch_aux_loss
-
-            self.aux_loss = switch_aux_loss(scores_TE, plan.counts, k, coef)
+        if layer.aux_loss_coef > 0 and torch.is_grad_enabled():
+            self.aux_loss = switch_aux_loss(scores_TE, plan.counts, k, layer.aux_loss_coef)
         layer.aux_loss = self.aux_loss
         return y_TD
 
@@ -367,12 +361,6 @@ class ExpertParallelMoE(nn.Module):
 
 # ---------------------------------------------------------------------------------------------
 # Routing, the local experts and the combine
-
-
-def _route_options(layer: MoELayer) -> dict[str, Any]:
-    """``layer.route_options()``: the layer's selection options as route's kwargs."""
-    options = getattr(layer, "route_options", None)
-    return options() if options is not None else {"renormalize": layer.renormalize}
 
 
 def _local_experts(

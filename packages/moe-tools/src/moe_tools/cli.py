@@ -261,6 +261,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-graph", action="store_true", help="no CUDA-graph column")
     p.add_argument("--plot", metavar="PNG", help="every impl's convergence loss curve")
 
+    p = sub.add_parser(
+        "ep", parents=[common], help="ExpertParallelMoE per mode and world size (torchrun or spawn)"
+    )
+    p.add_argument(
+        "--shapes",
+        type=_csv,
+        default=None,
+        metavar="S,..",
+        help="tiny, seed-moe (2048 tokens per rank, E=16, top-8), training (16384, E=128, "
+        "top-8); default: seed-moe,training on CUDA, tiny on CPU",
+    )
+    p.add_argument("--tokens", type=_positive, default=None, help="tokens per rank")
+    p.add_argument("--modes", type=_csv, default=None, help="dropless,padded (default: both)")
+    p.add_argument(
+        "--world-sizes",
+        type=_int_csv,
+        default=None,
+        metavar="W,..",
+        help="without torchrun: launch these group sizes (default: 1,2 on CPU, 1,2,4,8 up to "
+        "the GPUs on CUDA)",
+    )
+    p.add_argument("--capacity-factor", type=_positive_float, default=1.25)
+    p.add_argument("--impl", default=None, help="MoE impl (default: triton_bf16, CPU triton_fp32)")
+    p.add_argument("--dtype", **dtype)
+    p.add_argument("--warmup", type=_positive, default=None, help="untimed calls per row")
+    p.add_argument("--iters", type=_positive, default=None, help="timed calls per row")
+
     p = sub.add_parser("report", help="markdown page from saved JSON results")
     p.add_argument(
         "--results",
@@ -371,6 +398,22 @@ def _run(
         return verify.run(
             device=args.device, shapes=args.shapes, ops=args.ops, seed=args.seed, progress=progress
         )
+    if args.command == "ep":
+        from moe_tools import ep
+
+        return ep.run(
+            device=args.device,
+            shapes=args.shapes,
+            tokens=args.tokens,
+            modes=args.modes,
+            world_sizes=args.world_sizes,
+            capacity_factor=args.capacity_factor,
+            impl=args.impl,
+            dtype=_dtype(args.dtype, args.device) if args.dtype else None,
+            warmup=args.warmup,
+            iters=args.iters,
+            seed=args.seed,
+        )
     raise AssertionError(args.command)
 
 
@@ -383,6 +426,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "ep":
+        from moe_tools.ep import quiet_other_ranks
+
+        quiet_other_ranks(args)  # under torchrun only rank 0 prints
     if args.command == "kernels" and args.sweep is None:
         given = [n for n in SWEEP_ONLY if getattr(args, n)]
         if given:
