@@ -118,13 +118,22 @@ SELECTION_PLANS = [
     (65536, 96, 6, 0, 96, 1, True, True, 3, 2, False),  # 32 experts a group, 3 groups
     (4096, 60, 4, 0, 60, 0, False, True, 12, 3, False),  # 5 experts a group (padded tile)
     (1000, 8, 2, 0, 8, 0, True, True, 8, 2, False),  # one expert a group
-    (100, 8192, 8, 0, 8192, 0, False, True, 64, 8, True),  # the most experts
+    (100, 8192, 8, 0, 8192, 0, False, True, 64, 8, True),  # the most experts (tile: 64 groups)
+    (70000, 64, 12, 0, 64, 1, True, True, 4, 2, False),  # top_k > 8: tile
 ]
 
 
 @pytest.mark.parametrize("plan", SELECTION_PLANS, ids=str)
 def test_selection_plans_compile(can_compile, plan):
-    assert _compile_plan(plan, True, None).topk == "grouped"
+    assert _compile_plan(plan, True, None).topk.startswith("grouped")
+
+
+def test_selection_tile_plan_compiles(can_compile):
+    """The rounds-over-a-tile variant, where Constraints.block_t asks for it."""
+    from moe_kernels._triton.routing.plan import Constraints
+
+    plan = (65536, 256, 8, 0, 256, 1, True, True, 8, 4, True)
+    assert _compile_plan(plan, True, Constraints(block_t=4, sub=8)).topk == "grouped"
 
 
 def _compile_plan(args, route, constraints):
@@ -144,7 +153,7 @@ def _compile_plan(args, route, constraints):
     a_sig = dict(x_ptr=x_t, stride_t="i32", stride_e="i32", stride_w="i32", vtc_ptr="*i32",
                  pack_ptr="*i32", scr_w_ptr="*fp32", hist_ptr="*i32", **ints)  # fmt: skip
     kern_a = L.topk_columns_kernel if plan.placement == "columns" else L.topk_rows_kernel
-    if plan.topk == "grouped":
+    if plan.topk.startswith("grouped"):
         kern_a, a_sig = L.topk_grouped_kernel, dict(a_sig, bias_ptr="*fp32", scale="fp32")
     _compile(kern_a, a_sig, dict(p.a), p.a_warps)
     if p.scan is not None:

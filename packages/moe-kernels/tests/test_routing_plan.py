@@ -190,20 +190,28 @@ def _selection(T, E, k, dtype=FP32, bias=True, groups=(1, 1), scaled=False, L=No
     ids=str,
 )
 def test_selection_options_take_kernel_a_grouped(prob):
-    """A bias, a group limit or scaled weights: kernel A 'grouped', a sorted placement (counted
-    for <= 16 local experts), weights in fp32 scratch, two launches (no cooperative one)."""
+    """A bias, a group limit or scaled weights: kernel A 'grouped_insert' (top_k <= 8), a
+    sorted placement (counted for <= 16 local experts), weights in fp32 scratch, two launches
+    (no cooperative one)."""
     p = choose_plan(prob, H200)
-    assert prob.selection and p.topk == "grouped"
+    assert prob.selection and p.topk == "grouped_insert" and p.tokens_per_program == 64
     assert p.placement == ("counted" if prob.L <= 16 else "sorted")
     assert not p.pack_w and not p.cooperative
     assert p.block_t * p.sub <= (128 if p.placement == "counted" else 512)
     assert choose_plan(dataclasses.replace(prob, has_bias=False, n_groups=4, topk_groups=4,
-                                           scaled=False), H200).topk != "grouped"  # fmt: skip
+                                           scaled=False), H200).topk[:7] != "grouped"  # fmt: skip
+
+
+def test_selection_tile_where_insertion_cannot():
+    assert choose_plan(_selection(4096, 64, 12, groups=(4, 2)), H200).topk == "grouped"  # k > 8
+    assert choose_plan(_selection(4096, 128, 8, groups=(64, 8)), H200).topk == "grouped"
+    assert choose_plan(_selection(4096, 128, 8, groups=(64, 64)), H200).topk == "grouped_insert"
 
 
 def test_selection_constraints():
     prob = _selection(300, 64, 4, groups=(4, 2))
-    assert choose_plan(prob, H200, Constraints(block_t=2, sub=4)).tokens_per_program == 8
+    tile = choose_plan(prob, H200, Constraints(block_t=2, sub=4))
+    assert tile.topk == "grouped" and tile.tokens_per_program == 8
     for c in (Constraints(placement="ranked"), Constraints(topk="rounds"),
               Constraints(placement="columns"), Constraints(block_t=64)):  # fmt: skip
         with pytest.raises(ValueError):

@@ -93,6 +93,8 @@ CASES = [
     (20, 6, 2, 1, None, False, 0.5, True, 1, 4, None, "randn"),  # scale alone
     (40, 64, 8, 8, 4, True, 2.5, True, 0, None, None, "randn"),  # DeepSeek-V3's shape, small T
     (6, 32, 4, 2, 1, True, 1.0, False, 0, None, None, "ties"),
+    (30, 32, 10, 4, 2, True, 1.0, True, 3, 30, None, "ties"),  # top_k > 8: the tile kernel
+    (12, 128, 4, 64, 8, True, 2.5, False, 0, None, None, "randn"),  # 64 groups: the tile
 ]
 
 
@@ -111,6 +113,27 @@ def test_route_selection_matches_oracle(case, dtype):
                  expert_index_end=end)  # fmt: skip
     want = naive_selection_plan(scores, k, bias, G, TG, scale, renorm, start, end, valid)
     check_plan(plan, want)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: "-".join(map(str, c)))
+def test_tile_variant_matches_oracle(case):
+    """Kernel A's rounds over a tile, forced by Constraints.block_t (the interpreter runs it;
+    the reference path has no variants)."""
+    from moe_kernels._dispatch import INTERPRET
+
+    if not INTERPRET:
+        pytest.skip("kernel variants run in the interpreter")
+    from moe_kernels._routing_outputs import Selection
+    from moe_kernels._triton.routing import launch
+    from moe_kernels._triton.routing.plan import Constraints
+
+    T, E, k, G, TG, has_bias, scale, renorm, start, end, valid, kind = case
+    scores = make_scores(T, E, torch.bfloat16, kind, seed=T)
+    bias = torch.linspace(-0.3, 0.4, E) if has_bias else None
+    end = E if end is None else end
+    plan = launch.run(scores, k, None, start, end, renorm, True, Constraints(block_t=4, sub=2),
+                      selection=Selection(bias, G, TG or G, scale))  # fmt: skip
+    check_plan(plan, naive_selection_plan(scores, k, bias, G, TG, scale, renorm, start, end))
 
 
 def test_group_limit_is_strict():

@@ -7,7 +7,8 @@ result is a pure function of the inputs (the oracle: ``moe_kernels._reference.ro
   the program's count per local expert into ``hist[expert, program]``. The row families rank
   (``keys``, ``networks``) and either rank each pair inside its expert or store bare choices;
   the ``columns`` family takes the top-k by a threshold (``threshold``) and places each pair
-  among its program's pairs in sorted order itself.
+  among its program's pairs in sorted order itself. route's selection options (a bias, expert
+  groups, scaled weights) take ``topk_grouped``, which stores bare choices.
 - B, ``scan``: exclusive prefix sums of ``hist`` over programs (or C reduces ``hist`` itself).
 - C, ``place``: offsets, counts and every pair at its sorted position (``place_rows`` for the
   row families), route's ``inverse``, the -1 tail.

@@ -86,13 +86,16 @@ def launches(p: Problem, plan: Plan) -> Launches:
         a = dict(K=K, E_PAD=e_pad, TP=tokens, HAS_VTC=p.has_vtc, FULL_RANGE=full_range,
                  MODE=mode, WEIGHTS=route)  # fmt: skip
         packed, scr_w = plan.n_programs * (tokens * K + e_pad), 0  # slots, then run starts
-    elif plan.topk == "grouped":
+    elif plan.topk in ("grouped", "grouped_insert"):
         g_pad, eg_pad = grouped_width(p)
-        a = dict(K=K, K_PAD=k_pad, G=p.n_groups, G_PAD=g_pad, EG=E // p.n_groups,
+        w = 4 if p.kind == 0 else 8
+        insert = plan.topk == "grouped_insert"
+        a = dict(K=K, K_PAD=k_pad, E_PAD=max(next_pow2(E), w), G=p.n_groups, G_PAD=g_pad, EG=E // p.n_groups,
                  EG_PAD=eg_pad, TOPK_G=p.topk_groups, BLOCK_T=plan.block_t, SUB=plan.sub,
                  KIND=p.kind, HAS_VTC=p.has_vtc, HAS_BIAS=p.has_bias, RENORM=p.renormalize,
                  SCALED=p.scaled, FULL_RANGE=full_range, HB=2 * l_pad,
-                 OLD_INTERP=_OLD_INTERP)  # fmt: skip
+                 OLD_INTERP=_OLD_INTERP, INSERT=insert, W=w,
+                 MERGE=insert and k_pad == 8 and w == 8)  # fmt: skip
         packed, scr_w = P, P
     else:
         a = dict(
@@ -274,7 +277,7 @@ def run(
         todo.append((_fused, ln.n_prog, consts, opts, pick))
     else:
         bar = None
-        if plan.topk == "grouped":
+        if p.selection:
             bias = selection.bias
             bias = x if bias is None else bias.to(torch.float32).contiguous()
             a_sel = (*args[0], bias, selection.scale)

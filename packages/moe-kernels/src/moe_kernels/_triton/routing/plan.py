@@ -26,7 +26,14 @@ The rules, in order (measurements behind them: ``docs/routing.md``):
    with a warp per 2048 entries so no thread loads more than 64; otherwise a scan launch.
 5. After a scan launch, ``columns`` writes its sorted pairs by (group of programs, expert) in a
    launch of its own (D, ``expert_runs``): one contiguous run each.
-6. ``cooperative``: A and C run as one launch joined by a grid barrier where there is no scan
+6. route's selection options (a bias, a group limit, scaled weights: ``Problem.selection``) take
+   kernel A ``topk_grouped`` with a sorted placement (``counted`` for <= 16 local experts),
+   weights in fp32 scratch, no cooperative launch: per-thread insertion of int64 keys
+   (``grouped_insert``, 64 tokens a program; top_k <= 8, <= 32 groups) or else rounds of row
+   maxima over one tile per block of rows (``grouped``; about 2048 tile entries a block, 1024
+   up to T = 65536, C's ~512 pairs a program, at most 128 tokens; also where
+   ``Constraints.block_t`` is given).
+7. ``cooperative``: A and C run as one launch joined by a grid barrier where there is no scan
    or D launch and the programs fit one per SM (not in the interpreter, and not while a CUDA
    graph is captured: the launcher checks that), with ``warps_fused`` warps: C's for the row
    families, A's for ``columns`` (whose warp-level transposes need its layout).
@@ -43,7 +50,7 @@ import torch
 from ..blocks import cdiv, next_pow2
 
 Placement = Literal["ranked", "sorted", "counted", "prefix", "columns"]
-TopK = Literal["rounds", "insert", "threshold", "grouped"]
+TopK = Literal["rounds", "insert", "threshold", "grouped", "grouped_insert"]
 
 RANKED_MAX_PAIRS = 32768
 SCAN_IN_C_MAX_PROGRAMS = 256
@@ -250,10 +257,14 @@ def choose_plan(p: Problem, d: Device, c: Constraints | None = None) -> Plan:
                 "a selection bias, group limit or weight scale takes kernel A 'grouped' with "
                 f"placement 'sorted' or 'counted', not placement={placement!r}, topk={c.topk!r}"
             )
-        topk = "grouped"
-        block_t, sub, warps_a = _grouped_blocks(p, d, c)
-        if block_t > 32:
-            raise ValueError(f"Constraints.block_t={block_t} too large for topk='grouped'")
+        insert = k_pad <= 8 and (p.topk_groups == p.n_groups or next_pow2(p.n_groups) <= 32)
+        topk = "grouped_insert" if insert and c.block_t is None else "grouped"
+        if topk == "grouped_insert":
+            block_t, sub, warps_a = INSERT_TOKENS, c.sub or 1, 1 if d.interpret else 2
+        else:
+            block_t, sub, warps_a = _grouped_blocks(p, d, c)
+        if block_t > (INSERT_TOKENS if topk == "grouped_insert" else 32):
+            raise ValueError(f"Constraints.block_t={block_t} too large for topk={topk!r}")
     else:
         topk = c.topk or ("insert" if placement != "ranked" and k_pad <= 8 else "rounds")
         if topk == "insert" and (placement == "ranked" or k_pad > 8):
@@ -286,7 +297,7 @@ def choose_plan(p: Problem, d: Device, c: Constraints | None = None) -> Plan:
     merge = topk == "insert" and k_pad == 8 and p.kind != 0 and p.E > 4
     pack_w = (
         placement in ("sorted", "counted") and p.route and not p.renormalize and p.kind != 0
-        and l_bits + idx_bits <= 16 and topk != "grouped"
+        and l_bits + idx_bits <= 16 and not p.selection
     )  # fmt: skip
     if d.interpret:
         warps_c = 1
@@ -301,7 +312,7 @@ def choose_plan(p: Problem, d: Device, c: Constraints | None = None) -> Plan:
         warps_c = max(warps_c, min(8, hist // 2048))
     cooperative = (
         not d.interpret and scan_in_c and not expert_runs and n_programs <= d.sm_count
-        and topk != "grouped"
+        and not p.selection
     )  # fmt: skip
     return Plan(
         placement=placement, topk=topk, block_t=block_t, sub=sub, n_programs=n_programs,
