@@ -350,4 +350,8 @@ def test_single_process_without_a_group():
     with torch.no_grad():
         y = ep(x)
     assert int(ep.dropped) == 0 and _rel(y, full(x).detach()) <= TOL
+    with pytest.raises(TypeError, match="seed"):
+        ExpertParallelMoE.from_config(D, E, 2, H, seed="0")
+    with pytest.raises(ValueError, match="mode"):
+        ExpertParallelMoE.from_config(D, E, 2, H, mode="sparse")
     assert sys.modules["moe_model.expert_parallel"].EP_MODES == ("dropless", "padded")

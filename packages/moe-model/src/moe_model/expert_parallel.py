@@ -209,7 +209,7 @@ class ExpertParallelMoE(nn.Module):
         for name, v in (("n_experts", n_experts), ("seed", seed)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-        _group, W, rank = _group_size(group)
+        pg, W, rank = _group_size(group)
         _check_split(n_experts, W)
         # Every check of MoELayer, no memory; then everything but the experts on the CPU.
         layer = MoELayer(d_model, n_experts, top_k, hidden, device="meta", dtype=dtype, **options)
@@ -235,7 +235,7 @@ class ExpertParallelMoE(nn.Module):
         layer = layer.to(device) if device is not None else layer
         ep = cls.__new__(cls)
         nn.Module.__init__(ep)
-        ep._setup(layer, _group, W, rank, mode, capacity_factor, tokens_per_rank)
+        ep._setup(layer, pg, W, rank, mode, capacity_factor, tokens_per_rank)
         return ep
 
     # -----------------------------------------------------------------------------------------
@@ -293,7 +293,7 @@ class ExpertParallelMoE(nn.Module):
         from moe_kernels import route
 
         layer = self.layer
-        T, D = x_TD.shape
+        T = x_TD.shape[0]
         E, k, W = layer.n_experts, layer.top_k, self.world_size
         scores_TE = layer.scores(x_TD)  # the dtype check of the impl, before any collective
         plan = route(scores_TE, k, **layer.route_options())
