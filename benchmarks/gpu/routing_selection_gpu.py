@@ -102,7 +102,7 @@ def time_all(quick: bool) -> None:
             for T in (64, 4096, 65536, 1 << 18, 1 << 20):
                 shapes.append((dtype, E, k, G, TG, T))
     if quick:
-        shapes = [s for s in shapes if s[1] == 256 and s[5] in (65536, 1 << 20)]
+        shapes = [s for s in shapes if s[1] in (256, 64)]
     for dtype, E, k, G, TG, T in shapes:
         x = scores_of(T, E, dtype, "sigmoid", 1)
         bias = torch.randn(E, device="cuda") * 0.1
@@ -115,10 +115,35 @@ def time_all(quick: bool) -> None:
               f"{sel:9.1f} {sel / plain:6.2f}", flush=True)  # fmt: skip
 
 
+def time_variants() -> None:
+    """Kernel A's two selection variants, forced through ``Constraints`` (the library's one
+    override): per-thread insertion (the default for top_k <= 8) against rounds over a tile
+    (``block_t`` given), with and without the scan in C."""
+    from moe_kernels._routing_outputs import Selection
+    from moe_kernels._triton.routing import launch
+    from moe_kernels._triton.routing.plan import Constraints
+
+    print(f"{'dtype':5} {'E':>4} {'k':>2} {'T':>6} {'variant':>22} {'us':>8}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for E, k, G, TG in ((256, 8, 8, 4), (64, 6, 8, 3)):
+            for T in (64, 512, 4096, 16384):
+                x = scores_of(T, E, dtype, "sigmoid", 2)
+                sel = Selection(torch.randn(E, device="cuda") * 0.1, G, TG, 2.5)
+                variants = {"insert": None}
+                for bt in (1, 2, 4):
+                    for sub in (1, 4):
+                        variants[f"tile b{bt} s{sub}"] = Constraints(block_t=bt, sub=sub)
+                for name, c in variants.items():
+                    us = graph_us(lambda c=c: launch.run(x, k, None, 0, E, True, True, c,
+                                                         selection=sel), 10, 10)  # fmt: skip
+                    print(f"{str(dtype)[6:]:5} {E:4} {k:2} {T:6} {name:>22} {us:8.1f}",
+                          flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--skip", default="", help="comma list of: check, time")
-    ap.add_argument("--quick", action="store_true", help="time E=256 at T=65536 and 2^20 only")
+    ap.add_argument("--skip", default="", help="comma list of: check, time, variants")
+    ap.add_argument("--quick", action="store_true", help="time E=256 and E=64 only")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}")
@@ -126,6 +151,8 @@ def main() -> None:
         check_all()
     if "time" not in skip:
         time_all(args.quick)
+    if "variants" not in skip:
+        time_variants()
     print(f"# {len(FAILS)} failed checks")
     sys.exit(1 if FAILS else 0)
 

@@ -181,10 +181,10 @@ def _selection(T, E, k, dtype=FP32, bias=True, groups=(1, 1), scaled=False, L=No
 @pytest.mark.parametrize(
     "prob",
     [
-        _selection(64, 256, 8, groups=(8, 4), scaled=True),  # DeepSeek-V3, decode-sized
+        _selection(65536, 256, 8, groups=(8, 4), scaled=True),  # DeepSeek-V3
         _selection(1 << 20, 256, 8, BF16, groups=(8, 4), scaled=True),
-        _selection(4096, 128, 8, BF16),  # would be columns without the bias
-        _selection(4096, 16, 2, bias=False, scaled=True),  # scale alone
+        _selection(65536, 128, 8, BF16),  # would be columns without the bias
+        _selection(65536, 16, 2, bias=False, scaled=True),  # scale alone
         _selection(300000, 64, 4, bias=False, groups=(4, 2)),
     ],
     ids=str,
@@ -202,10 +202,14 @@ def test_selection_options_take_kernel_a_grouped(prob):
                                            scaled=False), H200).topk[:7] != "grouped"  # fmt: skip
 
 
-def test_selection_tile_where_insertion_cannot():
-    assert choose_plan(_selection(4096, 64, 12, groups=(4, 2)), H200).topk == "grouped"  # k > 8
-    assert choose_plan(_selection(4096, 128, 8, groups=(64, 8)), H200).topk == "grouped"
-    assert choose_plan(_selection(4096, 128, 8, groups=(64, 64)), H200).topk == "grouped_insert"
+def test_selection_tile_where_insertion_cannot_or_is_slow():
+    big = 1 << 16
+    assert choose_plan(_selection(big, 64, 12, groups=(4, 2)), H200).topk == "grouped"  # k > 8
+    assert choose_plan(_selection(big, 128, 8, groups=(64, 8)), H200).topk == "grouped"
+    assert choose_plan(_selection(big, 128, 8, groups=(64, 64)), H200).topk == "grouped_insert"
+    for T in (1, 64, 4096):  # up to RANKED_MAX_PAIRS pairs: small programs, one block each
+        p = choose_plan(_selection(T, 256, 8, groups=(8, 4)), H200)
+        assert p.topk == "grouped" and p.sub == 1 and p.block_t <= 4, (T, p)
 
 
 def test_selection_constraints():

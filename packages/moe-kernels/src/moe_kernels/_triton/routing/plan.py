@@ -28,11 +28,12 @@ The rules, in order (measurements behind them: ``docs/routing.md``):
    launch of its own (D, ``expert_runs``): one contiguous run each.
 6. route's selection options (a bias, a group limit, scaled weights: ``Problem.selection``) take
    kernel A ``topk_grouped`` with a sorted placement (``counted`` for <= 16 local experts),
-   weights in fp32 scratch, no cooperative launch: per-thread insertion of int64 keys
-   (``grouped_insert``, 64 tokens a program; top_k <= 8, <= 32 groups) or else rounds of row
-   maxima over one tile per block of rows (``grouped``; about 2048 tile entries a block, 1024
-   up to T = 65536, C's ~512 pairs a program, at most 128 tokens; also where
-   ``Constraints.block_t`` is given).
+   weights in fp32 scratch, no cooperative launch: above ``RANKED_MAX_PAIRS`` pairs,
+   per-thread insertion of int64 keys (``grouped_insert``, 64 tokens a program; top_k <= 8,
+   <= 32 groups); else rounds of row maxima over one tile per block of rows (``grouped``; up
+   to ``RANKED_MAX_PAIRS`` pairs programs of <= 4 rows, 4-9x faster there than insertion's 64
+   rows a thread each; above, about 2048 tile entries a block, C's ~512 pairs a program; also
+   where ``Constraints.block_t`` is given).
 7. ``cooperative``: A and C run as one launch joined by a grid barrier where there is no scan
    or D launch and the programs fit one per SM (not in the interpreter, and not while a CUDA
    graph is captured: the launcher checks that), with ``warps_fused`` warps: C's for the row
@@ -220,15 +221,19 @@ def grouped_width(p: Problem) -> tuple[int, int]:
 
 
 def _grouped_blocks(p: Problem, d: Device, c: Constraints) -> tuple[int, int, int]:
-    """(block_t, sub, warps of A) of ``topk_grouped``: about 2048 tile entries a block (1024
-    up to T = 65536), C's ~SORT_PAIRS pairs a program (at most 128 tokens: ``counted``)."""
+    """(block_t, sub, warps of A) of ``topk_grouped``'s tile: about 2048 tile entries a block
+    (1024 up to T = 65536), C's ~SORT_PAIRS pairs a program (at most 128 tokens: ``counted``);
+    up to RANKED_MAX_PAIRS pairs, programs of at most 4 rows (sub 1: latency-bound sizes)."""
     g_pad, eg_pad = grouped_width(p)
     width = g_pad * eg_pad
     keys = 1024 if p.T <= 65536 and not d.interpret else 2048
     min_programs = 1 if d.interpret else 128
-    block_t = c.block_t or max(1, min(keys // width, 32, next_pow2(cdiv(p.T, min_programs))))
+    small = p.T * p.top_k <= RANKED_MAX_PAIRS and not d.interpret  # latency: many programs
+    cap = 4 if small else 32
+    block_t = c.block_t or max(1, min(keys // width, cap, next_pow2(cdiv(p.T, min_programs))))
     tokens = max(block_t, min(128, SORT_PAIRS // next_pow2(p.top_k)))
-    sub = c.sub or max(1, min(tokens // block_t, next_pow2(cdiv(p.T, block_t * 256))))
+    sub = max(1, min(tokens // block_t, next_pow2(cdiv(p.T, block_t * 256))))
+    sub = c.sub or (1 if small else sub)
     warps = max(1, min(8, block_t * width // 512))
     return block_t, sub, 1 if d.interpret else warps
 
@@ -258,7 +263,10 @@ def choose_plan(p: Problem, d: Device, c: Constraints | None = None) -> Plan:
                 f"placement 'sorted' or 'counted', not placement={placement!r}, topk={c.topk!r}"
             )
         insert = k_pad <= 8 and (p.topk_groups == p.n_groups or next_pow2(p.n_groups) <= 32)
-        topk = "grouped_insert" if insert and c.block_t is None else "grouped"
+        # (the interpreter runs insertion at every size: the tests' small problems cover it)
+        big = p.T * p.top_k > RANKED_MAX_PAIRS or d.interpret
+        insert = insert and big and c.block_t is None
+        topk = "grouped_insert" if insert else "grouped"
         if topk == "grouped_insert":
             block_t, sub, warps_a = INSERT_TOKENS, c.sub or 1, 1 if d.interpret else 2
         else:
