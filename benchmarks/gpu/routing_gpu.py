@@ -216,7 +216,8 @@ def _no_sync_graph_compile(T: int, E: int, k: int, renorm: bool) -> None:
         try:
             torch.cuda.set_sync_debug_mode("error")
             out = fn(x, vtc)
-            out += tuple(torch.ops.moe_kernels.route.default(x, k, vtc, 0, E, False, None, 1, 1, 1.0))
+            plain = (None, 1, 1, 1.0)  # no bias, groups or scale
+            out += tuple(torch.ops.moe_kernels.route.default(x, k, vtc, 0, E, False, *plain))
             torch.cuda.set_sync_debug_mode(0)
             check("no host sync (route, index_shuffling, op path)", True)
         except Exception as exc:

@@ -6,7 +6,8 @@ scale, renormalize, expert ranges, valid counts, special values (NaN, +-inf, tie
 output bitwise equal to ``route_reference`` (NaN equal to NaN); no host sync; a graph replay.
 Timing (``--skip=time`` to leave out): device time per call in a CUDA graph of 10 calls, for
 plain route and route with bias + groups (+ scale + renormalize as DeepSeek-V3 has them), over
-T x E x k x dtype; the ratio (to plain route, no options) is the issue's target (<= 1.2x at T=65536 and 2^20, E=256, k=8).
+T x E x k x dtype; the ratio (to plain route, no options) is the issue's target (<= 1.2x at
+T=65536 and 2^20, E=256, k=8).
 
     PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \\
         python3 benchmarks/gpu/routing_selection_gpu.py [--skip=check,time] [--quick]
@@ -59,9 +60,15 @@ def check_all() -> None:
             dict(bias=bias, n_groups=G, topk_groups=TG),
             dict(bias=bias.to(dtype)),
             dict(n_groups=G, topk_groups=TG, scale=0.5),
-            dict(bias=bias, n_groups=G, topk_groups=TG, renormalize=True,
-                 expert_index_start=E // 4, expert_index_end=E // 2,
-                 valid_token_count=torch.tensor([T - 3], device="cuda")),  # fmt: skip
+            dict(
+                bias=bias,
+                n_groups=G,
+                topk_groups=TG,
+                renormalize=True,
+                expert_index_start=E // 4,
+                expert_index_end=E // 2,
+                valid_token_count=torch.tensor([T - 3], device="cuda"),
+            ),  # fmt: skip
         ]
         for v in variants:
             plan = route(x, k, **v)

@@ -119,8 +119,10 @@ def wgrad_checks(dev: str, dry: bool, sweep: bool) -> None:
     against an fp32 reference, bitwise repeatability, times."""
     print("\n## grouped_weight_grad (dW[e] = dy_e^T x_e): Triton vs CUTLASS")
     g = torch.Generator().manual_seed(1)
-    cases = [(256, 64, 96, 8)] if dry else [(16384, 1024, 2048, 16), (131072, 1536, 2048, 128),
-                                            (131072, 2048, 768, 128), (4096, 2048, 1024, 16)]  # fmt: skip
+    cases = [(256, 64, 96, 8)] if dry else [
+        (16384, 1024, 2048, 16), (131072, 1536, 2048, 128), (131072, 2048, 768, 128),
+        (4096, 2048, 1024, 16),
+    ]  # fmt: skip
     for P, N, D, E in cases:
         counts = torch.randint(0, 2 * P // E, (E,), generator=g)
         counts[1] = 0  # an empty group
@@ -246,7 +248,8 @@ def layer_rows(dev: str, shapes: list[str], dry: bool, profile: bool) -> None:
                     if profile and impl == "triton_bf16" and not dry:
                         profile_step(cstep, f"{tag} {impl} compiled")
                 print(f"{tag:<14}{impl:<13}{eager:>10.3f}{comp_ms:>13.3f}{graph_ms:>10.3f}"
-                      f"{'yes' if rep else 'no':>8}{same:>11}{err[0]:>9.1e}{err[1]:>9.1e}")  # fmt: skip
+                      f"{'yes' if rep else 'no':>8}{same:>11}{err[0]:>9.1e}"
+                      f"{err[1]:>9.1e}")  # fmt: skip
                 if impl != "torch":
                     check(f"{tag} {impl} repeatable", rep)
             if dev == "cuda" and not dry:
@@ -289,9 +292,8 @@ def main() -> None:
     args = ap.parse_args()
     dev = "cpu" if args.dry_run else "cuda"
     skip = set(filter(None, args.skip.split(",")))
-    print(
-        f"torch {torch.__version__}, device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}"
-    )  # noqa: E501
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, device {name}")
     if "ops" not in skip and dev == "cuda":
         op_checks(dev)
     if "wgrad" not in skip:

@@ -180,7 +180,8 @@ def test_route_selection_gradient(renorm, rng):
     scores = torch.rand(T, E, generator=gen).requires_grad_()
     bias = torch.randn(E, generator=gen) * 0.2
     plan = route(scores, k, bias=bias, n_groups=G, topk_groups=TG, scale=2.5,
-                 renormalize=renorm, expert_index_start=rng[0], expert_index_end=rng[1])  # fmt: skip
+                 renormalize=renorm, expert_index_start=rng[0],
+                 expert_index_end=rng[1])  # fmt: skip
     g_P = torch.randn(T * k, generator=gen)
     (plan.weights * g_P).sum().backward()
     # the pair gradients in choice order (zero for unrouted choices)

@@ -113,9 +113,7 @@ def _check_selection(
     if not -math.inf < scale < math.inf:  # (not math.isfinite: dynamo would break the graph)
         raise ValueError(f"scale must be finite, got {scale}")
     if (bias is not None or n_groups > 1) and E > SELECTION_MAX_EXPERTS:
-        raise ValueError(
-            f"bias and n_groups take at most {SELECTION_MAX_EXPERTS} experts, got {E}"
-        )
+        raise ValueError(f"bias and n_groups take at most {SELECTION_MAX_EXPERTS} experts, got {E}")
     return Selection(bias, n_groups, topk_groups, scale)
 
 

@@ -90,8 +90,9 @@ def launches(p: Problem, plan: Plan) -> Launches:
         g_pad, eg_pad = grouped_width(p)
         w = 4 if p.kind == 0 else 8
         insert = plan.topk == "grouped_insert"
-        a = dict(K=K, K_PAD=k_pad, E_PAD=max(next_pow2(E), w), G=p.n_groups, G_PAD=g_pad, EG=E // p.n_groups,
-                 EG_PAD=eg_pad, TOPK_G=p.topk_groups, BLOCK_T=plan.block_t, SUB=plan.sub,
+        a = dict(K=K, K_PAD=k_pad, E_PAD=max(next_pow2(E), w), G=p.n_groups, G_PAD=g_pad,
+                 EG=E // p.n_groups, EG_PAD=eg_pad, TOPK_G=p.topk_groups, BLOCK_T=plan.block_t,
+                 SUB=plan.sub,
                  KIND=p.kind, HAS_VTC=p.has_vtc, HAS_BIAS=p.has_bias, RENORM=p.renormalize,
                  SCALED=p.scaled, FULL_RANGE=full_range, HB=2 * l_pad,
                  OLD_INTERP=_OLD_INTERP, INSERT=insert, W=w,
@@ -152,9 +153,11 @@ def device_of(index: int) -> Device:
 
 
 def problem_of(scores: torch.Tensor, top_k: int, vtc: object, start: int, end: int,
-               renormalize: bool, route: bool, sel: Selection = Selection()) -> Problem:  # fmt: skip
+               renormalize: bool, route: bool,
+               sel: Selection | None = None) -> Problem:  # fmt: skip
     """The ``Problem`` of a call (16-bit rows read as pairs where 4-byte aligned)."""
     T, E = scores.shape
+    sel = sel or Selection()
     words = (
         scores.dtype != torch.float32 and scores.stride(1) == 1 and scores.stride(0) % 2 == 0
         and aligned(scores, 4)
@@ -227,13 +230,14 @@ def run(
     constraints: Constraints | None = None,
     one_buffer: bool = False,
     eager_key: tuple | None = None,
-    selection: Selection = Selection(),
+    selection: Selection | None = None,
 ) -> RoutingPlan | ShuffledIndices:
     """Route ``scores_TE`` (T > 0; arguments already checked): ``RoutingPlan`` for route,
     ``ShuffledIndices`` for index_shuffling. ``one_buffer``: outputs are views of one allocation
     (eager calls), and the launches are bound for the next call with the same ``eager_key``
     (``eager.eager_key``; not for route's ``selection`` options). ``constraints`` narrow the
     plan (tests, benchmarks)."""
+    selection = selection or Selection()
     converted = scores_TE.dtype != torch.float32 and scores_TE.shape[1] > 2**16
     if converted:  # 16-bit keys hold the expert in 16 bits; fp32 is exact (never bound)
         scores_TE = scores_TE.float()
