@@ -210,3 +210,21 @@ def split8(key, BLOCK_T: tl.constexpr):
     c1, c5 = tl.split(b0)
     c3, c7 = tl.split(b1)
     return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def stack8(t0, t1, t2, t3, t4, t5, t6, t7, jj, K_PAD: tl.constexpr, FILL):
+    """The running list's first K_PAD entries as the columns ``jj`` of a (rows, K_PAD) tensor
+    (FILL elsewhere)."""
+    mk = tl.where(jj[None, :] == 0, t0[:, None], FILL)
+    if K_PAD > 1:
+        mk = tl.where(jj[None, :] == 1, t1[:, None], mk)
+    if K_PAD > 2:
+        mk = tl.where(jj[None, :] == 2, t2[:, None], mk)
+        mk = tl.where(jj[None, :] == 3, t3[:, None], mk)
+    if K_PAD > 4:
+        mk = tl.where(jj[None, :] == 4, t4[:, None], mk)
+        mk = tl.where(jj[None, :] == 5, t5[:, None], mk)
+        mk = tl.where(jj[None, :] == 6, t6[:, None], mk)
+        mk = tl.where(jj[None, :] == 7, t7[:, None], mk)
+    return mk

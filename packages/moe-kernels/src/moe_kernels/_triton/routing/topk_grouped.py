@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .keys import bits16_to_f32
-from .networks import insert4, split8, take8
+from .networks import insert4, split8, stack8, take8
 
 
 @triton.jit
@@ -211,14 +211,7 @@ def _insert_topk(x_ptr, bias_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
                 t0, t1, t2, t3, t4, t5, t6, t7 = insert4(
                     t0, t1, t2, t3, t4, t5, t6, t7, k4, k5, k6, k7, K_PAD, 0
                 )
-    mk = tl.where(jj[None, :] == 0, t0[:, None], -(2**63))
-    mk = tl.where(jj[None, :] == 1, t1[:, None], mk)
-    mk = tl.where(jj[None, :] == 2, t2[:, None], mk)
-    mk = tl.where(jj[None, :] == 3, t3[:, None], mk)
-    mk = tl.where(jj[None, :] == 4, t4[:, None], mk)
-    mk = tl.where(jj[None, :] == 5, t5[:, None], mk)
-    mk = tl.where(jj[None, :] == 6, t6[:, None], mk)
-    mk = tl.where(jj[None, :] == 7, t7[:, None], mk)
+    mk = stack8(t0, t1, t2, t3, t4, t5, t6, t7, jj, K_PAD, -(2**63))
     return E_PAD - 1 - (mk & 0xFFFFFFFF).to(tl.int32)
 
 

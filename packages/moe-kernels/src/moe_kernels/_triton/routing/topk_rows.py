@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .keys import bits16_to_f32, fkeys_to_keys, popcount_swar, score_fkeys, score_keys
-from .networks import insert4, split8, take8
+from .networks import insert4, split8, stack8, take8
 
 
 @triton.jit
@@ -72,17 +72,7 @@ def _insert_topk(x_ptr, rows64, row_ok, stride_t, stride_e, E, jj,
                 t0, t1, t2, t3, t4, t5, t6, t7, k0, k1, k2, k3, K_PAD, FKEY
             )
     S = 0.0 if FKEY else SENT
-    mk = tl.where(jj[None, :] == 0, t0[:, None], S)
-    if K_PAD > 1:
-        mk = tl.where(jj[None, :] == 1, t1[:, None], mk)
-    if K_PAD > 2:
-        mk = tl.where(jj[None, :] == 2, t2[:, None], mk)
-        mk = tl.where(jj[None, :] == 3, t3[:, None], mk)
-    if K_PAD > 4:
-        mk = tl.where(jj[None, :] == 4, t4[:, None], mk)
-        mk = tl.where(jj[None, :] == 5, t5[:, None], mk)
-        mk = tl.where(jj[None, :] == 6, t6[:, None], mk)
-        mk = tl.where(jj[None, :] == 7, t7[:, None], mk)
+    mk = stack8(t0, t1, t2, t3, t4, t5, t6, t7, jj, K_PAD, S)
     if FKEY:
         mk = fkeys_to_keys(mk)
     return mk
