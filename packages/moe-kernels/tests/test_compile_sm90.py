@@ -118,7 +118,7 @@ SELECTION_PLANS = [
     (65536, 96, 6, 0, 96, 1, True, True, 3, 2, False),  # 32 experts a group, 3 groups
     (4096, 60, 4, 0, 60, 0, False, True, 12, 3, False),  # 5 experts a group (padded tile)
     (1000, 8, 2, 0, 8, 0, True, True, 8, 2, False),  # one expert a group
-    (100, 8192, 8, 0, 8192, 0, False, True, 64, 8, True),  # the most experts (tile: 64 groups)
+    (100, 2048, 8, 0, 2048, 0, False, True, 64, 8, True),  # 64 groups: the tile
     (70000, 64, 12, 0, 64, 1, True, True, 4, 2, False),  # top_k > 8: tile
 ]
 
