@@ -34,6 +34,17 @@ def _load_scores(x_ptr, offs, mask, KIND: tl.constexpr):
 
 
 @triton.jit
+def _best_groups(score, gg, TOPK_G: tl.constexpr):
+    """(rows, G_PAD) bool: each row's TOPK_G best groups by ``score`` (NaN ranking as -inf), by
+    comparing every pair of groups (ties to the lower group)."""
+    score = tl.where(score != score, float("-inf"), score)
+    s_h = score[:, None, :]  # [row, g, h]: group h beats group g
+    s_g = score[:, :, None]
+    beats = (s_h > s_g) | ((s_h == s_g) & (gg[None, None, :] < gg[None, :, None]))
+    return tl.sum(beats.to(tl.int32), axis=2) < TOPK_G
+
+
+@triton.jit
 def _allowed_groups(v, gg, EG: tl.constexpr, TOPK_G: tl.constexpr):
     """(rows, G_PAD) bool: each row's TOPK_G best groups of the (rows, G_PAD, EG_PAD) values
     ``v`` (padding -inf; padded groups have the highest indices, so they rank last)."""
@@ -45,11 +56,7 @@ def _allowed_groups(v, gg, EG: tl.constexpr, TOPK_G: tl.constexpr):
         s = m1 + tl.where(n_top > 1, m1, m2)
     else:
         s = m1
-    s = tl.where(s != s, float("-inf"), s)
-    s_h = s[:, None, :]  # [row, g, h]: group h beats group g
-    s_g = s[:, :, None]
-    beats = (s_h > s_g) | ((s_h == s_g) & (gg[None, None, :] < gg[None, :, None]))
-    return tl.sum(beats.to(tl.int32), axis=2) < TOPK_G
+    return _best_groups(s, gg, TOPK_G)
 
 
 @triton.jit
@@ -158,12 +165,8 @@ def _group_bits(x_ptr, bias_ptr, rows64, row_ok, stride_t, stride_e, BLOCK_T: tl
             s = m1 + m2
         else:
             s = m1
-        s = tl.where(s != s, float("-inf"), s)
         score = tl.where(gg[None, :] == g, s[:, None], score)
-    s_h = score[:, None, :]  # [row, g, h]: group h beats group g
-    s_g = score[:, :, None]
-    beats = (s_h > s_g) | ((s_h == s_g) & (gg[None, None, :] < gg[None, :, None]))
-    allowed = tl.sum(beats.to(tl.int32), axis=2) < TOPK_G
+    allowed = _best_groups(score, gg, TOPK_G)
     return tl.sum(tl.where(allowed, 1 << gg[None, :], 0), axis=1)
 
 
