@@ -50,6 +50,7 @@ SEGMENTS = ("expert", "token", "weights", "inverse", "tcpe", "counts", "offsets"
 _SEG = {name: i for i, name in enumerate(SEGMENTS)}
 _N_OUT = _SEG["pad"]
 _FP32_SEGS = (_SEG["weights"], _SEG["scr_w"])
+_PLAIN = Selection()  # route without a bias, groups or scale; index_shuffling
 _ROUTE_OUT = ("expert", "token", "weights", "inverse", "counts", "offsets")
 _SHUFFLE_OUT = ("expert", "token", "tcpe")
 
@@ -157,7 +158,7 @@ def problem_of(scores: torch.Tensor, top_k: int, vtc: object, start: int, end: i
                sel: Selection | None = None) -> Problem:  # fmt: skip
     """The ``Problem`` of a call (16-bit rows read as pairs where 4-byte aligned)."""
     T, E = scores.shape
-    sel = sel or Selection()
+    sel = sel or _PLAIN
     words = (
         scores.dtype != torch.float32 and scores.stride(1) == 1 and scores.stride(0) % 2 == 0
         and aligned(scores, 4)
@@ -237,7 +238,7 @@ def run(
     (eager calls), and the launches are bound for the next call with the same ``eager_key``
     (``eager.eager_key``; not for route's ``selection`` options). ``constraints`` narrow the
     plan (tests, benchmarks)."""
-    selection = selection or Selection()
+    selection = selection or _PLAIN
     converted = scores_TE.dtype != torch.float32 and scores_TE.shape[1] > 2**16
     if converted:  # 16-bit keys hold the expert in 16 bits; fp32 is exact (never bound)
         scores_TE = scores_TE.float()
