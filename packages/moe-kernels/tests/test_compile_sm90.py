@@ -4,9 +4,11 @@
 The interpreter runs the kernels' semantics but not Triton's GPU compiler, whose passes can reject
 a kernel for one specialisation only (triton 3.6-3.8's ``TritonGPUOptimizeThreadLocality`` failed
 on C's counting placement with a (tokens, 1) count tensor, an expert range of <= 4 experts; found
-on an H200). So every launch plan the GPU launchers pick for a spread of shapes is compiled here
-to a cubin (Triton's bundled ptxas). Skipped under ``TRITON_INTERPRET=1`` (the launchers pick
-interpreter plans there) and where Triton cannot compile for CUDA at all.
+on an H200). So every launch plan the GPU launchers pick for a spread of shapes is compiled to a
+cubin (Triton's bundled ptxas): here the launches only eager calls make (the cooperative one) and
+the forced variants, in ``test_inductor_graph.py`` the separate launches of every plan of
+``PLANS`` and ``SELECTION_PLANS`` as Inductor writes them. Skipped under ``TRITON_INTERPRET=1``
+(the launchers pick interpreter plans there) and where Triton cannot compile for CUDA at all.
 """
 
 from __future__ import annotations
@@ -70,8 +72,11 @@ PLANS = [
 
 @pytest.mark.parametrize("plan", PLANS, ids=str)
 @pytest.mark.parametrize("route", [False, True], ids=["index_shuffling", "route"])
-def test_routing_plans_compile(can_compile, plan, route):
-    _compile_plan(plan, route, None)
+def test_routing_plans_cooperative_launch_compiles(can_compile, plan, route):
+    """The launch eager calls make of A and C joined by a grid barrier, where the plan has it.
+    Every plan's separate launches (what compiled calls make) are compiled as Inductor writes
+    them: ``test_inductor_graph.py``."""
+    _compile_plan(plan, route, None, separate=False)
 
 
 def test_grid_sync_compiles_to_gpu_scoped_atomics_around_cta_barriers(can_compile):
@@ -124,8 +129,9 @@ SELECTION_PLANS = [
 
 
 @pytest.mark.parametrize("plan", SELECTION_PLANS, ids=str)
-def test_selection_plans_compile(can_compile, plan):
-    assert _compile_plan(plan, True, None).topk.startswith("grouped")
+def test_selection_plans_take_kernel_a_grouped(plan):
+    """(Their launches compile in ``test_inductor_graph.py``.)"""
+    assert _plan_of(plan, True, None)[1].topk.startswith("grouped")
 
 
 def test_selection_tile_plan_compiles(can_compile):
@@ -136,17 +142,24 @@ def test_selection_tile_plan_compiles(can_compile):
     assert _compile_plan(plan, True, Constraints(block_t=4, sub=8)).topk == "grouped"
 
 
-def _compile_plan(args, route, constraints):
+def _plan_of(args, route, constraints):
     import torch
 
-    from moe_kernels._triton.routing import launch as L
     from moe_kernels._triton.routing import plan as P
 
     T, E, k, start, end, kind, renorm, *sel = args
     dtype = (torch.float32, torch.bfloat16, torch.float16)[kind]
     # words: the scores' rows as 4-byte aligned pairs (contiguous 16-bit scores)
     prob = P.Problem(T, E, k, start, end, dtype, route, renorm and route, True, kind != 0, *sel)
-    plan = P.choose_plan(prob, P.Device(sm_count=132), constraints)  # an H200's SMs
+    return prob, P.choose_plan(prob, P.Device(sm_count=132), constraints)  # an H200's SMs
+
+
+def _compile_plan(args, route, constraints, separate=True):
+    """Compile the plan's launches: A, B, C and D (``separate``), and the cooperative one."""
+    from moe_kernels._triton.routing import launch as L
+
+    kind = args[5]
+    prob, plan = _plan_of(args, route, constraints)
     p = L.launches(prob, plan)
     x_t = "*fp32" if kind == 0 else "*i16"
     ints = dict.fromkeys(["T", "E", "start", "end", "n_programs"], "i32")
@@ -155,6 +168,20 @@ def _compile_plan(args, route, constraints):
     kern_a = L.topk_columns_kernel if plan.placement == "columns" else L.topk_rows_kernel
     if plan.topk.startswith("grouped"):
         kern_a, a_sig = L.topk_grouped_kernel, dict(a_sig, bias_ptr="*fp32", scale="fp32")
+    if separate:
+        _compile_separate(L, plan, p, kern_a, a_sig)
+    if plan.cooperative:  # eager calls launch A and C as one kernel
+        f_sig = dict(a_sig, a_w_ptr=a_sig["scr_w_ptr"], scr_w_ptr="*fp32", inverse_ptr="*i32",
+                     counts_ptr="*i32", expert_ptr="*i32", token_ptr="*i32",
+                     weight_ptr="*fp32", offsets_ptr="*i32", tcpe_ptr="*i32", L="i32",
+                     bar_ptr="*i32")  # fmt: skip
+        f_sig = {name: f_sig[name] for name in L.fused_kernel.arg_names if name in f_sig}
+        consts, _ = L._fused_launch(p)
+        _compile(L.fused_kernel, f_sig, consts, p.a_warps)
+    return plan
+
+
+def _compile_separate(L, plan, p, kern_a, a_sig):
     _compile(kern_a, a_sig, dict(p.a), p.a_warps)
     if p.scan is not None:
         _, consts, warps = p.scan
@@ -171,15 +198,6 @@ def _compile_plan(args, route, constraints):
                    token_ptr="*i32", weight_ptr="*fp32", L="i32", start="i32",
                    n_programs="i32")  # fmt: skip
         _compile(L.expert_runs_kernel, sig, dict(consts), warps)
-    if plan.cooperative:  # eager calls launch A and C as one kernel
-        f_sig = dict(a_sig, a_w_ptr=a_sig["scr_w_ptr"], scr_w_ptr="*fp32", inverse_ptr="*i32",
-                     counts_ptr="*i32", expert_ptr="*i32", token_ptr="*i32",
-                     weight_ptr="*fp32", offsets_ptr="*i32", tcpe_ptr="*i32", L="i32",
-                     bar_ptr="*i32")  # fmt: skip
-        f_sig = {name: f_sig[name] for name in L.fused_kernel.arg_names if name in f_sig}
-        consts, _ = L._fused_launch(p)
-        _compile(L.fused_kernel, f_sig, consts, p.a_warps)
-    return plan
 
 
 @pytest.mark.parametrize("num_tokens", [512, 2048, 16384])

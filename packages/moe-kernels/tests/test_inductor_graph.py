@@ -10,6 +10,13 @@ kernels are traced (not run) for an sm_90 target, and the graph is read right af
 reinplacing and the lowering of the functional launches, where every launch must be a mutation
 node and no ``clone`` / ``copy`` / ``*_scatter`` node may remain. Skipped under the interpreter
 (whose ops stay opaque) and where this torch or Triton lacks the pieces.
+
+The second half runs Inductor to the end (``module_of``): it writes its module, imports it, and
+Triton compiles each kernel's source as Inductor embeds it for sm_90a (a kernel constant that
+the module mangles, like the multi-line PTX string torch 2.11 wrote as an unterminated literal,
+fails there), for every op and every routing plan, with static sizes and with symbolic ints (a
+``top_k`` or an expert range made dynamic, dynamic shapes), where the op must stay opaque rather
+than fail. The run stops at the module's first launch.
 """
 
 from __future__ import annotations
@@ -78,7 +85,8 @@ def graph_of(monkeypatch):
             raise info.value
         return list(seen)
 
-    yield run
+    with torch._inductor.config.patch(fx_graph_cache=False):  # post-grad runs on every compile
+        yield run
     torch._dynamo.reset()
 
 
@@ -172,3 +180,168 @@ def test_symbolic_sizes_keep_the_op_opaque(graph_of, name):
     targets = graph_of(fn, *args, dynamic=True)
     assert any(t.startswith(f"moe_kernels.{name}") for t in targets), targets
     assert not any("triton_kernel_wrapper" in t for t in targets), targets
+
+
+# --------------------------------------------------------------------------------------------
+# Inductor's module, written and imported
+
+
+class _Ran(Exception):
+    """Raised by the first launch of the compiled module: Inductor's own (``CachingAutotuner.run``)
+    or an opaque op's (the stand-in driver asked for a device or stream)."""
+
+    def __init__(self, opaque: bool) -> None:
+        super().__init__("opaque op launched" if opaque else "Inductor launched a kernel")
+        self.opaque = opaque
+
+
+class _Sm90Runtime(_Sm90):
+    def get_current_device(self):
+        raise _Ran(opaque=True)
+
+    def get_current_stream(self, *args):
+        raise _Ran(opaque=True)
+
+
+@pytest.fixture
+def module_of(monkeypatch):
+    """``module_of(fn, *args, dynamic=False)`` -> (kernels Triton compiled for sm_90a from the
+    module's sources, whether the first launch was an opaque op's)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    import moe_kernels._dispatch as dispatch
+    from moe_kernels._triton import grouped_mm
+    from moe_kernels._triton.routing import launch as routing_launch
+    from moe_kernels._triton.routing.plan import Device
+
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+        CachingAutotuner._make_launchers  # noqa: B018 - the seams this fixture uses
+        CachingAutotuner.run  # noqa: B018
+    except (ImportError, AttributeError) as exc:
+        pytest.skip(f"this torch's Inductor lacks the seams used here: {exc}")
+    monkeypatch.setattr(dispatch, "_BACKEND", "triton")
+    monkeypatch.setattr(dispatch, "_traced_kernels", lambda args: True)
+    monkeypatch.setattr(routing_launch, "device_of", lambda index: Device(sm_count=132))
+    monkeypatch.setattr(grouped_mm, "_device_limits", lambda index: (227 * 1024, True))
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90Runtime())
+    compiled: list[str] = []
+    real_compile = triton.compile
+
+    def compile_sm90(src, target=None, options=None):  # noqa: ANN001, ANN202
+        options = {**(options or {}), "debug": False}  # as test_compile_sm90 compiles them
+        kernel = real_compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        compiled.append(getattr(src.fn, "__name__", str(src.fn)))
+        return kernel
+
+    def launch(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        raise _Ran(opaque=False)
+
+    monkeypatch.setattr(triton, "compile", compile_sm90)
+    monkeypatch.setattr(CachingAutotuner, "_make_launchers", lambda self: None)  # no driver
+    monkeypatch.setattr(CachingAutotuner, "run", launch)
+
+    def run(fn, *args, dynamic=False, compiled_fn=None):
+        compiled.clear()
+        if compiled_fn is None:
+            torch._dynamo.reset()
+            compiled_fn = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+        with pytest.raises(Exception) as info:  # noqa: PT011 - _Ran, maybe wrapped by torch
+            compiled_fn(*args)
+        ran = next((e for e in _chain(info.value) if isinstance(e, _Ran)), None)
+        if ran is None:
+            raise info.value
+        return list(compiled), ran.opaque
+
+    # no worker (the patches reach none), no FX graph cache (a cached module skips code generation)
+    with torch._inductor.config.patch(compile_threads=1, fx_graph_cache=False):
+        yield run
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_inductor_module_imports_and_compiles(module_of, name):
+    """Every op's launches, as Inductor writes them, compile for sm_90a and run from its module."""
+    fn, args = _cases()[name]
+    kernels, opaque = module_of(fn, *args)
+    assert kernels and not opaque, (kernels, opaque)
+
+
+def _routing_call(plan, route):
+    """(fn, scores) of one routing plan of ``test_compile_sm90``, on uninitialised scores."""
+    T, E, k, start, end, kind, renorm, *sel = plan
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[kind]
+    scores = torch.empty(T, E, dtype=dtype)
+    if not route:
+        return (lambda s: mk_().index_shuffling(s, start, end, None, k)), scores
+    opts = {}
+    if sel:
+        bias, n_groups, topk_groups, scaled = sel
+        opts = dict(n_groups=n_groups, topk_groups=topk_groups, scale=2.5 if scaled else 1.0,
+                    bias=torch.zeros(E) if bias else None)  # fmt: skip
+    return (lambda s: mk_().route(s, k, expert_index_start=start, expert_index_end=end,
+                                  renormalize=renorm, **opts)), scores  # fmt: skip
+
+
+def mk_():
+    import moe_kernels
+
+    return moe_kernels
+
+
+def _routing_plans():
+    from test_compile_sm90 import PLANS, SELECTION_PLANS
+
+    return [(p, False) for p in PLANS] + [(p, True) for p in PLANS + SELECTION_PLANS]
+
+
+@pytest.mark.parametrize(("plan", "route"), _routing_plans(), ids=str)
+def test_every_routing_plan_runs_from_inductors_module(module_of, plan, route):
+    fn, scores = _routing_call(plan, route)
+    kernels, opaque = module_of(fn, scores)
+    assert not opaque and "place_kernel" in kernels, kernels
+    assert any(k.startswith("topk_") for k in kernels), kernels
+
+
+@pytest.mark.parametrize("name", ["route", "index_shuffling", "dispatch", "combine"])
+def test_dynamic_shapes_keep_the_op_opaque_in_the_module(module_of, name):
+    fn, args = _cases()[name]
+    kernels, opaque = module_of(fn, *args, dynamic=True)
+    assert opaque and not kernels, kernels
+
+
+def test_symbolic_routing_ints_keep_the_op_opaque(module_of):
+    """One compiled function called with several top_k, expert ranges and valid counts (as
+    FBGEMM's tests call index_shuffling): never an error. Ints dynamo makes symbolic (here all
+    of them, the scores static) reach the op, which stays opaque; the direct op call skips the
+    argument checks, whose isinstance tests would specialise them."""
+    ops = torch.ops.moe_kernels
+    scores = torch.empty(64, 128, dtype=torch.bfloat16)
+    torch._dynamo.mark_static(scores)
+    torch._dynamo.reset()
+    fns = {
+        "index_shuffling": lambda s, k, a, b, c: ops.index_shuffling(s, a, b, c, k),
+        "route": lambda s, k, a, b, c: ops.route(s, k, c, a, b, False, None, 1, 1, 1.0),
+    }
+    for name, fn in fns.items():
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+        for k, start, end, vtc in ((1, 0, 128, None), (2, 32, 64, torch.tensor([7])),
+                                   (8, 0, 16, torch.tensor([64], dtype=torch.int64))):  # fmt: skip
+            kernels, opaque = module_of(None, scores, k, start, end, vtc, compiled_fn=compiled)
+            assert opaque and not kernels, (name, k, start, end, kernels)
+
+
+def test_recompiles_with_new_top_k_and_ranges_run(module_of):
+    """The public functions called with several top_k and expert ranges by one compiled
+    function: every recompile's module runs (launched by Inductor or opaque), none fails."""
+    import moe_kernels as mk
+
+    scores = torch.empty(1, 128, dtype=torch.bfloat16)  # FBGEMM's num_tokens=1 calls
+    compiled = torch.compile(
+        lambda s, k, a, b: mk.index_shuffling(s, a, b, None, k), fullgraph=True
+    )
+    torch._dynamo.reset()
+    for k, start, end in ((1, 0, 128), (2, 0, 128), (4, 16, 80), (8, 0, 64)):
+        module_of(None, scores, k, start, end, compiled_fn=compiled)

@@ -83,12 +83,22 @@ def _traced_kernels(args: Sequence[object]) -> bool:
     return first is not None and first.device.type == "cuda"
 
 
+_SYMBOLS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def _symbolic(args: Sequence[object]) -> bool:
-    """Whether a tensor argument has a symbolic size or stride (a SymInt, under dynamic shapes)."""
-    return any(
-        isinstance(a, torch.Tensor) and not all(isinstance(s, int) for s in (*a.shape, *a.stride()))
-        for a in args
-    )
+    """Whether an argument is symbolic under dynamic shapes: a tensor with a symbolic size or
+    stride, or a symbolic int, float or bool (alone or in a list), such as a ``top_k`` that
+    dynamo made dynamic after a recompile."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not all(isinstance(s, int) for s in (*a.shape, *a.stride())):
+                return True
+        elif isinstance(a, _SYMBOLS) or (
+            isinstance(a, (list, tuple)) and any(isinstance(v, _SYMBOLS) for v in a)
+        ):
+            return True
+    return False
 
 
 def _decompose(impl: Callable) -> Callable:
@@ -96,8 +106,9 @@ def _decompose(impl: Callable) -> Callable:
     ``wrap_triton`` nodes Inductor lowers) where ``_traced_kernels``, else keep the op opaque.
     Tensor subclasses other than fake and functional ones, symbolic sizes (``dynamic=True``, or
     the automatic dynamic shapes of a recompile: the launchers choose plans and grids from
-    concrete sizes) and ``torch.export`` (which keeps custom ops whole, as it does for triton
-    ops) keep it too."""
+    concrete sizes), symbolic ints (a ``top_k`` or an expert range made dynamic: plans are
+    cached by their values) and ``torch.export`` (which keeps custom ops whole, as it does for
+    triton ops) keep it too."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 

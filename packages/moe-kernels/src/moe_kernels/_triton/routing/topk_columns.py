@@ -39,7 +39,9 @@ def _warp_transpose_ptx() -> str:
                 "selp.b32 s, s1, s2, p;",
                 f"lop3.b32 ${w}, ${w}, s, m, 0xE4;",
             ]  # lop3 0xE4: m ? word : s, bit by bit
-    return "\n".join([*lines, "}"])
+    # One line: Inductor embeds this constant in the source it writes for a compiled call, and
+    # torch 2.11 writes a newline in it as a raw one (an unterminated string literal there).
+    return " ".join([*lines, "}"])
 
 
 _WARP_TRANSPOSE: tl.constexpr = tl.constexpr(_warp_transpose_ptx())
