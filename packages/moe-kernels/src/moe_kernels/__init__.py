@@ -9,6 +9,7 @@ syncs, deterministic.
 __version__ = "0.1.0"
 
 from moe_kernels.activation import expert_activation
+from moe_kernels.gather_quant import gather_scale_quant_dense_tokens
 from moe_kernels.grouped_mm import gather_grouped_mm, grouped_weight_grad
 from moe_kernels.mxfp8 import (
     compute_per_group_blocked_scale_offsets,
@@ -23,6 +24,7 @@ from moe_kernels.mxfp8 import (
 from moe_kernels.rope import qk_norm_rope
 from moe_kernels.router import router_scores
 from moe_kernels.routing import RoutingPlan, ShuffledIndices, index_shuffling, route
+from moe_kernels.swiglu import Fp8Rows, silu_mul, silu_mul_quant
 from moe_kernels.tokens import (
     combine,
     dispatch,
@@ -31,6 +33,7 @@ from moe_kernels.tokens import (
 )
 
 __all__ = [
+    "Fp8Rows",
     "RoutingPlan",
     "ShuffledIndices",
     "combine",
@@ -40,6 +43,7 @@ __all__ = [
     "from_mxfp8",
     "gather_grouped_mm",
     "gather_scale_dense_tokens",
+    "gather_scale_quant_dense_tokens",
     "grouped_weight_grad",
     "index_shuffling",
     "mxfp8_grouped_mm",
@@ -47,6 +51,8 @@ __all__ = [
     "route",
     "router_scores",
     "scatter_add_dense_tokens",
+    "silu_mul",
+    "silu_mul_quant",
     "to_blocked",
     "to_blocked_per_group_2d",
     "to_blocked_per_group_3d",

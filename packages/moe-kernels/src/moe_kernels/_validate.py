@@ -71,3 +71,32 @@ def int_arg(name: str, value: object, lo: int, hi: int | None = None) -> int:
         rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise ValueError(f"{name} must be in {rng}, got {value}")
     return value
+
+
+def float_2d(name: str, t: object) -> torch.Tensor:
+    """A 2-D float32/bf16/fp16 tensor."""
+    t = tensor(name, t)
+    dtype(name, t, FLOAT_DTYPES)
+    rank(name, t, 2)
+    return t
+
+
+def index_1d(name: str, t: object, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
+    """A 1-D int32/int64 tensor on ``ref``'s device."""
+    t = tensor(name, t)
+    dtype(name, t, INDEX_DTYPES)
+    rank(name, t, 1)
+    same_device(ref_name, ref, **{name: t})
+    return t
+
+
+def scale_ub(ub: object, ref_name: str, ref: torch.Tensor) -> None:
+    """An optional one-element float32 tensor on ``ref``'s device (read on the device)."""
+    if ub is None:
+        return
+    tensor("scale_ub", ub)
+    if ub.dtype != torch.float32:
+        raise TypeError(f"scale_ub must be a float32 tensor, got {ub.dtype}")
+    if ub.numel() != 1:
+        raise ValueError(f"scale_ub must hold exactly one element, got shape {tuple(ub.shape)}")
+    same_device(ref_name, ref, scale_ub=ub)

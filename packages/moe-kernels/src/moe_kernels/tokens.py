@@ -29,21 +29,6 @@ def _triton():
     return triton_kernels("tokens")  # imported on first use: triton only when a kernel runs
 
 
-def _index_1d(name: str, t: object, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
-    t = V.tensor(name, t)
-    V.dtype(name, t, V.INDEX_DTYPES)
-    V.rank(name, t, 1)
-    V.same_device(ref_name, ref, **{name: t})
-    return t
-
-
-def _float_2d(name: str, t: object) -> torch.Tensor:
-    t = V.tensor(name, t)
-    V.dtype(name, t, V.FLOAT_DTYPES)
-    V.rank(name, t, 2)
-    return t
-
-
 # --------------------------------------------------------------------------------------------
 # gather_scale_dense_tokens
 
@@ -126,10 +111,10 @@ def gather_scale_dense_tokens(
     Differentiable in x and scores (deterministic: the per-token sums run in ascending i through
     the scatter below, in fp32).
     """
-    x = _float_2d("x", x)
-    token_indices = _index_1d("token_indices", token_indices, "x", x)
-    expert_indices = _index_1d("expert_indices", expert_indices, "x", x)
-    scores = _float_2d("scores", scores)
+    x = V.float_2d("x", x)
+    token_indices = V.index_1d("token_indices", token_indices, "x", x)
+    expert_indices = V.index_1d("expert_indices", expert_indices, "x", x)
+    scores = V.float_2d("scores", scores)
     V.same_device("x", x, scores=scores)
     V.dim_size("scores", scores, 0, x.shape[0], "T, the rows of x")
     V.dim_size("expert_indices", expert_indices, 0, token_indices.shape[0], "len(token_indices)")
@@ -236,7 +221,7 @@ def scatter_add_dense_tokens(
     in_tokens = V.tensor("in_tokens", in_tokens)
     V.dtype("in_tokens", in_tokens, V.INDEX_DTYPES if int_add else V.FLOAT_DTYPES)
     V.rank("in_tokens", in_tokens, 2)
-    token_indices = _index_1d("token_indices", token_indices, "out_tokens", out_tokens)
+    token_indices = V.index_1d("token_indices", token_indices, "out_tokens", out_tokens)
     V.same_device("out_tokens", out_tokens, in_tokens=in_tokens)
     V.dim_size("in_tokens", in_tokens, 1, out_tokens.shape[1], "D of out_tokens")
     V.dim_size("in_tokens", in_tokens, 0, token_indices.shape[0], "len(token_indices)")
@@ -386,7 +371,7 @@ _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 def _check_plan(plan: object, ref_name: str, ref: torch.Tensor) -> RoutingPlan:
     if not isinstance(plan, RoutingPlan):
         raise TypeError(f"plan must be a RoutingPlan, got {type(plan).__name__}")
-    tok = _index_1d("plan.token_indices", plan.token_indices, ref_name, ref)
+    tok = V.index_1d("plan.token_indices", plan.token_indices, ref_name, ref)
     V.tensor("plan.weights", plan.weights)
     V.dtype("plan.weights", plan.weights, V.FLOAT_DTYPES)
     V.rank("plan.weights", plan.weights, 1)
@@ -407,7 +392,7 @@ def dispatch(x: torch.Tensor, plan: RoutingPlan, *, scale: bool = False) -> torc
     tail rows (token index -1) are zero. Differentiable in x (and in ``plan.weights`` when
     ``scale``): the backward is an unweighted (weighted) ``combine``.
     """
-    x = _float_2d("x", x)
+    x = V.float_2d("x", x)
     plan = _check_plan(plan, "x", x)
     V.dim_size("x", x, 0, plan.inverse.shape[0], "T, the rows of plan.inverse")
     if not isinstance(scale, bool):
@@ -432,7 +417,7 @@ def combine(
     Differentiable in y and ``plan.weights`` (backward: a scaled ``dispatch`` and one dot per
     row).
     """
-    y = _float_2d("y", y)
+    y = V.float_2d("y", y)
     plan = _check_plan(plan, "y", y)
     V.dim_size("y", y, 0, plan.token_indices.shape[0], "T*top_k, the length of the plan")
     if not isinstance(weighted, bool):
