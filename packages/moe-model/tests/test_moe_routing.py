@@ -165,8 +165,7 @@ def _random_scores(gen: torch.Generator, n: int, e: int) -> torch.Tensor:
 @pytest.mark.parametrize("n_groups, per_group", [(1, 8), (2, 4), (4, 2), (8, 1), (4, 3)])
 def test_torch_routing_bitwise_equals_moe_kernels_reference(n_groups, per_group):
     from moe_kernels import route
-    from moe_kernels._reference.routing import choice_weights
-    from moe_kernels._reference.routing import topk_choices as ref_choices
+    from moe_kernels import topk_choices as kernels_choices
 
     gen = torch.Generator().manual_seed(n_groups * 10 + per_group)
     e = n_groups * per_group
@@ -178,9 +177,8 @@ def test_torch_routing_bitwise_equals_moe_kernels_reference(n_groups, per_group)
         renorm, scale = bool(trial % 2), (1.0, 2.5, -0.5)[trial % 3]
         opts = dict(bias=bias, n_groups=n_groups, topk_groups=tg, scale=scale)
         w, ch = topk_choices(s, k, renorm, **opts)
-        ref_ch = ref_choices(s, k, bias, n_groups, tg)
+        ref_w, ref_ch = kernels_choices(s, k, **opts, renormalize=renorm)
         assert torch.equal(ch, ref_ch), trial
-        ref_w = choice_weights(s, ref_ch, renorm, scale)
         assert torch.equal(w.nan_to_num(7.0), ref_w.nan_to_num(7.0)), trial
         mine = torch_plan(w, ch, e)
         plan = route(s, k, **opts, renormalize=renorm)

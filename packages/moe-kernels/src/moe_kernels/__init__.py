@@ -24,6 +24,7 @@ from moe_kernels.mxfp8 import (
 from moe_kernels.rope import qk_norm_rope
 from moe_kernels.router import router_scores
 from moe_kernels.routing import RoutingPlan, ShuffledIndices, index_shuffling, route
+from moe_kernels.selection import TopkChoices, topk_choices
 from moe_kernels.swiglu import Fp8Rows, silu_mul, silu_mul_quant
 from moe_kernels.tokens import (
     combine,
@@ -36,6 +37,7 @@ __all__ = [
     "Fp8Rows",
     "RoutingPlan",
     "ShuffledIndices",
+    "TopkChoices",
     "combine",
     "compute_per_group_blocked_scale_offsets",
     "dispatch",
@@ -58,4 +60,5 @@ __all__ = [
     "to_blocked_per_group_3d",
     "to_mxfp8",
     "to_mxfp8_dim1",
+    "topk_choices",
 ]

@@ -19,8 +19,9 @@ import torch
 
 from . import _validate as V
 from ._dispatch import eager_direct, plain_eager, register_op, triton_kernels, use_triton
-from ._reference.routing import index_shuffling_reference, route_reference, topk_choices
+from ._reference.routing import index_shuffling_reference, route_reference
 from ._routing_outputs import RoutingPlan, Selection, ShuffledIndices
+from .selection import topk_choices
 
 __all__ = ["RoutingPlan", "ShuffledIndices", "index_shuffling", "route"]
 
@@ -308,7 +309,9 @@ def _route_backward(ctx, *grads):
     e_TK = torch.where(ok_TK, expert_indices.long()[safe_TK] + ctx.start, spare_TK)
     if ctx.renormalize:
         if ctx.start != 0 or ctx.end != E:  # unrouted choices count in the sum: recompute them
-            e_TK = topk_choices(scores, k, bias, ctx.n_groups, ctx.topk_groups)
+            e_TK = topk_choices(
+                scores, k, bias=bias, n_groups=ctx.n_groups, topk_groups=ctx.topk_groups
+            ).experts
         s_TK = scores.float().gather(1, e_TK.clamp(max=E - 1))
         sum_T = s_TK[:, 0]
         for j in range(1, k):  # the forward's sequential order

@@ -9,74 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._routing_outputs import RoutingPlan, ShuffledIndices
-
-
-def _rank_values(x_TE: torch.Tensor) -> torch.Tensor:
-    """fp32 values in the kernels' order: NaN as -inf, -0.0 as +0.0."""
-    x_TE = torch.where(torch.isnan(x_TE), float("-inf"), x_TE)
-    return torch.where(x_TE == 0, 0.0, x_TE)
-
-
-def _descending(rank_TE: torch.Tensor) -> torch.Tensor:
-    """Column order by descending value, ties to the lower column (a stable sort)."""
-    return torch.sort(rank_TE, dim=1, descending=True, stable=True).indices
-
-
-def allowed_groups(rank_TE: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
-    """(T, n_groups) bool: each token's ``topk_groups`` best groups of E // n_groups contiguous
-    experts. A group's score is the fp32 sum of its two largest selection values (its one value
-    for one-expert groups; NaN sums rank as -inf); ties go to the lower group."""
-    T, E = rank_TE.shape
-    per_group = E // n_groups
-    top_TG2 = rank_TE.view(T, n_groups, per_group).topk(min(2, per_group), dim=2).values
-    score_TG = top_TG2[..., 0] + top_TG2[..., 1] if per_group > 1 else top_TG2[..., 0]
-    best_TG = _descending(_rank_values(score_TG))[:, :topk_groups]
-    return torch.zeros(T, n_groups, dtype=torch.bool, device=rank_TE.device).scatter(
-        1, best_TG, True
-    )
-
-
-def topk_choices(
-    scores_TE: torch.Tensor,
-    top_k: int,
-    bias_E: torch.Tensor | None = None,
-    n_groups: int = 1,
-    topk_groups: int | None = None,
-) -> torch.Tensor:
-    """(T, top_k) int64: each token's experts by descending selection score, the kernels' rule.
-
-    The selection score is ``scores + bias`` in fp32 (``scores`` without a bias); NaN counts as
-    -inf, -0.0 equals +0.0, ties go to the lower expert. With ``n_groups > 1`` a token chooses
-    only among the experts of its ``topk_groups`` best groups (``allowed_groups``), every one of
-    which ranks above every expert outside them."""
-    x_TE = scores_TE.float()
-    if bias_E is not None:
-        x_TE = x_TE + bias_E.float()
-    rank_TE = _rank_values(x_TE)
-    order_TE = _descending(rank_TE)
-    if n_groups > 1 and (topk_groups or n_groups) < n_groups:
-        allowed_TG = allowed_groups(rank_TE, n_groups, topk_groups)
-        allowed_TE = allowed_TG.repeat_interleave(rank_TE.shape[1] // n_groups, dim=1)
-        # then by group admission (stable): allowed experts first, each part in value order
-        first_TE = _descending(allowed_TE.gather(1, order_TE).to(torch.int8))
-        order_TE = order_TE.gather(1, first_TE)
-    return order_TE[:, :top_k]
-
-
-def choice_weights(
-    scores_TE: torch.Tensor, choice_TK: torch.Tensor, renormalize: bool, scale: float
-) -> torch.Tensor:
-    """(T, k) fp32 weights of the choices: the unbiased scores (NaN and -0.0 kept), divided by
-    their sum (added in choice order) when ``renormalize``, then multiplied by ``scale``."""
-    w_TK = scores_TE.float().gather(1, choice_TK)
-    if renormalize:
-        s_T = w_TK[:, 0]
-        for j in range(1, choice_TK.shape[1]):  # sequential sum: the kernels add in this order
-            s_T = s_T + w_TK[:, j]
-        w_TK = w_TK / s_T[:, None]
-    if scale != 1.0:
-        w_TK = w_TK * scale
-    return w_TK
+from ..selection import topk_choices
 
 
 def route_reference(
@@ -94,7 +27,7 @@ def route_reference(
     """The routing plan: ``RoutingPlan`` with L = end - start local experts and P = T * top_k
     pairs.
 
-    Top-k per token by selection score (``topk_choices``), weights by ``choice_weights``; rows
+    Top-k per token and their weights by ``moe_kernels.selection.topk_choices``; rows
     at or past ``valid_token_count`` (clamped to [0, T]) and experts outside [start, end) are
     not routed. Routed pairs are sorted by (expert, token).
     """
@@ -112,8 +45,15 @@ def route_reference(
             torch.empty(0, dtype=torch.float32, device=dev),
             torch.empty(0, top_k, dtype=i32, device=dev),
         )
-    choice_TK = topk_choices(scores_TE, top_k, bias_E, n_groups, topk_groups)
-    w_TK = choice_weights(scores_TE, choice_TK, renormalize, scale)
+    w_TK, choice_TK = topk_choices(
+        scores_TE,
+        top_k,
+        bias=bias_E,
+        n_groups=n_groups,
+        topk_groups=topk_groups,
+        scale=scale,
+        renormalize=renormalize,
+    )
 
     t_T = torch.arange(T, device=dev)
     if valid_token_count is None:
