@@ -119,7 +119,36 @@ def _cases():
         mk.scatter_add_dense_tokens(out, y, tok)
         return out
 
+    def padded_scatter(src, counts, tok, out):
+        mk.scatter_add_padded_tokens(src, counts, tok, out)
+        return out
+
+    ep, per_rank = 4, T * K // 4
+    counts_EP = torch.full((ep, E // ep), per_rank // (E // ep), dtype=torch.int32)
     return {
+        "silu_mul": (lambda a, b: mk.silu_mul(a, b), (x[:, : D // 2], x[:, D // 2 :])),
+        "silu_mul_quant": (
+            lambda a, b, u: mk.silu_mul_quant(a, b, u),
+            (x[:, : D // 2], x[:, D // 2 :], torch.tensor([1200.0])),
+        ),
+        "gather_scale_quant_dense_tokens": (
+            lambda a, t, e, s: mk.gather_scale_quant_dense_tokens(a, t, e, s),
+            (x, plan.token_indices, plan.expert_indices, scores),
+        ),
+        "combine_shuffling": (lambda a, c: mk.combine_shuffling(a, c), (ys, counts_EP)),
+        "split_shuffling": (
+            lambda a, c: mk.split_shuffling(a, c, 1, 3, is_padded=True),
+            (ys, counts_EP),
+        ),
+        "scatter_add_padded_tokens": (
+            padded_scatter,
+            (
+                ys.view(ep, T * K // ep, D)[:, : T * K // ep],
+                torch.full((E,), 2, dtype=torch.int32),
+                plan.token_indices[: T * K // ep],
+                torch.zeros(T * K // ep, D).bfloat16(),
+            ),
+        ),  # fmt: skip
         "router_scores": (lambda a, w: mk.router_scores(a, w), (x, torch.randn(E, D))),
         "route": (lambda s: mk.route(s, K, renormalize=True), (scores,)),
         "route_many_tokens": (lambda s: mk.route(s, 2), (torch.randn(50000, E).softmax(-1),)),

@@ -21,10 +21,12 @@ from moe_kernels.mxfp8 import (
     to_mxfp8,
     to_mxfp8_dim1,
 )
+from moe_kernels.padded_tokens import scatter_add_padded_tokens
 from moe_kernels.rope import qk_norm_rope
 from moe_kernels.router import router_scores
 from moe_kernels.routing import RoutingPlan, ShuffledIndices, index_shuffling, route
 from moe_kernels.selection import TopkChoices, topk_choices
+from moe_kernels.shuffling import CombinedTokens, combine_shuffling, split_shuffling
 from moe_kernels.swiglu import Fp8Rows, silu_mul, silu_mul_quant
 from moe_kernels.tokens import (
     combine,
@@ -34,11 +36,13 @@ from moe_kernels.tokens import (
 )
 
 __all__ = [
+    "CombinedTokens",
     "Fp8Rows",
     "RoutingPlan",
     "ShuffledIndices",
     "TopkChoices",
     "combine",
+    "combine_shuffling",
     "compute_per_group_blocked_scale_offsets",
     "dispatch",
     "expert_activation",
@@ -53,8 +57,10 @@ __all__ = [
     "route",
     "router_scores",
     "scatter_add_dense_tokens",
+    "scatter_add_padded_tokens",
     "silu_mul",
     "silu_mul_quant",
+    "split_shuffling",
     "to_blocked",
     "to_blocked_per_group_2d",
     "to_blocked_per_group_3d",
