@@ -8,11 +8,11 @@ DRY=1 python3 benchmarks/gpu/layer_breakdown.py          # CPU smoke run, tiny s
 
 Router variants: ``torch`` (the router's torch formula, ``softmax(F.linear(x.float(), w))``),
 ``router_scores`` (moe-kernels' fused kernel, launcher default) and the kernel launcher with each
-``RouterConfig`` in ``configs()`` (its ``config`` argument). The layer body is the impl's forward
-(``moe_model.moe._IMPLS[impl]``) given the variant's scores as its ``scores_TE`` argument: no
-method or module global is replaced. Each variant is checked: its output against the ``torch``
-variant's (max |diff|, and how many tokens route differently), and a second call bitwise equal to
-the first.
+``RouterConfig`` in ``configs()`` (its ``config`` argument). The layer body is the impl's three
+steps (``moe_model.IMPLS[impl]``: route, experts, combine, the layer's local exchange between
+them) on the variant's scores: no method or module global is replaced. Each variant is checked:
+its output against the ``torch`` variant's (max |diff|, and how many tokens route differently),
+and a second call bitwise equal to the first.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import os
 import torch
 from common import graph_us, torch_router_scores
 
-from moe_model import MoELayer
-from moe_model.moe import _IMPLS
+from moe_model import IMPLS, MoELayer
+from moe_model.moe import LOCAL_EXCHANGE
 
 DRY = os.environ.get("DRY", "0") == "1"
 DEV = torch.device("cpu" if DRY else "cuda")
@@ -74,7 +74,16 @@ def main() -> None:
     x = torch.randn(T, D, device=DEV).bfloat16()
     print(f"torch {torch.__version__}, layer T={T} D={D} E={E} k={K} H={H} bf16, impl {IMPL}")
     with torch.no_grad():
-        forward = _IMPLS[layer.impl]  # (layer, x_TD, scores_TE) -> y_TD: the layer's body
+        impl = IMPLS[layer.impl]
+
+        def forward(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+            """MoELayer.run's steps (no shared experts here) on the given scores."""
+            plan = impl.route(scores_TE, layer.top_k, layer.route_options())
+            rows_TD = x_TD.to(impl.rows_dtype(x_TD.dtype, layer.in_proj.dtype))
+            sent = LOCAL_EXCHANGE.to_experts(rows_TD, plan, False)
+            ys = impl.experts(sent.rows, layer.in_proj, layer.out_proj, layer.gated, False)
+            return impl.combine(*LOCAL_EXCHANGE.from_experts(ys, sent, False), x_TD)
+
         variants = router_variants(layer)
         ref_choice = variants["torch"](x).topk(K, dim=-1).indices.sort(dim=-1).values
         y_ref = None

@@ -91,10 +91,9 @@ def moe_layer(T: int = 2048, impls=("torch", "triton_bf16", "triton_fp32", "mxfp
         t_base = us(lambda: layer(x))
         rows.append(("baseline", "eager", t_base, 0.0, "-", "-", "host syncs"))
         # The two grouped GEMMs alone, on the same routed rows (torch routing).
-        from moe_model._routing_torch import topk_choices, torch_plan
+        from moe_model import IMPLS
 
-        w_Tk, e_Tk = topk_choices(layer.scores(x), TOP_K, False)
-        plan = torch_plan(w_Tk, e_Tk, N_EXP)
+        plan = IMPLS["torch"].route(layer.scores(x), TOP_K, layer.route_options())
         xs = x[plan.token_indices]
         ends = plan.offsets[1:].clone()
         w1, w2 = layer.in_proj.mT, layer.out_proj.mT

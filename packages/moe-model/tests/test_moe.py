@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_model import MOE_IMPLS, MoELayer
-from moe_model._routing_torch import topk_choices, torch_plan
-from moe_model.moe import _fbgemm_available
+from moe_kernels import topk_choices
+from moe_model import IMPLS, MOE_IMPLS, MoELayer
+from moe_model.expert_ops import torch_plan
 
 D, E, K, H, T = 64, 8, 3, 32, 40
 
@@ -80,7 +80,7 @@ SYNC_FREE = ["torch", "triton_bf16", "triton_fp32"]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kw", VARIANTS, ids=str)
 def test_impl_matches_baseline(impl, dtype, kw):
-    if impl == "fbgemm" and not _fbgemm_available():
+    if impl == "fbgemm" and not IMPLS["fbgemm"].available:
         pytest.skip("unavailable: fbgemm_gpu not installed")
     layer = make_layer(dtype=dtype, **kw)
     x = torch.randn(T, D).to(dtype)
@@ -171,7 +171,7 @@ def test_torch_plan_matches_moe_kernels_route():
     scores[5] = scores[6]  # duplicate rows, and a tie inside a row
     scores[7, 2] = scores[7, 3]
     for renorm in (False, True):
-        w, e = topk_choices(scores, K, renorm)
+        w, e = topk_choices(scores, K, renormalize=renorm)
         mine = torch_plan(w, e, E)
         ref = route(scores, K, renormalize=renorm)
         assert torch.equal(mine.offsets, ref.offsets)
@@ -260,7 +260,7 @@ def test_bad_layer_input(call, exc, match):
         call()
 
 
-@pytest.mark.skipif(_fbgemm_available(), reason="fbgemm_gpu is installed")
+@pytest.mark.skipif(IMPLS["fbgemm"].available, reason="fbgemm_gpu is installed")
 def test_fbgemm_unavailable_error():
     with pytest.raises(RuntimeError, match="unavailable: fbgemm_gpu not installed"):
         MoELayer(D, E, K, H, impl="fbgemm")
@@ -293,13 +293,13 @@ def _cpu_grouped_mm_works() -> bool:
 def test_grouped_mm_path_compiles(impl, monkeypatch):
     """The CUDA path (torch._grouped_mm on plan.offsets[1:]) forced on CPU: eager equals the
     static-loop fallback, and it traces with fullgraph=True (as it must on the GPU)."""
-    from moe_model import moe
+    from moe_model import expert_ops
 
     torch._dynamo.reset()
     layer = make_layer(impl=impl, dtype=torch.bfloat16)
     x = torch.randn(T, D).to(torch.bfloat16)
     y_loop = layer(x)
-    monkeypatch.setattr(moe, "_grouped_mm_supported", lambda a, b: True)
+    monkeypatch.setattr(expert_ops, "grouped_mm_supported", lambda a, b: True)
     y_gmm = layer(x)
     torch.testing.assert_close(y_gmm, y_loop, atol=1e-2, rtol=8e-3)
     with torch.no_grad():

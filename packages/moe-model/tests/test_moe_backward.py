@@ -89,3 +89,21 @@ def test_fbgemm_refuses_autograd():
     layer._impl = "fbgemm"  # the check runs before fbgemm_gpu is imported
     with pytest.raises(ValueError, match="inference-only"):
         layer(torch.randn(4, 64))
+
+
+@pytest.mark.parametrize("impl", ["torch", "baseline"])
+def test_gradients_repeatable_at_width(impl):
+    """64 tokens x 8 choices x d_model 512: torch's own CPU backward of ``x[rows]`` (the gather of
+    the expert-sorted rows) adds this many elements with atomics on two threads, a different
+    x gradient run after run; the layer's gather sums each token's rows by one reduction."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        layer = MoELayer(512, 8, 8, 16, impl=impl)
+        x = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
+        first = _grads(layer, x)
+        for _ in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(first, _grads(layer, x), strict=True))
+    finally:
+        torch.set_num_threads(threads)

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_model import MOE_PRESETS, MoELayer
-from moe_model import moe as moe_module
-from moe_model._routing_torch import topk_choices, torch_plan
+from moe_kernels import topk_choices
+from moe_model import IMPLS, MOE_PRESETS, MoELayer
+from moe_model.expert_ops import torch_plan
 
 D, E, K, H, T = 64, 8, 3, 32, 24
 GROUPS, TOPK_GROUPS, SCALE = 4, 2, 2.5  # 4 groups of 2 experts; each token sees 2 groups
@@ -101,9 +101,9 @@ def test_baseline_matches_naive_oracle(gated):
     x = inputs()
     # the options matter here: the bias and the groups change choices of this input
     s = layer.scores(x)
-    plain = topk_choices(s, K, False)[1]
-    assert not torch.equal(plain, topk_choices(s, K, False, bias=layer.expert_bias)[1])
-    unbiased = topk_choices(s, K, False, n_groups=GROUPS, topk_groups=TOPK_GROUPS)[1]
+    plain = topk_choices(s, K)[1]
+    assert not torch.equal(plain, topk_choices(s, K, bias=layer.expert_bias)[1])
+    unbiased = topk_choices(s, K, n_groups=GROUPS, topk_groups=TOPK_GROUPS)[1]
     assert not torch.equal(plain, unbiased)
     torch.testing.assert_close(layer(x).double(), naive_oracle(layer, x), atol=1e-5, rtol=1e-5)
 
@@ -165,7 +165,6 @@ def _random_scores(gen: torch.Generator, n: int, e: int) -> torch.Tensor:
 @pytest.mark.parametrize("n_groups, per_group", [(1, 8), (2, 4), (4, 2), (8, 1), (4, 3)])
 def test_torch_routing_bitwise_equals_moe_kernels_reference(n_groups, per_group):
     from moe_kernels import route
-    from moe_kernels import topk_choices as kernels_choices
 
     gen = torch.Generator().manual_seed(n_groups * 10 + per_group)
     e = n_groups * per_group
@@ -176,12 +175,13 @@ def test_torch_routing_bitwise_equals_moe_kernels_reference(n_groups, per_group)
         k = 1 + trial % (tg * per_group)
         renorm, scale = bool(trial % 2), (1.0, 2.5, -0.5)[trial % 3]
         opts = dict(bias=bias, n_groups=n_groups, topk_groups=tg, scale=scale)
-        w, ch = topk_choices(s, k, renorm, **opts)
-        ref_w, ref_ch = kernels_choices(s, k, **opts, renormalize=renorm)
+        w, ch = topk_choices(s, k, renormalize=renorm, **opts)
+        plan = route(s, k, **opts, renormalize=renorm)  # its choices, through its sorted plan
+        ref_ch = plan.expert_indices[plan.inverse.long()].long()
         assert torch.equal(ch, ref_ch), trial
+        ref_w = plan.weights[plan.inverse.long()]
         assert torch.equal(w.nan_to_num(7.0), ref_w.nan_to_num(7.0)), trial
         mine = torch_plan(w, ch, e)
-        plan = route(s, k, **opts, renormalize=renorm)
         assert torch.equal(mine.offsets, plan.offsets)
         assert torch.equal(mine.expert_indices.int(), plan.expert_indices)
         assert torch.equal(mine.token_indices.int(), plan.token_indices)
@@ -344,7 +344,7 @@ def test_bad_bias_updates_and_fbgemm_options(monkeypatch):
     )
     with torch.no_grad(), pytest.raises(ValueError, match=msg):
         layer(inputs())
-    monkeypatch.setattr(moe_module, "_fbgemm_available", lambda: True)
+    monkeypatch.setattr(type(IMPLS["fbgemm"]), "available", True)
     with pytest.raises(ValueError, match="cannot route with renormalize=True"):
         _layer(impl="torch", renormalize=True).impl = "fbgemm"
     _layer(impl="torch", n_shared_experts=1, aux_loss_coef=0.1).impl = "fbgemm"  # it can do these

@@ -11,9 +11,9 @@ sorts its (token, expert) pairs by expert, so the pairs bound for rank d are one
   pairs are packed in a (W, L, C) slot grid by (expert, token) order and the ones past C
   dropped; fixed split sizes, so no host sync and the forward can be captured in a CUDA graph.
 
-Every row move is a ``moe_kernels.dispatch`` (a gather whose backward is the inverse gather, an
-fp32 ``combine`` of one row: exact) or ``all_to_all`` (backward: the reverse all-to-all); every
-index is built by sorts, cumsums and scatters to unique positions: deterministic, no atomics.
+Rows move by ``expert_ops.move_rows`` (a gather whose backward is the inverse gather, one row
+each: exact) or ``all_to_all`` (backward: the reverse all-to-all); every index is built by
+sorts, cumsums and scatters to unique positions: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -80,51 +80,6 @@ def gather_counts(counts_E: torch.Tensor, world: int, group: object) -> torch.Te
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return recv.view(world, -1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Row moves: moe_kernels.dispatch calls
-
-ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what moe_kernels.dispatch moves
-
-
-def move_rows(x_ND: torch.Tensor, src_M: torch.Tensor, dst_NK: torch.Tensor) -> torch.Tensor:
-    """(M, D): ``out[m] = x[src[m]]`` (zero for src -1); ``dst_NK`` (N, K): the out rows that
-    read x row n (-1 for none), the backward's gather. ``moe_kernels.dispatch`` for the dtypes
-    it moves, else (float64 baseline/torch layers) torch indexing with the same backward."""
-    if x_ND.dtype in ROW_DTYPES:
-        from moe_kernels import dispatch
-
-        return dispatch(x_ND, row_plan(src_M, dst_NK))
-    return _IndexRows.apply(x_ND, src_M, dst_NK)
-
-
-class _IndexRows(torch.autograd.Function):
-    """``move_rows`` for other dtypes: index_select forward, dst's gather (in K order) back."""
-
-    @staticmethod
-    def forward(ctx, x_ND, src_M, dst_NK):
-        ctx.save_for_backward(dst_NK)
-        ok_M = src_M >= 0
-        rows = x_ND.index_select(0, torch.where(ok_M, src_M, 0).long())
-        return torch.where(ok_M[:, None], rows, 0)
-
-    @staticmethod
-    def backward(ctx, grad_MD):
-        (dst_NK,) = ctx.saved_tensors
-        grad_ND = grad_MD.new_zeros((dst_NK.shape[0], grad_MD.shape[1]))
-        for j in range(dst_NK.shape[1]):
-            ok_N = dst_NK[:, j] >= 0
-            rows = grad_MD.index_select(0, torch.where(ok_N, dst_NK[:, j], 0).long())
-            grad_ND = torch.where(ok_N[:, None], grad_ND + rows, grad_ND)
-        return grad_ND, None, None
-
-
-def row_plan(src_M: torch.Tensor, dst_NK: torch.Tensor) -> RoutingPlan:
-    """A ``RoutingPlan`` that only ``dispatch`` / ``combine`` read: ``token_indices`` = src (the
-    row each sorted row reads), ``inverse`` = dst_NK; unit weights."""
-    ones_M = torch.ones(src_M.shape[0], dtype=torch.float32, device=src_M.device)
-    return RoutingPlan(src_M, src_M, src_M, src_M, ones_M, dst_NK)
 
 
 # ---------------------------------------------------------------------------------------------

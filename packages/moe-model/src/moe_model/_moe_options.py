@@ -4,25 +4,11 @@ and DeepSeek-V3's expert-bias update (on device tensors, without host syncs)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from moe_model.moe import MoELayer
-
-
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def check_dtype(dtype: object, impl: str | None, *, name: str = "x.dtype") -> None:
-    """TypeError unless ``dtype`` is an activation dtype ``impl`` takes: float16, bfloat16, float32
-    (what the moe_kernels router and grouped GEMMs read), float64 too for ``"baseline"`` and
-    ``"torch"`` and for ``impl=None`` (no MoE layer)."""
-    ok = FLOAT_DTYPES if impl in (None, "baseline", "torch") else FLOAT_DTYPES[:3]
-    if dtype not in ok:
-        for_impl = f" for impl {impl!r}" if impl else ""
-        raise TypeError(f"{name} must be one of {ok}{for_impl}, got {dtype!r}")
 
 
 def check_size(name: str, value: object) -> None:
@@ -35,25 +21,6 @@ def check_bool(name: str, value: object) -> None:
     """TypeError unless ``value`` is a bool (a truthy string or int is not)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
-
-
-def check_fbgemm_options(layer: MoELayer) -> None:
-    """ValueError if the layer routes with an option fbgemm cannot do: its ``index_shuffling``
-    is plain top-k of the scores, weighted by the scores themselves."""
-    bad = []
-    if layer.expert_bias is not None:
-        bad.append("expert_bias=True")
-    if layer.topk_groups < layer.n_groups:
-        bad.append(f"topk_groups={layer.topk_groups} of n_groups={layer.n_groups}")
-    if layer.routed_scaling_factor != 1.0:
-        bad.append(f"routed_scaling_factor={layer.routed_scaling_factor}")
-    if layer.renormalize:
-        bad.append("renormalize=True")
-    if bad:
-        raise ValueError(
-            f"impl 'fbgemm' cannot route with {', '.join(bad)} (fbgemm's index_shuffling does "
-            "plain top-k only); use another impl"
-        )
 
 
 class RoutingArgs(NamedTuple):
@@ -127,12 +94,6 @@ def check_rate(rate: object) -> float:
     if rate < 0:
         raise ValueError(f"rate must be >= 0, got {rate}")
     return rate
-
-
-def expert_counts(e_Tk: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """(E,) int32: how many of the (T, k) choices ``e_Tk`` went to each expert (no sync)."""
-    experts_E = torch.arange(n_experts, device=e_Tk.device)
-    return (e_Tk.reshape(-1, 1) == experts_E).sum(0, dtype=torch.int32)
 
 
 def switch_aux_loss(

@@ -7,7 +7,9 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from moe_model.moe import IMPL_ALIASES, MOE_IMPLS, SCORE_FNS, check_impl_dims, check_size
+from moe_model._moe_options import check_size
+from moe_model.impls import IMPL_ALIASES, MOE_IMPLS, check_impl_dims
+from moe_model.moe import SCORE_FNS
 
 _POSITIVE_FIELDS = (
     *("n_layers", "d_model", "n_heads", "n_kv_heads", "n_experts", "top_k", "moe_hidden"),

@@ -21,11 +21,13 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from moe_model._moe_options import check_bool
 from moe_model.autoencoder import LatentDecoder
 from moe_model.blocks import Block
 from moe_model.config import WorldModelConfig
+from moe_model.impls import check_dtype, check_impl
 from moe_model.kv_cache import KVRingCache
-from moe_model.moe import MoELayer, check_bool, check_dtype, check_impl
+from moe_model.moe import MoELayer
 from moe_model.rope import Rope3D
 
 Ctrl = Mapping[str, object] | None

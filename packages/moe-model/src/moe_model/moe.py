@@ -1,343 +1,79 @@
-"""``MoELayer``: a router and E SiLU (or SwiGLU) experts, with one small strategy per ``impl``.
+"""``MoELayer``: a router and E SiLU (or SwiGLU) experts; the implementation (``impl``) is one
+of the objects of ``moe_model.impls``.
 
-Every implementation reads the same parameters, so ``layer.impl = "torch"`` switches an existing
-layer. The data path of the sync-free implementations:
-``scores = router(x)`` -> ``plan = route(scores, k)`` -> ``xs = dispatch(x, plan)`` ->
-``h = grouped_mm(xs, in_proj^T)`` -> activation -> ``ys = grouped_mm(h, out_proj^T)`` ->
-``y = combine(ys, plan)``; the ``triton_*`` implementations fuse the dispatch into the first
-grouped GEMM (the rows are gathered inside it, which also applies the SiLU) when no gradient is
-recorded. Training (autograd recording) runs the unfused chain, every step differentiable through
-the ops' own backward (deterministic, no float atomics): the dispatched rows are what the weight
-gradient of the first GEMM reads, and the activation's input is saved rather than recomputed.
+One forward (``MoELayer.run``), the same for every implementation:
+``scores = router(x)`` -> ``plan = impl.route(scores)`` -> ``exchange.to_experts`` (here the
+local exchange: the experts read the tokens through the plan) -> ``impl.experts(rows)`` ->
+``exchange.from_experts`` -> ``y = impl.combine(outputs, plan)``, plus the shared experts.
+``ExpertParallelMoE`` runs the same walk with its all-to-all exchange and this rank's experts.
 
 Routing options (expert bias, expert groups, weight scale, renormalisation) reach every
-implementation: ``baseline`` and ``torch`` through this package's own torch formula
-(``_routing_torch.topk_choices``), the kernel implementations through ``moe_kernels.route``
-(``MoELayer.route_options``). Every implementation records its per-expert counts in
-``layer.last_counts``; the shared experts and the auxiliary loss are added by ``forward``.
+implementation as ``MoELayer.route_options()`` (``moe_kernels.route``'s keyword arguments; the
+torch implementations compute them by ``moe_kernels.topk_choices``, route's own formula). Every
+implementation records its per-expert counts in ``layer.last_counts``; the shared experts and the
+auxiliary loss are added by the walk.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_kernels import RoutingPlan
 from moe_model._moe_options import (
     FLOAT_DTYPES,
     check_bool,
-    check_dtype,
-    check_fbgemm_options,
     check_rate,
     check_routing_args,
     check_size,
     expert_bias_step,
-    expert_counts,
     switch_aux_loss,
 )
-from moe_model._routing_torch import topk_choices, torch_plan
+from moe_model.expert_ops import ExpertRows
+from moe_model.impls import (
+    IMPLS,
+    KERNEL_ROUTER_MAX_E,
+    check_dtype,
+    check_impl,
+    check_impl_dims,
+)
 from moe_model.presets import preset_kwargs
 from moe_model.shared_experts import SharedExperts
 
-MOE_IMPLS: tuple[str, ...] = (
-    "baseline",
-    "torch",
-    "triton_bf16",
-    "triton_fp32",
-    "fbgemm",
-    "mxfp8",
-)
 SCORE_FNS = ("softmax", "sigmoid")
 
 
-# ---------------------------------------------------------------------------------------------
-# Grouped GEMM: torch._grouped_mm where it runs (CUDA sm90+, bf16, dims % 16), else a static loop.
+class LocalSent(NamedTuple):
+    """What the local exchange hands the experts (``rows``), the counts the layer records
+    (``counts``, (E,) int32) and what it needs to bring the outputs back (``plan``)."""
+
+    rows: ExpertRows
+    counts: torch.Tensor
+    plan: RoutingPlan
 
 
-def _grouped_mm_supported(a_MK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or a_MK.device.type != "cuda":
-        return False
-    if a_MK.dtype != torch.bfloat16 or b_EKN.dtype != torch.bfloat16:
-        return False
-    # get_device_properties (not get_device_capability) is constant-folded by dynamo.
-    if torch.cuda.get_device_properties(a_MK.device).major < 9:
-        return False
-    return a_MK.shape[1] % 16 == 0 and b_EKN.shape[2] % 16 == 0
+class LocalExchange:
+    """MoELayer's exchange: every expert is local, so the experts read the tokens through the
+    plan (the gather runs inside the experts step, fused into the first GEMM where the impl
+    can) and their outputs come out in the plan's pair order."""
 
-
-def grouped_mm(
-    a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets: torch.Tensor, expert_M: torch.Tensor
-) -> torch.Tensor:
-    """Rows of ``a_MK`` grouped by expert times that expert's ``b_EKN[e]`` -> (M, N), a's dtype.
-
-    offsets: (E+1,) int32 exclusive prefix sum of group sizes; expert_M: (M,) expert of each row
-    (-1 or any id outside [0, E) for rows in no group: their output rows are zero).
-    """
-    b_EKN = b_EKN.to(a_MK.dtype)
-    if _grouped_mm_supported(a_MK, b_EKN):
-        return torch._grouped_mm(a_MK, b_EKN, offs=offsets[1:].to(torch.int32))
-    # Static-shape fallback (CPU, older GPUs, fp32): every expert's GEMM over all rows, keep the
-    # rows of that expert. E times the FLOPs, but no data-dependent shape and no host sync.
-    out_MN = a_MK.new_zeros(a_MK.shape[0], b_EKN.shape[2])
-    for e in range(b_EKN.shape[0]):
-        rows_M1 = (expert_M == e).unsqueeze(1)
-        out_MN = torch.where(rows_M1, a_MK @ b_EKN[e], out_MN)
-    return out_MN
-
-
-def _activation(h_MH: torch.Tensor, gated: bool) -> torch.Tensor:
-    """SiLU, or SwiGLU ``silu(gate) * up`` with gate = first half of the columns; fp32 math
-    (torch's silu computes bf16 inputs in fp32 and rounds once)."""
-    if not gated:
-        return F.silu(h_MH)
-    gate_MH, up_MH = h_MH.float().chunk(2, dim=-1)
-    return (F.silu(gate_MH) * up_MH).to(h_MH.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Implementations: f(layer, x_TD, scores_TE) -> y_TD (x's dtype), the routed experts' output;
-# each writes its per-expert pair counts into layer.last_counts.
-
-
-def _torch_choices(layer: MoELayer, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights_Tk fp32, experts_Tk int64) of the layer's routing, by the torch formula."""
-    return topk_choices(
-        scores_TE,
-        layer.top_k,
-        layer.renormalize,
-        bias=layer.expert_bias,
-        n_groups=layer.n_groups,
-        topk_groups=layer.topk_groups,
-        scale=layer.routed_scaling_factor,
-    )
-
-
-def _record_counts(layer: MoELayer, counts_E: torch.Tensor) -> None:
-    """Copy the forward's per-expert pair counts into ``layer.last_counts`` (in place: the
-    buffer keeps its address for CUDA graphs and is a mutation torch.compile traces)."""
-    layer.last_counts.copy_(counts_E)
-
-
-def _forward_baseline(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
-    """Reference: per-expert fp32 loop with host syncs (nonzero). Slow, not compileable."""
-    T, D = x_TD.shape
-    w_Tk, e_Tk = _torch_choices(layer, scores_TE)
-    _record_counts(layer, expert_counts(e_Tk, layer.n_experts))
-    x32_TD = x_TD.float()
-    y_TkD = x32_TD.new_zeros(T, layer.top_k, D)
-    for e in range(layer.n_experts):
-        tok, j = (e_Tk == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        h = x32_TD[tok] @ layer.in_proj[e].float().t()
-        h = F.silu(h) if not layer.gated else F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]
-        y_TkD = y_TkD.index_put((tok, j), h @ layer.out_proj[e].float().t())
-    # Weighted sum over the k choices in choice order (deterministic).
-    return (y_TkD * w_Tk.unsqueeze(-1)).sum(dim=1).to(x_TD.dtype)
-
-
-def _forward_torch(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
-    """Torch routing (stable sort, compare-and-sum counts, cumsum), gather, grouped GEMMs, fp32
-    weighted sum over the k choices. Sync-free, deterministic, differentiable."""
-    T, D = x_TD.shape
-    w_Tk, e_Tk = _torch_choices(layer, scores_TE)
-    plan = torch_plan(w_Tk, e_Tk, layer.n_experts)
-    _record_counts(layer, plan.offsets[1:] - plan.offsets[:-1])
-    w_dtype = layer.in_proj.dtype
-    xs_PD = x_TD.to(w_dtype)[plan.token_indices]
-    h_PH = grouped_mm(xs_PD, layer.in_proj.mT, plan.offsets, plan.expert_indices)
-    ys_PD = grouped_mm(
-        _activation(h_PH, layer.gated), layer.out_proj.mT, plan.offsets, plan.expert_indices
-    )
-    y_TkD = ys_PD[plan.inverse.reshape(-1)].view(T, layer.top_k, D).float()
-    return (y_TkD * w_Tk.unsqueeze(-1)).sum(dim=1).to(x_TD.dtype)
-
-
-def _kernels_experts(
-    layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor, mm: Callable
-) -> tuple[torch.Tensor, object]:
-    from moe_kernels.activation import expert_activation
-    from moe_kernels.routing import route
-    from moe_kernels.tokens import dispatch
-
-    plan = route(scores_TE, layer.top_k, **layer.route_options())
-    _record_counts(layer, plan.counts)
-    w_dtype = layer.in_proj.dtype
-    xs_PD = dispatch(x_TD.to(w_dtype), plan)
-    h_PH = mm(xs_PD, layer.in_proj.mT, plan)
-    ys_PD = mm(expert_activation(h_PH, layer.gated), layer.out_proj.mT, plan)
-    return ys_PD, plan
-
-
-def _fused_experts(
-    layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor
-) -> tuple[torch.Tensor, object]:
-    """``route``; the dispatch (gather of the routed rows), first GEMM and SiLU in one Triton
-    grouped GEMM; the second GEMM (``torch._grouped_mm`` where it runs, else the Triton grouped
-    GEMM). SwiGLU layers apply the gate between the GEMMs (outside the kernel). Returns the
-    expert outputs (T * k, D) in the plan's sorted order, and the plan."""
-    from moe_kernels import expert_activation, gather_grouped_mm, route
-
-    plan = route(scores_TE, layer.top_k, **layer.route_options())
-    _record_counts(layer, plan.counts)
-    w_dtype = layer.in_proj.dtype
-    x_TD = x_TD.to(w_dtype)
-    act = None if layer.gated else "silu"
-    h_PH = gather_grouped_mm(x_TD, layer.in_proj, plan.offsets, plan.token_indices, activation=act)
-    if layer.gated:
-        h_PH = expert_activation(h_PH, gated=True)
-    if _grouped_mm_supported(h_PH, layer.out_proj.mT):
-        ys_PD = grouped_mm(h_PH, layer.out_proj.mT, plan.offsets, plan.expert_indices)
-    else:  # the Triton grouped GEMM, not grouped_mm's E-times-the-FLOPs fallback
-        ys_PD = gather_grouped_mm(h_PH, layer.out_proj, plan.offsets)
-    return ys_PD, plan
-
-
-def _mm_kernels(a_MK: torch.Tensor, b_EKN: torch.Tensor, plan) -> torch.Tensor:
-    """``moe_kernels.gather_grouped_mm`` (CUTLASS where it runs, else Triton): differentiable,
-    weight gradients in the parameters' own layout."""
-    from moe_kernels import gather_grouped_mm
-
-    return gather_grouped_mm(a_MK, b_EKN.to(a_MK.dtype).mT, plan.offsets)
-
-
-def _records_grad(layer: MoELayer, x_TD: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (
-        x_TD.requires_grad or any(p.requires_grad for p in layer.parameters())
-    )
-
-
-def _make_triton(out_dtype: torch.dtype) -> Callable:
-    def _forward(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
-        from moe_kernels import combine
-
-        if _records_grad(layer, x_TD):
-            ys_PD, plan = _kernels_experts(layer, x_TD, scores_TE, _mm_kernels)
-        else:
-            ys_PD, plan = _fused_experts(layer, x_TD, scores_TE)
-        return combine(ys_PD, plan, weighted=True, out_dtype=out_dtype).to(x_TD.dtype)
-
-    _forward.__doc__ = (
-        "moe-kernels route, gather + first grouped GEMM + SiLU fused, second grouped GEMM, "
-        f"combine accumulated in fp32 and returned in {out_dtype} before the cast to x's dtype "
-        "(training: route, dispatch, the two grouped GEMMs and the activation unfused)."
-    )
-    return _forward
-
-
-def _mm_mxfp8(a_MK: torch.Tensor, b_EKN: torch.Tensor, plan) -> torch.Tensor:
-    from moe_kernels.mxfp8 import mxfp8_grouped_mm
-
-    out = mxfp8_grouped_mm(
-        a_MK.to(torch.bfloat16),
-        b_EKN.to(torch.bfloat16),
-        plan.offsets[1:].to(torch.int32),
-        out_dtype=torch.bfloat16,
-    )
-    return out.to(a_MK.dtype)
-
-
-def _forward_mxfp8(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
-    """moe-kernels route/dispatch/combine, experts through ``mxfp8_grouped_mm``."""
-    from moe_kernels.tokens import combine
-
-    ys_PD, plan = _kernels_experts(layer, x_TD, scores_TE, _mm_mxfp8)
-    return combine(ys_PD, plan, weighted=True, out_dtype=torch.float32).to(x_TD.dtype)
-
-
-def _fbgemm_available() -> bool:
-    return importlib.util.find_spec("fbgemm_gpu") is not None
-
-
-def _forward_fbgemm(layer: MoELayer, x_TD: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
-    """fbgemm_gpu's index_shuffling / gather_scale_dense_tokens / scatter_add_dense_tokens.
-
-    fbgemm scales tokens on the gather side; to keep this layer's semantics (weights applied to the
-    expert outputs) the gather uses unit scores and the weights scale the outputs before the
-    scatter-add. Not exercised in CI (fbgemm_gpu is not installed there).
-    """
-    check_fbgemm_options(layer)
-    if _records_grad(layer, x_TD):
-        raise ValueError(
-            "impl 'fbgemm' is inference-only (fbgemm's ops have no backward): call the layer "
-            "under torch.no_grad(), or train with another impl"
+    def to_experts(self, x_TD: torch.Tensor, plan: RoutingPlan, record: bool) -> LocalSent:
+        rows = ExpertRows(
+            x_TD, plan.token_indices, plan.inverse, plan.offsets, plan.expert_indices, None
         )
-    from fbgemm_gpu.experimental.gen_ai.moe import (
-        gather_scale_dense_tokens,
-        index_shuffling,
-        scatter_add_dense_tokens,
-    )
+        return LocalSent(rows, plan.counts, plan)
 
-    T, D = x_TD.shape
-    counts, e_P, t_P = index_shuffling(scores_TE.to(torch.bfloat16), top_k=layer.top_k)[:3]
-    counts_E = counts[: layer.n_experts].to(torch.int32)
-    _record_counts(layer, counts_E)
-    offsets = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0, dtype=torch.int32)])
-    w_dtype = layer.in_proj.dtype
-    xs_PD = gather_scale_dense_tokens(
-        x_TD.to(w_dtype).contiguous(), t_P, e_P, torch.ones_like(scores_TE, dtype=w_dtype)
-    )
-    h_PH = grouped_mm(xs_PD, layer.in_proj.mT, offsets, e_P)
-    ys_PD = grouped_mm(_activation(h_PH, layer.gated), layer.out_proj.mT, offsets, e_P)
-    w_P = scores_TE.float()[t_P.long(), e_P.long()]
-    out_TD = torch.zeros(T, D, dtype=w_dtype, device=x_TD.device)
-    scatter_add_dense_tokens(out_TD, (ys_PD.float() * w_P[:, None]).to(w_dtype), t_P)
-    return out_TD.to(x_TD.dtype)
+    def from_experts(
+        self, ys_PD: torch.Tensor, sent: LocalSent, record: bool
+    ) -> tuple[torch.Tensor, RoutingPlan]:
+        return ys_PD, sent.plan
 
 
-_IMPLS: dict[str, Callable] = {
-    "baseline": _forward_baseline,
-    "torch": _forward_torch,
-    "triton_bf16": _make_triton(torch.bfloat16),
-    "triton_fp32": _make_triton(torch.float32),
-    "fbgemm": _forward_fbgemm,
-    "mxfp8": _forward_mxfp8,
-}
-
-
-# Where ``moe_kernels.router_scores`` replaces the torch formula (x cast to fp32, fp32 GEMM,
-# softmax). H200, D=2048, E=16: 11.2 vs 24.1 us alone at 2048 tokens, 7.0 vs 14.4 us at 512
-# (with prefetched D chunks; benchmarks/gpu/router_sweep.py); for E=128 cuBLAS stays faster
-# (58 vs 44 us).
-KERNEL_ROUTER_IMPLS: tuple[str, ...] = ("triton_bf16", "triton_fp32", "mxfp8")
-KERNEL_ROUTER_MAX_E = 32
-
-# Former names, still accepted: "triton_fused" was triton_bf16 with the dispatch fused into the
-# first grouped GEMM, which triton_bf16 itself now does.
-IMPL_ALIASES: dict[str, str] = {"triton_fused": "triton_bf16"}
-
-
-def check_impl(impl: str) -> str:
-    """Validate an implementation name and return it, an alias (``IMPL_ALIASES``) replaced by its
-    implementation (ValueError if unknown, RuntimeError if unavailable)."""
-    impl = IMPL_ALIASES.get(impl, impl) if isinstance(impl, str) else impl
-    if impl not in MOE_IMPLS:
-        raise ValueError(f"impl must be one of {MOE_IMPLS}, got {impl!r}")
-    if impl == "fbgemm" and not _fbgemm_available():
-        raise RuntimeError("MoE impl 'fbgemm' unavailable: fbgemm_gpu not installed")
-    return impl
-
-
-def check_impl_dims(
-    impl: str,
-    d_model: int,
-    hidden: int,
-    *,
-    names: tuple[str, str, str] = ("impl", "d_model", "hidden"),
-) -> None:
-    """ValueError if implementation ``impl`` cannot run a layer of these sizes: ``"mxfp8"`` scales
-    blocks of 32 along K, so both GEMMs' K dims (d_model, then hidden) must be multiples of 32.
-    ``names``: the caller's names of (impl, d_model, hidden), for the message."""
-    if IMPL_ALIASES.get(impl, impl) == "mxfp8" and (d_model % 32 or hidden % 32):
-        raise ValueError(
-            f"{names[0]}='mxfp8' needs {names[1]} and {names[2]} multiples of 32 (the K dims of "
-            f"its two grouped GEMMs), got {names[1]}={d_model}, {names[2]}={hidden}"
-        )
+LOCAL_EXCHANGE = LocalExchange()
 
 
 class MoELayer(nn.Module):
@@ -385,6 +121,10 @@ class MoELayer(nn.Module):
     only: ValueError for a bias, groups, a scale or renormalisation) backpropagates to x, the
     router and the experts. All but ``"baseline"`` are free of host syncs (torch.compile
     fullgraph, CUDA graphs) and bitwise deterministic, gradients included.
+
+    Ownership: an ``ExpertParallelMoE`` built on this layer takes its experts
+    (``experts_owner`` then names it): the layer keeps the router, bias and shared experts for
+    its owner, and calling it alone raises RuntimeError.
     """
 
     expert_bias: torch.Tensor | None
@@ -438,6 +178,7 @@ class MoELayer(nn.Module):
         self.routed_scaling_factor = opts.routed_scaling_factor
         self.n_shared_experts, self.aux_loss_coef = opts.n_shared_experts, opts.aux_loss_coef
         self.aux_loss = None
+        self.experts_owner: str | None = None
         f32 = dict(device=device, dtype=torch.float32)
         bias = torch.zeros(n_experts, **f32) if expert_bias else None
         self.register_buffer("expert_bias", bias)
@@ -471,22 +212,37 @@ class MoELayer(nn.Module):
     def impl(self, name: str) -> None:
         impl = check_impl(name)
         check_impl_dims(impl, self.d_model, self.hidden)
-        if impl == "fbgemm":
-            check_fbgemm_options(self)
+        IMPLS[impl].check(self.route_options())
         self._impl = impl
 
     def reset_parameters(self) -> None:
         """Random router and expert weights (normal, std 1/sqrt(fan-in)); the expert bias and
-        ``last_counts`` back to zeros."""
+        ``last_counts`` back to zeros. The experts only while this layer holds them."""
         nn.init.normal_(self.router.weight, std=1.0 / math.sqrt(self.d_model))
-        nn.init.normal_(self.in_proj, std=1.0 / math.sqrt(self.d_model))
-        nn.init.normal_(self.out_proj, std=1.0 / math.sqrt(self.hidden))
+        if self.experts_owner is None:
+            nn.init.normal_(self.in_proj, std=1.0 / math.sqrt(self.d_model))
+            nn.init.normal_(self.out_proj, std=1.0 / math.sqrt(self.hidden))
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters()
         with torch.no_grad():
             if self.expert_bias is not None:
                 self.expert_bias.zero_()
             self.last_counts.zero_()
+
+    def give_experts(self, owner: str) -> tuple[nn.Parameter, nn.Parameter]:
+        """Hand ``in_proj`` and ``out_proj`` to ``owner`` (the name of the module that holds them
+        from now on): returns them and drops them here, so the layer keeps only the router, the
+        bias and the shared experts, for its owner's walk (``run``). Afterwards calling the layer
+        raises RuntimeError and giving its experts again ValueError."""
+        if self.experts_owner is not None:
+            raise ValueError(
+                f"this MoELayer's experts already belong to an {self.experts_owner} (a layer "
+                "is wrapped once)"
+            )
+        experts = self.in_proj, self.out_proj
+        del self.in_proj, self.out_proj
+        self.experts_owner = owner
+        return experts
 
     def route_options(self) -> dict[str, Any]:
         """The layer's selection and weight options as ``moe_kernels.route`` keyword arguments:
@@ -504,12 +260,11 @@ class MoELayer(nn.Module):
 
     def shared_output(self, x_TD: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output (T, d_model) in x's dtype for x_TD (T, d_model); None
-        without shared experts. Its GEMMs run in the shared weights' dtype (fp32 for the
-        ``"baseline"`` impl), the activation in fp32."""
+        without shared experts. Its GEMMs run in the implementation's ``shared_dtype`` (fp32 for
+        ``"baseline"``), else the shared weights' dtype; the activation in fp32."""
         if self.shared_experts is None:
             return None
-        compute = torch.float32 if self._impl == "baseline" else None
-        return self.shared_experts(x_TD, compute)
+        return self.shared_experts(x_TD, IMPLS[self._impl].shared_dtype)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float) -> None:
@@ -520,8 +275,9 @@ class MoELayer(nn.Module):
             raise ValueError("update_expert_bias needs a layer built with expert_bias=True")
         expert_bias_step(self.expert_bias, self.last_counts, check_rate(rate))
 
-    def _check_x(self, x: object) -> None:
-        """x (..., d_model): a tensor on the layer's device, in a dtype the implementation takes."""
+    def check_x(self, x: object) -> torch.Tensor:
+        """x (..., d_model): a tensor on the layer's device, in a dtype the implementation
+        takes (TypeError / ValueError otherwise) -> x_TD (T, d_model)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.d_model:
@@ -531,18 +287,18 @@ class MoELayer(nn.Module):
         check_dtype(x.dtype, self._impl)
         if x.device != self.router.weight.device:
             raise ValueError(f"x is on {x.device}, the layer on {self.router.weight.device}")
+        return x.reshape(-1, self.d_model)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Router scores (..., E) fp32 of x (..., d_model): softmax over all E logits, or sigmoid
-        (without the expert bias). The kernel implementations in ``KERNEL_ROUTER_IMPLS`` with
-        E <= ``KERNEL_ROUTER_MAX_E`` use ``moe_kernels.router_scores`` (one kernel, the same fp32
+        (without the expert bias). Implementations with ``kernel_router`` use
+        ``moe_kernels.router_scores`` for E <= ``KERNEL_ROUTER_MAX_E`` (one kernel, the same fp32
         math summed in another order); the others, the torch formula."""
-        self._check_x(x)
-        scores_TE = self._scores(x.reshape(-1, self.d_model))
+        scores_TE = self._scores(self.check_x(x))
         return scores_TE.view(*x.shape[:-1], self.n_experts)
 
     def _scores(self, x_TD: torch.Tensor) -> torch.Tensor:
-        if self._impl in KERNEL_ROUTER_IMPLS and self.n_experts <= KERNEL_ROUTER_MAX_E:
+        if IMPLS[self._impl].kernel_router and self.n_experts <= KERNEL_ROUTER_MAX_E:
             from moe_kernels import router_scores
 
             return router_scores(x_TD, self.router.weight, score_fn=self.score_fn)
@@ -554,10 +310,40 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """y (..., d_model) in x's dtype: the routed experts plus the shared experts. Updates
         ``last_counts``, and ``aux_loss`` (None without ``aux_loss_coef`` or grad)."""
-        self._check_x(x)
-        x_TD = x.reshape(-1, self.d_model)
+        if self.experts_owner is not None:
+            raise RuntimeError(
+                f"this MoELayer's experts belong to an {self.experts_owner}: call that module "
+                "(the layer alone has only its router, bias and shared experts)"
+            )
+        x_TD = self.check_x(x)
+        return self.run(x_TD, LOCAL_EXCHANGE, self.in_proj, self.out_proj).view(x.shape)
+
+    def run(
+        self, x_TD: torch.Tensor, exchange: Any, in_proj: torch.Tensor, out_proj: torch.Tensor
+    ) -> torch.Tensor:
+        """The walk of tokens x_TD (T, d_model), checked, through ``exchange`` to the experts
+        ``in_proj`` / ``out_proj`` -> y_TD (T, d_model) in x's dtype.
+
+        ``exchange``: ``to_experts(x_TD, plan, record)`` returns what it hands the experts
+        (``.rows``, ``ExpertRows``) and the (E,) counts this layer records (``.counts``);
+        ``from_experts(outputs, sent, record)`` returns the outputs in the plan's pair order and
+        the plan to combine them by. ``LOCAL_EXCHANGE`` here; ``ExpertParallelMoE`` is one too.
+        """
+        impl = IMPLS[self._impl]
+        options = self.route_options()
+        weights = (*self.parameters(), in_proj, out_proj)
+        record = torch.is_grad_enabled() and (
+            x_TD.requires_grad or any(p.requires_grad for p in weights)
+        )
+        impl.check(options, record)
         scores_TE = self._scores(x_TD)
-        y_TD = _IMPLS[self._impl](self, x_TD, scores_TE)
+        plan = impl.route(scores_TE, self.top_k, options)
+        rows_TD = x_TD.to(impl.rows_dtype(x_TD.dtype, in_proj.dtype))
+        sent = exchange.to_experts(rows_TD, plan, record)
+        self.last_counts.copy_(sent.counts)  # in place: a mutation torch.compile traces
+        ys = impl.experts(sent.rows, in_proj, out_proj, self.gated, record)
+        ys_PD, kept = exchange.from_experts(ys, sent, record)
+        y_TD = impl.combine(ys_PD, kept, x_TD)
         shared_TD = self.shared_output(x_TD)
         if shared_TD is not None:
             y_TD = y_TD + shared_TD
@@ -565,9 +351,9 @@ class MoELayer(nn.Module):
             self.aux_loss = None
             if torch.is_grad_enabled():
                 self.aux_loss = switch_aux_loss(
-                    scores_TE, self.last_counts, self.top_k, self.aux_loss_coef
+                    scores_TE, plan.counts, self.top_k, self.aux_loss_coef
                 )
-        return y_TD.view(x.shape)
+        return y_TD
 
     def extra_repr(self) -> str:
         text = (

@@ -1,0 +1,178 @@
+"""What the MoE implementations (``moe_model.impls``) are built from: their experts' input
+(``ExpertRows``), row gathers with a fixed-order backward, torch's grouped GEMM and expert
+activation, and the torch sort of a routing into a plan.
+
+Shapes: T tokens, k choices, P = T * k pairs, E experts (L of them local), R rows grouped by
+expert, D model width, H' the first GEMM's width (2H gated), N the rows of a gather's source.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from moe_kernels import RoutingPlan, dispatch, gather_grouped_mm
+
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what moe_kernels.dispatch moves
+
+
+class ExpertRows(NamedTuple):
+    """The experts' input: R rows grouped by expert, as a gather from ``source``.
+
+    source:         (N, D): the rows read: the layer's tokens, or under expert parallelism the
+                    rows this rank received.
+    source_indices: (R,) int: the source row of each grouped row (-1: a zero row).
+    inverse:        (N, K) int: the grouped rows that read source row n (-1 for none), what the
+                    gather's backward sums, in K order; None where no backward runs (fbgemm).
+    offsets:        (L+1,) int32: group bounds on the device (offsets[0] = 0).
+    expert_indices: (R,) int: the expert (0..L-1) of each grouped row.
+    host_offsets:   (L+1,) Python ints where known without a host sync, else None.
+    """
+
+    source: torch.Tensor
+    source_indices: torch.Tensor
+    inverse: torch.Tensor | None
+    offsets: torch.Tensor
+    expert_indices: torch.Tensor
+    host_offsets: list[int] | None
+
+
+# ---------------------------------------------------------------------------------------------
+# Row gathers: out[m] = x[src[m]], backward through dst_NK (the out rows that read x row n)
+
+
+class _GatherRows(torch.autograd.Function):
+    """index_select forward; backward: each source row's gradient rows gathered through dst_NK
+    and summed over K by one reduction (in fp32 or wider): no scatter, so no atomics."""
+
+    @staticmethod
+    def forward(ctx, x_ND, src_M, dst_NK):
+        ctx.save_for_backward(dst_NK)
+        ok_M = src_M >= 0
+        rows_MD = x_ND.index_select(0, torch.where(ok_M, src_M, 0).long())
+        return torch.where(ok_M[:, None], rows_MD, 0)
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        (dst_NK,) = ctx.saved_tensors
+        ok_NK = dst_NK >= 0
+        rows_NKD = grad_MD[torch.where(ok_NK, dst_NK, 0).long()]
+        acc = torch.promote_types(grad_MD.dtype, torch.float32)
+        grad_ND = torch.where(ok_NK[..., None], rows_NKD, 0).sum(dim=1, dtype=acc)
+        return grad_ND.to(grad_MD.dtype), None, None
+
+
+def gather_rows(x_ND: torch.Tensor, src_M: torch.Tensor, dst_NK: torch.Tensor) -> torch.Tensor:
+    """(M, D) in x's dtype: ``out[m] = x[src[m]]``, zero for src -1; ``dst_NK`` (N, K): the out
+    rows that read x row n (-1 for none). Plain torch, any float dtype; differentiable in x with
+    a deterministic backward (torch's own ``x[src]`` backward adds with atomics on CPU)."""
+    return _GatherRows.apply(x_ND, src_M, dst_NK)
+
+
+def move_rows(x_ND: torch.Tensor, src_M: torch.Tensor, dst_NK: torch.Tensor) -> torch.Tensor:
+    """``gather_rows`` by ``moe_kernels.dispatch`` (a Triton gather on CUDA; its backward an
+    fp32 ``combine`` in K order) for the dtypes it moves, else (float64) ``gather_rows``."""
+    if x_ND.dtype not in ROW_DTYPES:
+        return gather_rows(x_ND, src_M, dst_NK)
+    ones_M = torch.ones(src_M.shape[0], dtype=torch.float32, device=src_M.device)
+    # A plan that only dispatch reads: token_indices = src, inverse = dst, unit weights.
+    return dispatch(x_ND, RoutingPlan(src_M, src_M, src_M, src_M, ones_M, dst_NK))
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMM: torch._grouped_mm where it runs (CUDA sm90+, bf16, dims % 16), else a static loop.
+
+
+def grouped_mm_supported(a_MK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs a @ b[e]: CUDA sm90+, bf16 operands, K and N % 16."""
+    if not hasattr(torch, "_grouped_mm") or a_MK.device.type != "cuda":
+        return False
+    if a_MK.dtype != torch.bfloat16 or b_EKN.dtype != torch.bfloat16:
+        return False
+    # get_device_properties (not get_device_capability) is constant-folded by dynamo.
+    if torch.cuda.get_device_properties(a_MK.device).major < 9:
+        return False
+    return a_MK.shape[1] % 16 == 0 and b_EKN.shape[2] % 16 == 0
+
+
+def grouped_mm(
+    a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets: torch.Tensor, expert_M: torch.Tensor
+) -> torch.Tensor:
+    """Rows of ``a_MK`` grouped by expert times that expert's ``b_EKN[e]`` -> (M, N), a's dtype.
+
+    offsets: (E+1,) int32 exclusive prefix sum of group sizes; expert_M: (M,) expert of each row
+    (-1 or any id outside [0, E) for rows in no group: their output rows are zero).
+    """
+    b_EKN = b_EKN.to(a_MK.dtype)
+    if grouped_mm_supported(a_MK, b_EKN):
+        return torch._grouped_mm(a_MK, b_EKN, offs=offsets[1:].to(torch.int32))
+    # Static-shape fallback (CPU, older GPUs, fp32): every expert's GEMM over all rows, keep the
+    # rows of that expert. E times the FLOPs, but no data-dependent shape and no host sync.
+    out_MN = a_MK.new_zeros(a_MK.shape[0], b_EKN.shape[2])
+    for e in range(b_EKN.shape[0]):
+        rows_M1 = (expert_M == e).unsqueeze(1)
+        out_MN = torch.where(rows_M1, a_MK @ b_EKN[e], out_MN)
+    return out_MN
+
+
+def fast_grouped_mm(
+    a_MK: torch.Tensor, w_ENK: torch.Tensor, offsets: torch.Tensor, expert_M: torch.Tensor
+) -> torch.Tensor:
+    """``grouped_mm(a, w.mT)`` where ``torch._grouped_mm`` runs, else moe-kernels' grouped GEMM
+    (``gather_grouped_mm``), not the static loop's E times the FLOPs."""
+    if grouped_mm_supported(a_MK, w_ENK.mT):
+        return grouped_mm(a_MK, w_ENK.mT, offsets, expert_M)
+    return gather_grouped_mm(a_MK, w_ENK, offsets)
+
+
+def grouped_mlp(
+    xs_RD: torch.Tensor,
+    in_proj: torch.Tensor,
+    out_proj: torch.Tensor,
+    gated: bool,
+    offsets: torch.Tensor,
+    expert_R: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' MLP on rows grouped by expert, in torch: ``grouped_mm`` with ``in_proj``
+    (L, H', D), the activation, ``grouped_mm`` with ``out_proj`` (L, D, H) -> (R, D)."""
+    h_RH = grouped_mm(xs_RD, in_proj.mT, offsets, expert_R)
+    return grouped_mm(activation(h_RH, gated), out_proj.mT, offsets, expert_R)
+
+
+def activation(h_MH: torch.Tensor, gated: bool) -> torch.Tensor:
+    """SiLU, or SwiGLU ``silu(gate) * up`` with gate = first half of the columns; fp32 math
+    (torch's silu computes bf16 inputs in fp32 and rounds once)."""
+    if not gated:
+        return F.silu(h_MH)
+    gate_MH, up_MH = h_MH.float().chunk(2, dim=-1)
+    return (F.silu(gate_MH) * up_MH).to(h_MH.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch routing's plan
+
+
+def torch_plan(w_Tk: torch.Tensor, e_Tk: torch.Tensor, n_experts: int) -> RoutingPlan:
+    """The (token, choice) pairs of weights ``w_Tk`` and experts ``e_Tk`` (T, k) sorted by expert
+    then token, without host syncs: a ``RoutingPlan`` with int64 indices (counts and offsets
+    int32), as ``moe_kernels.route`` would sort them."""
+    T, k = e_Tk.shape
+    e_P = e_Tk.reshape(-1)  # P = T*k pairs in (token, choice) order
+    # Stable sort by expert keeps pairs of one expert in token order.
+    order_P = torch.sort(e_P, stable=True).indices
+    experts_E = torch.arange(n_experts, device=e_P.device)
+    counts_E = (e_P.unsqueeze(1) == experts_E).sum(0, dtype=torch.int32)
+    offsets = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0, dtype=torch.int32)])
+    inverse_P = torch.empty_like(order_P).scatter_(
+        0, order_P, torch.arange(T * k, device=e_P.device)
+    )
+    return RoutingPlan(
+        counts=counts_E,
+        offsets=offsets,
+        expert_indices=e_P[order_P],
+        token_indices=torch.div(order_P, k, rounding_mode="floor"),
+        weights=w_Tk.reshape(-1)[order_P].float(),
+        inverse=inverse_P.view(T, k),
+    )

@@ -1,0 +1,333 @@
+"""The MoE implementations (``MOE_IMPLS``), one small object each: its facts and three steps.
+
+* ``route(scores_TE, top_k, options)`` -> plan: each token's k experts and weights, the (token,
+  expert) pairs sorted by (expert, token) (a ``moe_kernels.RoutingPlan``); ``options``: route's
+  keyword arguments (``MoELayer.route_options()``).
+* ``experts(rows, in_proj, out_proj, gated, record)`` -> (R, D): the experts on rows grouped by
+  expert (``ExpertRows``), the outputs in the same order.
+* ``combine(ys_PD, plan, x_TD)`` -> y_TD in x's dtype: each token's k outputs (in the plan's pair
+  order; choices with inverse -1 left out) weighted and summed in choice order.
+
+``MoELayer`` runs route -> experts -> combine with a local exchange between them (the experts
+read the tokens through the plan); ``ExpertParallelMoE`` runs the same objects with its all-to-all
+exchange between them. A change to an implementation is made here, once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+import moe_kernels as mk
+from moe_kernels import RoutingPlan
+from moe_model._moe_options import FLOAT_DTYPES
+from moe_model.expert_ops import (
+    ExpertRows,
+    activation,
+    fast_grouped_mm,
+    gather_rows,
+    grouped_mlp,
+    move_rows,
+    torch_plan,
+)
+
+KERNEL_DTYPES = FLOAT_DTYPES[:3]  # float16, bfloat16, float32: what the moe_kernels ops read
+# Where ``moe_kernels.router_scores`` replaces the torch formula (x cast to fp32, fp32 GEMM,
+# softmax). H200, D=2048, E=16: 11.2 vs 24.1 us alone at 2048 tokens, 7.0 vs 14.4 us at 512
+# (with prefetched D chunks; benchmarks/gpu/router_sweep.py); for E=128 cuBLAS stays faster
+# (58 vs 44 us).
+KERNEL_ROUTER_MAX_E = 32
+
+
+class MoEImpl:
+    """An implementation: its facts (class attributes) and its three steps.
+
+    x_dtypes: the activation dtypes it takes. k_multiple: d_model and hidden (the K dims of its
+    two grouped GEMMs) must be multiples of it. kernel_router: it scores with
+    ``moe_kernels.router_scores`` (E <= ``KERNEL_ROUTER_MAX_E``). refuses_options /
+    refuses_autograd / refuses_expert_parallel: None, or why it cannot route with a bias, groups,
+    a scale or renormalisation / backpropagate / run under ``ExpertParallelMoE``. shared_dtype:
+    the shared experts' GEMM dtype (None: their weights'). needs_module: a package it imports
+    (``available``: whether that is installed).
+    """
+
+    name: str
+    x_dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES
+    k_multiple = 1
+    kernel_router = False
+    refuses_options: str | None = None
+    refuses_autograd: str | None = None
+    refuses_expert_parallel: str | None = None
+    shared_dtype: torch.dtype | None = None
+    needs_module: str | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.needs_module is None or importlib.util.find_spec(self.needs_module) is not None
+
+    def check_dims(self, d_model: int, hidden: int, names=("impl", "d_model", "hidden")) -> None:
+        """ValueError unless d_model and hidden are multiples of ``k_multiple``; ``names``: the
+        caller's names of (impl, d_model, hidden), for the message."""
+        m = self.k_multiple
+        if d_model % m or hidden % m:
+            raise ValueError(
+                f"{names[0]}={self.name!r} needs {names[1]} and {names[2]} multiples of {m} (the "
+                f"K dims of its two grouped GEMMs), got {names[1]}={d_model}, {names[2]}={hidden}"
+            )
+
+    def check(self, options: dict, record: bool = False) -> None:
+        """ValueError if it refuses the routing ``options`` (route's keyword arguments) or, with
+        ``record``, autograd."""
+        if self.refuses_options:
+            bad = []
+            if options["bias"] is not None:
+                bad.append("expert_bias=True")
+            if options["topk_groups"] is not None:
+                bad.append(
+                    f"topk_groups={options['topk_groups']} of n_groups={options['n_groups']}"
+                )
+            if options["scale"] != 1.0:
+                bad.append(f"routed_scaling_factor={options['scale']}")
+            if options["renormalize"]:
+                bad.append("renormalize=True")
+            if bad:
+                raise ValueError(
+                    f"impl {self.name!r} cannot route with {', '.join(bad)} "
+                    f"({self.refuses_options}); use another impl"
+                )
+        if record and self.refuses_autograd:
+            raise ValueError(
+                f"impl {self.name!r} is inference-only ({self.refuses_autograd}): call the layer "
+                "under torch.no_grad(), or train with another impl"
+            )
+
+    def rows_dtype(self, x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the tokens travel to the experts in: the expert weights'."""
+        return w_dtype
+
+    def route(self, scores_TE: torch.Tensor, top_k: int, options: dict) -> RoutingPlan:
+        raise NotImplementedError
+
+    def experts(
+        self,
+        rows: ExpertRows,
+        in_proj: torch.Tensor,
+        out_proj: torch.Tensor,
+        gated: bool,
+        record: bool,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(self, ys_PD: torch.Tensor, plan: RoutingPlan, x_TD: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<MoE impl {self.name!r}>"
+
+
+class TorchImpl(MoEImpl):
+    """Torch routing (``moe_kernels.topk_choices``, a stable sort into the plan), a gather,
+    grouped GEMMs (``torch._grouped_mm`` where it runs, else a static loop), the fp32 weighted
+    sum over the k choices. Sync-free, deterministic, differentiable."""
+
+    name = "torch"
+    x_dtypes = FLOAT_DTYPES
+
+    def route(self, scores_TE: torch.Tensor, top_k: int, options: dict) -> RoutingPlan:
+        w_Tk, e_Tk = mk.topk_choices(scores_TE, top_k, **options)
+        return torch_plan(w_Tk, e_Tk, scores_TE.shape[1])
+
+    def experts(self, rows, in_proj, out_proj, gated, record):
+        xs_RD = gather_rows(rows.source, rows.source_indices, rows.inverse)
+        return grouped_mlp(xs_RD, in_proj, out_proj, gated, rows.offsets, rows.expert_indices)
+
+    def combine(self, ys_PD, plan, x_TD):
+        T, k = plan.inverse.shape
+        inv_P = plan.inverse.reshape(-1)
+        ok_P = inv_P >= 0
+        safe_P = torch.where(ok_P, inv_P, 0)
+        y_TkD = torch.where(ok_P[:, None], ys_PD[safe_P], 0).view(T, k, ys_PD.shape[1]).float()
+        w_Tk = torch.where(ok_P, plan.weights[safe_P], 0).view(T, k)
+        return (y_TkD * w_Tk.unsqueeze(-1)).sum(dim=1).to(x_TD.dtype)
+
+
+class BaselineImpl(TorchImpl):
+    """The reference: the torch routing and combine; the experts as fp32 GEMMs over each
+    expert's block of rows, whose bounds are read on the host (a sync), fp32 outputs. Slow."""
+
+    name = "baseline"
+    shared_dtype = torch.float32
+
+    def rows_dtype(self, x_dtype, w_dtype):
+        return x_dtype  # (the experts compute in fp32)
+
+    def experts(self, rows, in_proj, out_proj, gated, record):
+        xs_RD = gather_rows(rows.source, rows.source_indices, rows.inverse).float()
+        bounds = rows.host_offsets
+        if bounds is None:
+            bounds = rows.offsets.tolist()  # the host sync
+        out = []
+        for e in range(in_proj.shape[0]):
+            h = xs_RD[bounds[e] : bounds[e + 1]] @ in_proj[e].float().t()
+            out.append(activation(h, gated) @ out_proj[e].float().t())
+        out.append(xs_RD.new_zeros(xs_RD.shape[0] - bounds[-1], out_proj.shape[1]))  # no expert
+        return torch.cat(out)
+
+
+class TritonImpl(MoEImpl):
+    """moe-kernels ``route``; without autograd the gather, first GEMM and SiLU fused in one
+    Triton grouped GEMM (SwiGLU's gate after it), the second GEMM ``torch._grouped_mm`` where it
+    runs, else the Triton one; with autograd the unfused chain (``dispatch``, grouped GEMM,
+    ``expert_activation``, grouped GEMM), each op differentiable, deterministic; ``combine``
+    accumulated in fp32, returned in ``out_dtype``, then cast to x's dtype."""
+
+    kernel_router = True
+
+    def __init__(self, name: str, out_dtype: torch.dtype) -> None:
+        self.name, self.out_dtype = name, out_dtype
+
+    def route(self, scores_TE, top_k, options):
+        return mk.route(scores_TE, top_k, **options)
+
+    def experts(self, rows, in_proj, out_proj, gated, record):
+        if record:
+            return self.unfused(rows, in_proj, out_proj, gated)
+        act = None if gated else "silu"
+        h_RH = mk.gather_grouped_mm(
+            rows.source, in_proj, rows.offsets, rows.source_indices, activation=act
+        )
+        if gated:
+            h_RH = mk.expert_activation(h_RH, gated=True)
+        return fast_grouped_mm(h_RH, out_proj, rows.offsets, rows.expert_indices)
+
+    def unfused(self, rows, in_proj, out_proj, gated):
+        xs_RD = move_rows(rows.source, rows.source_indices, rows.inverse)
+        h_RH = self.expert_mm(xs_RD, in_proj, rows.offsets)
+        return self.expert_mm(mk.expert_activation(h_RH, gated), out_proj, rows.offsets)
+
+    def expert_mm(self, a_RK: torch.Tensor, w_ENK: torch.Tensor, offsets: torch.Tensor):
+        """``moe_kernels.gather_grouped_mm`` (CUTLASS where it runs, else Triton):
+        differentiable, weight gradients in the parameters' own layout."""
+        return mk.gather_grouped_mm(a_RK, w_ENK.to(a_RK.dtype), offsets)
+
+    def combine(self, ys_PD, plan, x_TD):
+        return mk.combine(ys_PD, plan, weighted=True, out_dtype=self.out_dtype).to(x_TD.dtype)
+
+
+class Mxfp8Impl(TritonImpl):
+    """The kernel chain with ``mxfp8_grouped_mm`` GEMMs (unfused, with or without autograd);
+    ``combine`` in fp32."""
+
+    k_multiple = 32  # MXFP8 scales blocks of 32 along K
+
+    def __init__(self) -> None:
+        super().__init__("mxfp8", torch.float32)
+
+    def experts(self, rows, in_proj, out_proj, gated, record):
+        return self.unfused(rows, in_proj, out_proj, gated)
+
+    def expert_mm(self, a_RK, w_ENK, offsets):
+        out = mk.mxfp8_grouped_mm(
+            a_RK.to(torch.bfloat16),
+            w_ENK.mT.to(torch.bfloat16),
+            offsets[1:].to(torch.int32),
+            out_dtype=torch.bfloat16,
+        )
+        return out.to(a_RK.dtype)
+
+
+class FbgemmImpl(MoEImpl):
+    """fbgemm_gpu's ``index_shuffling`` / ``gather_scale_dense_tokens`` /
+    ``scatter_add_dense_tokens`` around torch grouped GEMMs. fbgemm scales tokens on the gather
+    side; to keep this layer's semantics (weights applied to the expert outputs) the gather uses
+    unit scores and the weights scale the outputs before the scatter-add. Not exercised in CI
+    (fbgemm_gpu is not installed there)."""
+
+    name = "fbgemm"
+    needs_module = "fbgemm_gpu"
+    refuses_options = "fbgemm's index_shuffling does plain top-k only"
+    refuses_autograd = "fbgemm's ops have no backward"
+    refuses_expert_parallel = (
+        "its plan has no per-choice inverse for the exchange, and it is inference-only"
+    )
+
+    def route(self, scores_TE, top_k, options):
+        from fbgemm_gpu.experimental.gen_ai.moe import index_shuffling
+
+        E = scores_TE.shape[1]
+        counts, e_P, t_P = index_shuffling(scores_TE.to(torch.bfloat16), top_k=top_k)[:3]
+        counts_E = counts[:E].to(torch.int32)
+        offsets = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0, dtype=torch.int32)])
+        w_P = scores_TE.float()[t_P.long(), e_P.long()]
+        return RoutingPlan(counts_E, offsets, e_P, t_P, w_P, inverse=None)
+
+    def experts(self, rows, in_proj, out_proj, gated, record):
+        from fbgemm_gpu.experimental.gen_ai.moe import gather_scale_dense_tokens
+
+        x_ND = rows.source
+        unit_NE = torch.ones(x_ND.shape[0], in_proj.shape[0], dtype=x_ND.dtype, device=x_ND.device)
+        xs_RD = gather_scale_dense_tokens(
+            x_ND.contiguous(), rows.source_indices, rows.expert_indices, unit_NE
+        )
+        return grouped_mlp(xs_RD, in_proj, out_proj, gated, rows.offsets, rows.expert_indices)
+
+    def combine(self, ys_PD, plan, x_TD):
+        from fbgemm_gpu.experimental.gen_ai.moe import scatter_add_dense_tokens
+
+        out_TD = ys_PD.new_zeros(x_TD.shape[0], ys_PD.shape[1])
+        scaled_PD = (ys_PD.float() * plan.weights[:, None]).to(ys_PD.dtype)
+        scatter_add_dense_tokens(out_TD, scaled_PD, plan.token_indices)
+        return out_TD.to(x_TD.dtype)
+
+
+IMPLS: dict[str, MoEImpl] = {
+    impl.name: impl
+    for impl in (
+        BaselineImpl(),
+        TorchImpl(),
+        TritonImpl("triton_bf16", torch.bfloat16),
+        TritonImpl("triton_fp32", torch.float32),
+        FbgemmImpl(),
+        Mxfp8Impl(),
+    )
+}
+MOE_IMPLS: tuple[str, ...] = tuple(IMPLS)
+
+# Former names, still accepted: "triton_fused" was triton_bf16 with the dispatch fused into the
+# first grouped GEMM, which triton_bf16 itself now does.
+IMPL_ALIASES: dict[str, str] = {"triton_fused": "triton_bf16"}
+
+
+def check_impl(impl: object) -> str:
+    """Validate an implementation name and return it, an alias (``IMPL_ALIASES``) replaced by its
+    implementation (ValueError if unknown, RuntimeError if unavailable)."""
+    impl = IMPL_ALIASES.get(impl, impl) if isinstance(impl, str) else impl
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"impl must be one of {MOE_IMPLS}, got {impl!r}")
+    if not IMPLS[impl].available:
+        raise RuntimeError(
+            f"MoE impl {impl!r} unavailable: {IMPLS[impl].needs_module} not installed"
+        )
+    return impl
+
+
+def check_impl_dims(
+    impl: str,
+    d_model: int,
+    hidden: int,
+    *,
+    names: tuple[str, str, str] = ("impl", "d_model", "hidden"),
+) -> None:
+    """ValueError if implementation ``impl`` (a name or alias in ``MOE_IMPLS``) cannot run a
+    layer of these sizes (``MoEImpl.check_dims``)."""
+    IMPLS[IMPL_ALIASES.get(impl, impl)].check_dims(d_model, hidden, names)
+
+
+def check_dtype(dtype: object, impl: str | None, *, name: str = "x.dtype") -> None:
+    """TypeError unless ``dtype`` is an activation dtype ``impl`` takes (its ``x_dtypes``; every
+    float dtype for ``impl=None``, no MoE layer)."""
+    ok = FLOAT_DTYPES if impl is None else IMPLS[impl].x_dtypes
+    if dtype not in ok:
+        for_impl = f" for impl {impl!r}" if impl else ""
+        raise TypeError(f"{name} must be one of {ok}{for_impl}, got {dtype!r}")
