@@ -154,7 +154,8 @@ class TorchImpl(MoEImpl):
 
 class BaselineImpl(TorchImpl):
     """The reference: the torch routing and combine; the experts as fp32 GEMMs over each
-    expert's block of rows, whose bounds are read on the host (a sync), fp32 outputs. Slow."""
+    expert's block of rows, whose bounds are read on the host (a sync), fp32 outputs. Slow, and
+    not compileable (its loop branches on the bounds)."""
 
     name = "baseline"
     shared_dtype = torch.float32
@@ -169,6 +170,8 @@ class BaselineImpl(TorchImpl):
             bounds = rows.offsets.tolist()  # the host sync
         out = []
         for e in range(in_proj.shape[0]):
+            if bounds[e] == bounds[e + 1]:  # no rows
+                continue
             h = xs_RD[bounds[e] : bounds[e + 1]] @ in_proj[e].float().t()
             out.append(activation(h, gated) @ out_proj[e].float().t())
         out.append(xs_RD.new_zeros(xs_RD.shape[0] - bounds[-1], out_proj.shape[1]))  # no expert
