@@ -2,24 +2,21 @@
 
 Rank r keeps the router (and the expert bias and shared experts) replicated and only its
 contiguous experts ``[r * E // W, (r + 1) * E // W)``. ``forward(x)`` of the rank's own tokens is
-the layer's own walk (``MoELayer.run``: route -> exchange -> experts -> exchange back -> combine,
-the implementation's objects of ``moe_model.impls`` at each step) with this module as the
-exchange and its local experts as the experts:
+the layer's own walk (``MoELayer.run``: the implementation's route, experts and combine of
+``moe_model.impls``) with this rank's experts, and this module as the exchange between them:
 
-1. ``to_experts``: the (E,) counts of every rank gathered on the device (one small all-to-all),
-   then each pair's token row sent to the rank owning its expert (``all_to_all_single``), in one
-   of two modes (``_ep_exchange``): ``"dropless"`` (exact; split sizes read on the host: one host
-   sync per forward) or ``"padded"`` (C rows per (source rank, expert), no host sync, CUDA-graph
-   capturable; pairs past C are dropped and counted in ``dropped``); the received rows handed to
-   the experts grouped by local expert;
-2. ``from_experts``: the outputs sent back (the reverse all-to-all), in the plan's pair order,
-   dropped choices marked -1 in the plan's inverse for the combine.
+* ``to_experts``: the (E,) counts of every rank gathered on the device (one small all-to-all),
+  each pair's token row sent to the rank owning its expert (``all_to_all_single``) in one of two
+  modes (``_ep_exchange``): ``"dropless"`` (exact; split sizes read on the host: one host sync
+  per forward) or ``"padded"`` (C rows per (source rank, expert), no host sync, CUDA-graph
+  capturable; pairs past C dropped and counted in ``dropped``); the rows received handed to the
+  experts grouped by local expert;
+* ``from_experts``: the outputs sent back (the reverse all-to-all) in the plan's pair order,
+  dropped choices marked -1 in the plan's inverse.
 
 With nothing dropped the output equals the single-process layer's on the same tokens. Backward
-runs through both exchanges (the reverse all-to-all) to x, the router and the local experts;
-every rank must run it (a collective per exchange). Implementations that refuse expert
-parallelism (``MoEImpl.refuses_expert_parallel``: ``fbgemm``) raise ValueError at construction
-and before any collective.
+runs through both exchanges to x, the router and the local experts; every rank must run it (a
+collective per exchange).
 """
 
 from __future__ import annotations
@@ -87,7 +84,7 @@ def _check_split(n_experts: int, world: int) -> None:
         )
 
 
-def _check_impl(impl: str) -> None:
+def _check_expert_parallel(impl: str) -> None:
     reason = IMPLS[impl].refuses_expert_parallel
     if reason:
         raise ValueError(
@@ -162,7 +159,7 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         if not isinstance(layer, MoELayer):
             raise TypeError(f"layer must be a MoELayer, got {type(layer).__name__}")
-        _check_impl(layer.impl)
+        _check_expert_parallel(layer.impl)
         _check_mode(mode, capacity_factor, tokens_per_rank)
         group, W, rank = _group_size(group)
         _check_split(layer.n_experts, W)
@@ -232,7 +229,7 @@ class ExpertParallelMoE(nn.Module):
         _check_split(n_experts, W)
         # Every check of MoELayer, no memory; then everything but the experts on the CPU.
         layer = MoELayer(d_model, n_experts, top_k, hidden, device="meta", dtype=dtype, **options)
-        _check_impl(layer.impl)
+        _check_expert_parallel(layer.impl)
         meta_in, meta_out = layer.give_experts(cls.__name__)
         layer.to_empty(device="cpu")
         for buf in layer.buffers():  # (reset_parameters zeroes the ones it knows)
@@ -295,7 +292,7 @@ class ExpertParallelMoE(nn.Module):
         limit = self.tokens_per_rank
         if self.mode == "padded" and limit is not None and x_TD.shape[0] > limit:
             raise ValueError(f"x has {x_TD.shape[0]} tokens, more than tokens_per_rank={limit}")
-        _check_impl(self.layer.impl)
+        _check_expert_parallel(self.layer.impl)
         return x_TD
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
