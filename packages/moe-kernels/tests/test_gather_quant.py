@@ -376,7 +376,7 @@ def test_launches_compile_for_sm90(monkeypatch):
     tok = meta(4096, dtype=torch.int64)
     calls.append(lambda: tri.gather_scale_quant(x, tok, tok, scores, None, None))
     calls.append(lambda: tri.gather_scale_quant(x[:, ::2], tok, tok, scores, ub, None))
-    calls.append(lambda: tri.gather_scale_quant(x, tok, tok, scores, ub, None, ieee_div=False))
+    calls.append(lambda: tri.gather_scale_quant(x, tok, tok, scores, ub, None, ieee_div=True))
     compiled = compile_launches(tri, [tri._gather_quant], calls, monkeypatch)
     assert any(cx["NUM_CHUNKS"] > 1 for cx, _ in compiled)
     assert any("stride_xd" not in cx for cx, _ in compiled)  # the strided launch

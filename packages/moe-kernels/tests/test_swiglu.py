@@ -322,7 +322,7 @@ def test_silu_kernels_launch_configs(config):
     assert_silu(y, silu_oracle(x0, x1, 5))
     q, s = tri.silu_mul_quant(x0, x1, torch.tensor([3.0]), vtc, config=cfg)
     assert_quant((q, s), *quant_oracle(silu_mul(x0.float(), x1.float()), live_list(7, 5), 3.0))
-    q2, s2 = tri.silu_mul_quant(x0, x1, None, None, config=cfg, ieee_div=False)
+    q2, s2 = tri.silu_mul_quant(x0, x1, None, None, config=cfg, ieee_div=True)
     assert_quant((q2, s2), *quant_oracle(silu_mul(x0.float(), x1.float()), None, None))
 
 
@@ -546,7 +546,7 @@ def test_silu_mul_quant_launches_compile_for_sm90(monkeypatch):
         calls.append(lambda x0=x0, x1=x1: tri.silu_mul_quant(x0, x1, ub, vtc))
     x0, x1 = meta_pair(2048, 7168, torch.bfloat16, "halves")
     calls.append(lambda: tri.silu_mul_quant(x0, x1, None, None))
-    calls.append(lambda: tri.silu_mul_quant(x0, x1, ub, None, ieee_div=False))
+    calls.append(lambda: tri.silu_mul_quant(x0, x1, ub, None, ieee_div=True))
     compiled = compile_launches(tri, [tri._silu_mul_quant], calls, monkeypatch)
     assert any(cx["NUM_CHUNKS"] > 1 for cx, _ in compiled)
     for cx, ptx in compiled:

@@ -5,7 +5,7 @@ argument order and results of ``fbgemm_gpu.experimental.gen_ai.moe``.
 A ``torch.library`` custom op (``moe_kernels::gather_scale_quant_dense_tokens``) with a fake
 implementation: a Triton kernel on CUDA (and on CPU under ``TRITON_INTERPRET=1``), the torch
 reference on CPU; no host syncs, safe under ``torch.compile(fullgraph=True)`` and CUDA-graph
-capture, deterministic; the GPU matches the reference bit for bit.
+capture, deterministic; on the GPU bit for bit FBGEMM's results.
 
 Differences from FBGEMM, all deliberate:
 
@@ -14,9 +14,9 @@ Differences from FBGEMM, all deliberate:
   the count unwritten and reads x[-1] for a -1 index);
 * any strides for x and scores (FBGEMM asserts a contiguous x), int32 or int64 indices, any D
   (FBGEMM's autotuned blocks need D % 256 == 0), int64 offsets;
-* IEEE division for the scale (FBGEMM's ``/`` is ``div.full.f32``), NaN products quantise to NaN
-  (0x7F) where FBGEMM's clamp gives +-448; see ``moe_kernels.swiglu`` and
-  ``_reference/fp8_rowwise.py``.
+* NaN products quantise to NaN (0x7F) where FBGEMM's clamp gives +-448; see
+  ``moe_kernels.swiglu``. The scale divides as FBGEMM's does on the GPU (``div.full.f32``): the
+  GPU matches FBGEMM bit for bit, the CPU reference (IEEE division) within 2 ulp of the scale.
 
 Not differentiable: the op registers no autograd formula, so a backward through it raises.
 """
@@ -87,11 +87,11 @@ def gather_scale_quant_dense_tokens(
     Returns ``Fp8Rows(data, scale)``, a tuple: data (N, D) float8_e4m3fn, scale (N,) float32,
     with ``data[i] * scale[i] ~= v_i`` for ``v_i = fp32(x[tok_i]) * fp32(scores[tok_i, exp_i])``
     (one fp32 product). Per row: ``m = max(max_j |v_j|, 1e-12)``, bounded by scale_ub;
-    ``s = 448 / m``, ``scale = 1 / s`` (IEEE divisions); ``data = e4m3fn(clamp(v * s, -448,
-    448))``, rounded to nearest even. Rows with token index -1, expert index -1, or
-    i >= valid_token_count are dead: data 0 and scale 0. Indices must lie in [-1, T) and
-    [-1, E): an out-of-range index is treated as -1 (memory-safe) and is undefined behaviour by
-    contract. Specials (NaN, inf, scale_ub) as in ``silu_mul_quant``.
+    ``s = 448 / m``, ``scale = 1 / s`` (FBGEMM's divisions on the GPU);
+    ``data = e4m3fn(clamp(v * s, -448, 448))``, rounded to nearest even. Rows with token index
+    -1, expert index -1, or i >= valid_token_count are dead: data 0 and scale 0. Indices must
+    lie in [-1, T) and [-1, E): an out-of-range index is treated as -1 (memory-safe) and is
+    undefined behaviour by contract. Specials (NaN, inf, scale_ub) as in ``silu_mul_quant``.
     """
     x = V.float_2d("x", x)
     token_indices = V.index_1d("token_indices", token_indices, "x", x)

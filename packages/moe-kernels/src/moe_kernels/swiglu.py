@@ -13,8 +13,9 @@ Differences from FBGEMM, all deliberate:
   D % 1024 == 0, or % 512 for T < #SMs), int64 offsets;
 * rows >= ``valid_token_count`` are zero (q and scale too) where FBGEMM leaves them unwritten
   (its ``silu_mul_quant`` even writes some of them: it checks the count per block of rows);
-* the quantisation divides with IEEE division (FBGEMM's ``/`` is ``div.full.f32``, up to 2 ulp
-  off), so the scales are exactly the reference's; see ``_reference/fp8_rowwise.py``;
+* none in the quantisation's arithmetic: on the GPU it divides like FBGEMM (``div.full.f32``, up
+  to 2 ulp from the IEEE quotient), so its scales and data are FBGEMM's bit for bit; the CPU
+  reference (and the interpreter) divides with IEEE division, see ``_reference/fp8_rowwise.py``;
 * NaN products quantise to the NaN byte 0x7F (FBGEMM's clamp turns them into +-448) and NaN
   elements are left out of the row maximum (as the GPU's max does in FBGEMM).
 
@@ -136,15 +137,17 @@ def silu_mul_quant(
     tuple: data (T, D) float8_e4m3fn, scale (T,) float32, with ``data[t] * scale[t] ~= v[t]``
     where v is the fp32 ``silu_mul`` value (not rounded to x0's dtype). Per row:
     ``m = max(max_j |v_j|, 1e-12)``, bounded by scale_ub; ``s = 448 / m``, ``scale = 1 / s``
-    (IEEE divisions); ``data = e4m3fn(clamp(v * s, -448, 448))``, rounded to nearest even.
+    (FBGEMM's division on the GPU); ``data = e4m3fn(clamp(v * s, -448, 448))``, rounded to
+    nearest even.
     Rows t >= valid_token_count: data 0 and scale 0.
 
     Specials: NaN elements are left out of the row maximum and quantise to NaN (0x7F); an infinite
     element without scale_ub makes m = inf, s = 0 and scale = inf (its finite neighbours give
     +-0, itself NaN); with scale_ub it saturates to +-448. A NaN scale_ub bounds nothing.
 
-    Numerics: given v, everything is exact (the GPU equals the reference bit for bit); v itself is
-    ``silu_mul``'s, on the GPU equal to FBGEMM's and within a few fp32 ulps of the reference's.
+    Numerics: on the GPU v is ``silu_mul``'s (FBGEMM's bits) and the divisions FBGEMM's
+    ``div.full.f32``: the results equal FBGEMM's bit for bit. The CPU reference divides with IEEE
+    division: scales within 2 ulp of the GPU's, data within one e4m3 step where a scale differs.
     """
     x0, x1 = _check_pair(x0, x1)
     V.scale_ub(scale_ub, "x0", x0)

@@ -10,11 +10,13 @@ not (3.8), so nothing here leaves a NaN to either.
 
 Division: Triton's fp32 ``/`` compiles to ``div.full.f32`` (approximate, up to 2 ulp; read in the
 sm_90a PTX of Triton 3.5, 3.6 and 3.8: ``tests/test_swiglu.py``), which is what FBGEMM's kernels
-run. ``IEEE_DIV`` (the default) divides with ``tl.math.div_rn`` instead: ``div.rn.f32``, the
-reference's IEEE division, so the GPU matches the reference bit for bit (Triton 3.5 emits
-``div.rn.ftz.f32``: the same results here, as 448 / m and 1 / s have normal operands and results
-or overflow either way). ``IEEE_DIV=False`` reproduces FBGEMM's scales bit for bit (the
-launchers' ``ieee_div=False``, for the parity diagnostics).
+run; the launchers' default (``IEEE_DIV=False``) divides the same way, so on the GPU the scales
+and data equal FBGEMM's bit for bit (0 of 200 calls differ on the H200, session 19), while the
+IEEE division differed in 1-3 ulp of about a fifth of the scales and moved data bytes with them.
+Under the interpreter ``/`` is numpy's IEEE division: there the kernels equal the reference bit
+for bit either way. ``IEEE_DIV=True`` (the launchers' ``ieee_div=True``, a typed override for
+diagnostics) divides with ``tl.math.div_rn`` (``div.rn.f32``; ``div.rn.ftz.f32`` on Triton 3.5,
+the same results here), the reference's IEEE division, on the GPU too.
 The e4m3 rounding is the hardware's ``cvt.rn.satfinite`` on the GPU and, under the interpreter
 (whose float8 cast is wrong near powers of two), the exact integer RNE of ``mxfp8_quant``.
 """

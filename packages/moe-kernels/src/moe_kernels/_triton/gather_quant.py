@@ -114,13 +114,14 @@ def gather_scale_quant(
     valid_token_count: torch.Tensor | None,
     *,
     config: RowConfig | None = None,
-    ieee_div: bool = True,
+    ieee_div: bool = False,
     native_cast: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (N, D) float8_e4m3fn, scale (N,) fp32) of x[tok] * scores[tok, exp], dead rows zero.
-    ``config`` overrides the launch shape (``pick_config("quant", N, D)``); ``ieee_div=False``
-    divides like FBGEMM (``div.full.f32`` on the GPU); ``native_cast`` (default: on the GPU)
-    picks the hardware e4m3 cast over the integer rounding. Index tensors must be contiguous."""
+    ``config`` overrides the launch shape (``pick_config("quant", N, D)``); ``ieee_div=True``
+    divides with IEEE division (the reference's; default: FBGEMM's ``div.full.f32`` on the GPU);
+    ``native_cast`` (default: on the GPU) picks the hardware e4m3 cast over the integer rounding.
+    Index tensors must be contiguous."""
     num_tokens, dim = x_TD.shape
     num_rows = token_indices_N.shape[0]
     q = torch.empty((num_rows, dim), dtype=torch.uint8, device=x_TD.device)

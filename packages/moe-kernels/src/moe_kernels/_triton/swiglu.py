@@ -168,13 +168,14 @@ def silu_mul_quant(
     valid_token_count: torch.Tensor | None,
     *,
     config: RowConfig | None = None,
-    ieee_div: bool = True,
+    ieee_div: bool = False,
     native_cast: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (T, D) float8_e4m3fn, scale (T,) fp32): the row-wise quantisation of the fp32
     silu_mul value. ``config`` overrides the launch shape (``pick_config("quant", T, D)``);
-    ``ieee_div=False`` divides like FBGEMM (``div.full.f32`` on the GPU); ``native_cast``
-    (default: on the GPU) picks the hardware e4m3 cast over the integer rounding."""
+    ``ieee_div=True`` divides with IEEE division (the reference's; default: FBGEMM's
+    ``div.full.f32`` on the GPU); ``native_cast`` (default: on the GPU) picks the hardware e4m3
+    cast over the integer rounding."""
     num_rows, dim = x0_TD.shape
     q = torch.empty((num_rows, dim), dtype=torch.uint8, device=x0_TD.device)
     scale = torch.empty((num_rows,), dtype=torch.float32, device=x0_TD.device)
