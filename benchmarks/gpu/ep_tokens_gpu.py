@@ -4,7 +4,8 @@
 PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
     python3 benchmarks/gpu/ep_tokens_gpu.py            # H200 (a few minutes; FBGEMM autotunes)
     python3 benchmarks/gpu/ep_tokens_gpu.py --dry-run  # CPU, TRITON_INTERPRET=1, tiny shapes
-    options: --no-timings, --no-sweeps (checks only / checks and timings)
+    options: --no-timings, --no-sweeps (checks only / checks and timings),
+             --sections=timings,print_table (those sections alone)
 
 Checks (outputs poisoned with NaN through the caching allocator first, calls under
 ``set_sync_debug_mode("error")``), each op bit-exact against the torch reference run on the CPU:
@@ -637,6 +638,11 @@ def main() -> None:
         if "--no-sweeps" not in sys.argv:
             sections.append(sweeps)
         sections.append(print_table)
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--sections=")),
+                None)  # fmt: skip
+    if only:
+        everything = [*sections, timings, sweeps, print_table]
+        sections = [s for s in dict.fromkeys(everything) if s.__name__ in only]
     for section in sections:
         try:
             section()

@@ -4,6 +4,7 @@
 PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
     python3 benchmarks/gpu/fp8_ops_gpu.py             # H200
     python3 benchmarks/gpu/fp8_ops_gpu.py --no-sweep  # skip the size and config sweeps
+    python3 benchmarks/gpu/fp8_ops_gpu.py --configs-only  # the RowConfig sweep alone
     python3 benchmarks/gpu/fp8_ops_gpu.py --dry-run   # CPU, TRITON_INTERPRET=1, tiny shapes
 
 Checks (outputs poisoned with NaN through the caching allocator first, op calls under
@@ -441,10 +442,14 @@ def sweep_configs():
     print(f"config sweep T={t} D={d} k={k}: graph us (defaults: elementwise "
           f"{rows.pick_config('elementwise', t, d)}, quant {rows.pick_config('quant', t, d)},"
           f" gather {rows.pick_config('quant', t * k, d)})")  # fmt: skip
+    small = rand((128, 2 * 5120), BF16, 6)
     for cfg in [C(1, 1024, 4), C(2, 1024, 4), C(4, 1024, 4), C(8, 1024, 8), C(8, 256, 4),
-                C(4, 512, 4), C(16, 256, 8)]:  # fmt: skip
+                C(4, 512, 4), C(16, 256, 8), C(1, 2048, 4), C(1, 2048, 8), C(2, 2048, 8),
+                C(1, 512, 2), C(1, 512, 4)]:  # fmt: skip
         us = graph_us(lambda cfg=cfg: tri_s.silu_mul(x0, x1, None, config=cfg), 10, 10, DRY)
-        print(f"  silu_mul {cfg}: {us:.1f}", flush=True)
+        a, b = small[:, :5120], small[:, 5120:]
+        us_small = graph_us(lambda cfg=cfg: tri_s.silu_mul(a, b, None, config=cfg), 10, 10, DRY)
+        print(f"  silu_mul {cfg}: {us:.1f}  (T=128, D=5120: {us_small:.1f})", flush=True)
     for cfg in [C(1, 2048, 4), C(1, 2048, 8), C(2, 2048, 4), C(2, 2048, 8), C(4, 2048, 8),
                 C(1, 2048, 2), C(1, 1024, 4), C(2, 512, 4)]:  # fmt: skip
         qs = graph_us(lambda cfg=cfg: tri_s.silu_mul_quant(x0, x1, None, None, config=cfg), 10,
@@ -483,7 +488,9 @@ def main():
     sections += [lambda t=t, d=d: time_ops(t, d, 1, 8) for t, d in fb_shapes]
     if SWEEP:
         sections += [sweep_sizes, sweep_configs]
-    for section in [*sections, print_table]:
+    if "--configs-only" in sys.argv:
+        sections = [sweep_configs]
+    for section in [*sections, print_table] if sections != [sweep_configs] else sections:
         try:
             section()
         except Exception:  # noqa: BLE001 - report and go on with the other sections
