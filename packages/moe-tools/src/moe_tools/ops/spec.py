@@ -112,6 +112,17 @@ def interpreted(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and _dispatch.use_triton(t.device)
 
 
+def execution_path(device: torch.device) -> str:
+    """Where the public ops run on ``device``: "triton" (CUDA), "interpreter" (CPU tensors under
+    ``TRITON_INTERPRET=1``) or "reference" (the torch reference: a CPU, or
+    ``MOE_KERNELS_BACKEND=reference``)."""
+    from moe_kernels import _dispatch
+
+    if not _dispatch.use_triton(device):
+        return "reference"
+    return "triton" if device.type == "cuda" else "interpreter"
+
+
 @functools.cache
 def fbgemm_ops() -> Any:
     """``torch.ops.fbgemm`` once ``fbgemm_gpu.experimental.gen_ai.moe`` has registered FBGEMM's
