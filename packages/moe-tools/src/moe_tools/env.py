@@ -32,11 +32,16 @@ def _dist_version(dist: str) -> str | None:
 
 
 def git_commit(path: str | os.PathLike[str] | None = None) -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the git checkout holding ``path`` (default: this package's source, so
-    a clone or an editable install knows its commit; an installed wheel has none: (None, None)).
-    ``dirty``: tracked files differ from the commit."""
-    where = Path(path) if path is not None else Path(__file__).resolve().parent
+    """(commit, dirty) of the git checkout that tracks ``path`` (default: this file, so a clone or
+    an editable install knows its commit; an installed wheel has none, even inside a checkout:
+    (None, None)). ``dirty``: tracked files differ from the commit."""
+    target = Path(path) if path is not None else Path(__file__).resolve()
+    where = target if target.is_dir() else target.parent
     try:
+        subprocess.run(
+            ["git", "-C", str(where), "ls-files", "--error-unmatch", "--", str(target)],
+            capture_output=True, timeout=10, check=True,
+        )  # fmt: skip
         head = subprocess.run(
             ["git", "-C", str(where), "rev-parse", "HEAD"],
             capture_output=True, text=True, timeout=10, check=True,
