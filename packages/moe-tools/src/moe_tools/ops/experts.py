@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +41,21 @@ def _draw_gemm(rng: random.Random, large: bool) -> Sizes:
     )
 
 
-def _gemm_problem(s: Sizes, gen: torch.Generator, device: torch.device, *, weight_grad: bool):
-    """(label, x, offsets, rows, P): the tokens and their expert-sorted rows, from ``route`` when
-    ``gathered`` (the default), else ``x`` already sorted (rows None) with random group ends."""
+class GemmRows(NamedTuple):
+    """A grouped GEMM's tokens and their expert-sorted rows."""
+
+    label: str
+    x: torch.Tensor  # (T, D)
+    offsets: torch.Tensor  # (E+1,) the groups' bounds
+    rows: torch.Tensor | None  # (P,) the source token of each row; None: x is already sorted
+    P: int  # rows
+
+
+def _gemm_problem(
+    s: Sizes, gen: torch.Generator, device: torch.device, *, weight_grad: bool
+) -> GemmRows:
+    """The tokens and their expert-sorted rows, from ``route`` when ``gathered`` (the default),
+    else ``x`` already sorted with random group ends."""
     T, E, k, D = s["T"], s["E"], s["k"], s["D"]
     dtype = getattr(torch, s.get("dtype", "bfloat16"))
     x = randn((T, D), gen, device, dtype)
@@ -59,7 +72,7 @@ def _gemm_problem(s: Sizes, gen: torch.Generator, device: torch.device, *, weigh
     label = f"T={T} E={E} k={k} D={D} N={s['N']}{name} {str(dtype).removeprefix('torch.')}"
     if rows is None:
         label += " sorted"
-    return label, x, offsets, rows, P
+    return GemmRows(label, x, offsets, rows, P)
 
 
 def _groups(offsets: torch.Tensor, rows: torch.Tensor | None, T: int):
