@@ -237,6 +237,19 @@ def test_kernels_peer_failures_are_notes_not_rows(monkeypatch):
     assert res.rows[0]["status"] == "ok" and res.rows[0]["torch_us"] is None
     assert any("torch: RuntimeError: peer broke" in n for n in res.extra["notes"])
 
+    def not_installed(problem):
+        raise ModuleNotFoundError("No module named 'fbgemm_gpu'")
+
+    missing: dict[str, str] = {}
+    patched = type(spec)(**{**spec.__dict__, "native": not_installed})
+    problem = spec.make(
+        spec.sizes["quick"][0], torch.Generator().manual_seed(0), torch.device("cpu")
+    )
+    for _ in range(2):  # a peer that does not import: recorded once, then skipped
+        row, skipped = kernels.measure(patched, problem, torch.device("cpu"), None, missing)
+        assert row["status"] == "ok" and skipped == []
+    assert missing == {"torch": "ModuleNotFoundError: No module named 'fbgemm_gpu'"}
+
 
 def test_verify_passes_on_the_reference_path():
     res = verify.run(device="cpu", shapes=1, ops=list(verify.CHECKS), progress=False)

@@ -102,9 +102,15 @@ def peer_makers(spec: OpSpec, device: torch.device) -> dict[str, Callable[[Probl
 
 
 def measure(
-    spec: OpSpec, problem: Problem, device: torch.device, ceiling: float | None
+    spec: OpSpec,
+    problem: Problem,
+    device: torch.device,
+    ceiling: float | None,
+    missing: dict[str, str] | None = None,
 ) -> tuple[Row, list[str]]:
-    """One row: ours, its peers and a same-bytes clone; and a line per peer that did not run."""
+    """One row: ours, its peers and a same-bytes clone; and a line per peer that did not run.
+    A peer that does not import is recorded once in ``missing`` (and skipped from then on)."""
+    missing = {} if missing is None else missing
     nbytes = spec.bytes_moved(problem)
     row: Row = {c: None for c in COLUMNS}
     row.update(op=spec.name, shape=problem.label, bytes=nbytes, status="ok")
@@ -126,10 +132,14 @@ def measure(
         row["tflops"] = spec.flops(problem) / us / 1e6
     skipped = []
     for name, make in peer_makers(spec, device).items():
+        if name in missing:
+            continue
         try:
             fn = make(problem)
             fn()
             row[f"{name}_us"] = bench_us(fn, device)
+        except ImportError as exc:
+            missing[name] = short_error(exc)
         except Exception as exc:
             skipped.append(f"{spec.name} {problem.label}: {name}: {short_error(exc)}")
     row["speedup"] = _ratio(row["torch_us"], us)
@@ -144,14 +154,7 @@ def measure(
     return row, skipped
 
 
-def _fbgemm_note(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return None
-    try:
-        fbgemm_ops()
-    except Exception as exc:
-        return f"fbgemm: not measured ({short_error(exc)}; pip install fbgemm-gpu-genai)"
-    return None
+INSTALL = {"fbgemm": "pip install fbgemm-gpu-genai", "torchao": "pip install torchao"}
 
 
 def run(
@@ -175,7 +178,8 @@ def run(
     jobs = [(spec, sizes) for spec in specs for sizes in spec.sizes["quick" if quick else "full"]]
     gen = torch.Generator(device=device).manual_seed(seed)
     rows: list[Row] = []
-    notes = [n for n in (_fbgemm_note(device),) if n]
+    notes: list[str] = []
+    missing: dict[str, str] = {}
     bar = tables.progress(jobs, enabled=progress, desc="kernels", unit="case")
     with torch.no_grad():
         for spec, sizes in bar:
@@ -186,13 +190,14 @@ def run(
                 status = f"unavailable: {short_error(exc)}"
                 rows.append({**{c: None for c in COLUMNS}, "op": spec.name, "status": status})
                 continue
-            row, skipped = measure(spec, problem, device, ceiling)
+            row, skipped = measure(spec, problem, device, ceiling, missing)
             rows.append(row)
             notes += skipped
             del problem
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    notes += [f"{p}: not measured ({why}; {INSTALL.get(p, '')})" for p, why in missing.items()]
     if path == "triton":
         notes.insert(0, f"copy ceiling (clone of a large buffer, read + write): {ceiling:.1f} GB/s")
     else:

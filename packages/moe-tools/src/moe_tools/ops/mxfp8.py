@@ -382,13 +382,13 @@ COMPUTE_PER_GROUP_BLOCKED_SCALE_OFFSETS = OpSpec(
 
 
 def _draw_mm(rng: random.Random, large: bool) -> Sizes:
-    M = rng.randint(1, 4096 if large else 160)
+    M = rng.randint(1, 2048 if large else 160)  # the float64 oracle runs on the host
     E = rng.randint(1, 16 if large else 5)
     tail = rng.randint(0, M // 4)
     return dict(
         M=M,
-        K=32 * rng.randint(1, 64 if large else 3),
-        N=rng.choice([16, 256, 1024] if large else [8, 24, 40]),
+        K=32 * rng.randint(1, 16 if large else 3),
+        N=rng.choice([16, 256] if large else [8, 24, 40]),
         E=E,
         ends=random_ends(rng, M, E, tail),
     )
@@ -443,7 +443,8 @@ def _mm_native(p: Problem):
     """The bf16 grouped GEMM MXFP8 replaces: ``torch._grouped_mm`` on CUDA, else a loop."""
     a, b, ends = p.args
     if a.is_cuda and hasattr(torch, "_grouped_mm"):
-        return lambda: torch._grouped_mm(a, b, offs=ends)
+        b_cm = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major, as CUTLASS takes
+        return lambda: torch._grouped_mm(a, b_cm, offs=ends)
     bounds = [0, *ends.tolist()]
 
     def loop() -> torch.Tensor:
