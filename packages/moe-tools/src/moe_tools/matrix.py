@@ -182,7 +182,7 @@ def run(
             extra["baseline_error"] = short_error(exc)
         rows = []
         for impl in tables.progress(impls, enabled=progress, desc="matrix", unit="impl"):
-            if impl not in MOE_IMPLS:
+            if impl not in impl_names():
                 rows.append(
                     _empty_row(impl, f"unavailable: unknown impl (known: {', '.join(MOE_IMPLS)})")
                 )
@@ -360,9 +360,11 @@ def preset_name(text: str) -> str:
 
 
 def impl_names() -> tuple[str, ...]:
+    """``moe_model.MOE_IMPLS`` and the former names MoELayer still accepts."""
     from moe_model import MOE_IMPLS
+    from moe_model.moe import IMPL_ALIASES
 
-    return tuple(MOE_IMPLS)
+    return (*MOE_IMPLS, *IMPL_ALIASES)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

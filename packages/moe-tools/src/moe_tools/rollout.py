@@ -286,11 +286,11 @@ def world_preset(text: str) -> str:
 
 
 def impl_name(text: str) -> str:
-    from moe_model import MOE_IMPLS
+    from moe_tools.matrix import impl_names
 
-    if text not in MOE_IMPLS:
+    if text not in impl_names():
         raise argparse.ArgumentTypeError(
-            f"unknown impl {text!r}; choose from {', '.join(MOE_IMPLS)}"
+            f"unknown impl {text!r}; choose from {', '.join(impl_names())}"
         )
     return text
 
