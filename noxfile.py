@@ -18,30 +18,45 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-PACKAGES = ("moe-kernels", "moe-model", "moe-tools")
+# folder under packages/ -> distribution name. PyPI's "moe-kernels" is an unrelated project
+# (the same import name, moe_kernels): ours is "moe-kernels-triton".
+DISTRIBUTIONS = {
+    "moe-kernels": "moe-kernels-triton",
+    "moe-model": "moe-model",
+    "moe-tools": "moe-tools",
+}
+PACKAGES = tuple(DISTRIBUTIONS)
 
 # torch version -> the triton that torch release was built against (pip's name differs on Windows).
-# Newest first: ``nox -s tests`` runs the main version before the older one.
+# Newest first: ``nox -s tests`` runs the newest torch on PyPI first (what a fresh install gets).
 TORCH_TRITON = {
+    "2.14.1": ("triton==3.8.0", "triton-windows>=3.8,<3.9"),  # it requires triton ~= 3.8.0
     "2.13.0": ("triton==3.8.0", "triton-windows>=3.8,<3.9"),
     "2.9.1": ("triton==3.5.1", "triton-windows>=3.5,<3.6"),
 }
 TORCH_VERSIONS = list(TORCH_TRITON)
 NEWEST_TORCH = TORCH_VERSIONS[0]
+# A CPU build of torch that pins no Triton (PyPI's Linux builds of 2.14 require triton ~= 3.8):
+# the session of the newest Triton runs beside it. This machine kind has its wheel on disk.
+CPU_TORCH = "2.13.0"
 # ``triton`` of a tests session: "pinned" (the torch release's own, what its CUDA builds run) or
-# "latest" (the newest Triton on PyPI, what ``pip install moe-kernels`` beside a CPU torch pulls).
-# The kernels' interpreter tests run with the newest Triton and with the oldest supported (torch
-# 2.9.1's 3.5, whose interpreter needs workarounds of its own); with torch 2.13's pinned 3.8 the
-# reference-path run compiles every GPU launch plan for sm_90a instead (test_compile_sm90.py).
-# Each session: (kernel tests on the reference path, kernel tests in the interpreter, moe-model
-# and moe-tools tests). The older torch's interpreter run leaves out the tests marked ``slow``
-# (the largest interpreter problems, which the newest Triton's run keeps): CI stays within its
-# 25 minutes on two cores.
+# "latest" (the newest Triton on PyPI, what ``pip install moe-kernels-triton`` beside a CPU torch
+# pulls). Each session: (kernel tests on the reference path, kernel tests in the interpreter,
+# moe-model and moe-tools tests).
+# * The newest torch runs everything but the interpreter; with its pinned Triton 3.8 the
+#   reference-path run also compiles every GPU launch plan for sm_90a (test_compile_sm90.py),
+#   and matplotlib is installed there, so the plot tests run.
+# * The interpreter runs with the newest Triton (beside torch 2.13.0) and with the oldest
+#   supported (torch 2.9.1's 3.5, whose interpreter needs workarounds of its own); the older one
+#   leaves out the tests marked ``slow`` (the largest interpreter problems): CI stays within its
+#   25 minutes on two cores. torch 2.13.0's reference path and model tests are not run: 2.9.1
+#   and 2.14.1 bracket it.
 TEST_MATRIX = {
     (NEWEST_TORCH, "pinned"): (True, False, True),
-    (NEWEST_TORCH, "latest"): (False, True, False),
-    **{(v, "pinned"): (True, True, True) for v in TORCH_VERSIONS[1:]},
+    (CPU_TORCH, "latest"): (False, True, False),
+    **{(v, "pinned"): (True, True, True) for v in TORCH_VERSIONS[2:]},
 }
+PLOTS = (NEWEST_TORCH, "pinned")  # the session that installs matplotlib
 
 # On Linux x86_64 PyPI's torch wheels are CUDA builds: torch 2.9.1 with its nvidia-* wheels took
 # 6.7 GiB installed and peaked at 10.4 GiB of disk while pip installed it without a cache (pip's
@@ -122,14 +137,14 @@ def tests(session: nox.Session, torch: str, triton: str) -> None:
     reference, interpreter, others = TEST_MATRIX[(torch, triton)]
     interpreter = interpreter and HAS_TRITON_WHEELS
     _install_torch(session, torch, triton)
-    _install_packages(session)
+    _install_packages(session, *(["matplotlib"] if (torch, triton) == PLOTS else []))
     workers = os.environ.get("MOE_TEST_WORKERS", "2")
     pytest = ["pytest", "-q", "-p", "no:cacheprovider", "-n", workers, *session.posargs]
     env_ref = {"TRITON_INTERPRET": "0"}
     if reference:
         session.run(*pytest, "packages/moe-kernels/tests", env=env_ref)
     if interpreter:
-        marks = [] if torch == NEWEST_TORCH else ["-m", "not slow"]
+        marks = [] if triton == "latest" else ["-m", "not slow"]
         session.run(*pytest, *marks, "packages/moe-kernels/tests", env={"TRITON_INTERPRET": "1"})
     if others:
         session.run(*pytest, "packages/moe-model/tests", env=env_ref)
@@ -139,18 +154,15 @@ def tests(session: nox.Session, torch: str, triton: str) -> None:
 @nox.session
 def benchmarks(session: nox.Session) -> None:
     """The pytest-benchmark suite in packages/moe-tools/benchmarks (tiny sizes on CPU, full sizes
-    on CUDA); JSON into benchmarks/results/<machine>-<date>/ (render it with
-    ``moe-bench report --results benchmarks/results/<dir> --out BENCHMARKS.md``)."""
+    on CUDA); JSON into benchmarks/results/<machine>/pytest-benchmark.json, this machine's current
+    data (``moe-bench report`` renders it with the rest of the folder)."""
     torch = os.environ.get("MOE_BENCH_TORCH", NEWEST_TORCH)
     _install_torch(session, torch)
     _install_packages(session, "pytest-benchmark>=4", "tqdm", "matplotlib")
-    folder = session.run(
-        "python",
-        "-c",
-        "from moe_tools.report import results_folder; print(results_folder())",
-        silent=True,
+    machine = session.run(
+        "python", "-c", "from moe_tools.env import machine_slug; print(machine_slug())", silent=True
     )
-    out = ROOT / folder.strip().splitlines()[-1]
+    out = ROOT / "benchmarks" / "results" / machine.strip().splitlines()[-1]
     out.mkdir(parents=True, exist_ok=True)
     session.run(
         "pytest",
@@ -175,19 +187,51 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
+def _fresh_venv(session: nox.Session, name: str) -> list[str]:
+    """A new venv under the session's tmp folder; its ``python -m pip install -q`` command."""
+    venv = Path(session.create_tmp()) / name
+    session.run(sys.executable, "-m", "venv", "--clear", str(venv), external=True)
+    py = str(venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python"))
+    return [py, "-m", "pip", "install", "-q"]
+
+
 @nox.session
 def build(session: nox.Session) -> None:
-    """Wheels and sdists of all three packages into dist/, then install the moe-kernels wheel
-    alone into a fresh venv (beside the CPU torch) and import it."""
+    """Wheels and sdists of the three packages into dist/, then two fresh venvs prove the
+    installs (beside torch 2.13.0 and its Triton):
+    1. moe-kernels-triton's wheel alone imports, declares torch and Triton only, and runs an op;
+    2. moe-model's wheel, with stand-ins of PyPI's unrelated ``moe-kernels`` (0.1.1, 0.8.2)
+       offered to pip and not our kernels wheel, is refused (nothing provides
+       moe-kernels-triton); with dist/ offered too, moe-model's and moe-tools' wheels take our
+       moe-kernels-triton, never the stand-ins, and a layer and ``moe-bench verify`` run."""
     session.install("build>=1")
     dist = ROOT / "dist"
     for pkg in PACKAGES:
         session.run("python", "-m", "build", "--outdir", str(dist), str(ROOT / "packages" / pkg))
-    wheel = sorted(dist.glob("moe_kernels-*.whl"))[-1]
-    venv = Path(session.create_tmp()) / "kernels-only"
-    session.run(sys.executable, "-m", "venv", "--clear", str(venv), external=True)
-    py = str(venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python"))
-    pip = [py, "-m", "pip", "install", "-q"]
-    session.run(*pip, f"torch=={NEWEST_TORCH}", external=True)
-    session.run(*pip, str(wheel), external=True)
-    session.run(py, str(ROOT / ".ci" / "check_kernels_wheel.py"), external=True)
+    wheels = {
+        pkg: str(sorted(dist.glob(f"{name.replace('-', '_')}-*.whl"))[-1])
+        for pkg, name in DISTRIBUTIONS.items()
+    }
+    base = _torch_requirements(CPU_TORCH)
+
+    pip = _fresh_venv(session, "kernels-only")
+    session.run(*pip, *base, external=True)
+    session.run(*pip, wheels["moe-kernels"], external=True)
+    session.run(pip[0], str(ROOT / ".ci" / "check_kernels_wheel.py"), external=True)
+
+    decoys = Path(session.create_tmp()) / "decoys"
+    session.run("python", str(ROOT / ".ci" / "decoy_wheels.py"), str(decoys))
+    pip = _fresh_venv(session, "model-and-tools")
+    session.run(*pip, *base, "safetensors>=0.4", "tqdm>=4", external=True)
+    offline = ["--no-index", "--find-links", str(decoys)]
+    refused = session.run(
+        *pip, *offline, wheels["moe-model"], external=True, success_codes=[1], silent=True
+    )
+    if "moe-kernels-triton" not in (refused or ""):
+        session.error(f"moe-model's wheel without ours should be refused; pip said: {refused}")
+    session.log("moe-model without our kernels wheel: refused, the stand-ins not taken")
+    session.run(
+        *pip, *offline, "--find-links", str(dist), wheels["moe-model"], wheels["moe-tools"],
+        external=True,
+    )  # fmt: skip
+    session.run(pip[0], str(ROOT / ".ci" / "check_install.py"), external=True)

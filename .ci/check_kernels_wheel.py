@@ -1,5 +1,5 @@
-"""Run by `nox -s build` inside a fresh venv holding only torch and the moe-kernels wheel: the
-package imports, its declared dependencies are torch and Triton alone, Triton only where Triton
+"""Run by `nox -s build` inside a fresh venv holding only torch and the moe-kernels-triton wheel:
+the package imports, its declared dependencies are torch and Triton alone, Triton only where Triton
 publishes wheels (triton on Linux, triton-windows on Windows; none on macOS), and one op runs."""
 
 from importlib.metadata import requires
@@ -16,7 +16,7 @@ def _split(req: str) -> tuple[str, str]:
     return name, " ".join(marker.replace("'", '"').split())
 
 
-deps = dict(_split(r) for r in requires("moe-kernels") or [] if "extra ==" not in r)
+deps = dict(_split(r) for r in requires("moe-kernels-triton") or [] if "extra ==" not in r)
 expected = {
     "torch": "",
     "triton": 'sys_platform == "linux"',

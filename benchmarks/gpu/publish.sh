@@ -1,47 +1,69 @@
 #!/usr/bin/env bash
-# The published GPU benchmarks in one go: seed-moe rollout (compiled, CUDA graph), kernels, the
-# MoE matrix, then verify; JSON (+ plots when matplotlib is there) into $OUT, tables on stdout, and
-# a markdown page rendered from the JSON ($OUT/BENCHMARKS.md).
+# The published GPU results in one go: every command line of PUBLISHED below, each saved as
+# current data (`--save`: $OUT/<machine>/<name>.json, replacing that command's last run), then
+# BENCHMARKS.md rendered from $OUT. Tables and logs go to stdout and to $CACHE (ignored by git),
+# plots too when matplotlib is there: pictures and logs stay out of the repository.
 #
 # From the repository root, on the device machine (packages not installed, so PYTHONPATH):
-#   bash benchmarks/gpu/publish.sh
-# Without $OUT it writes benchmarks/results/<machine>-<date>/. About 6-8 minutes on one H200,
-# most of it torch.compile. Set SKIP_VERIFY=1 to leave out the correctness pass.
+#   bash benchmarks/gpu/publish.sh                    # everything (the routing sweep: minutes)
+#   ONLY=kernels,verify bash benchmarks/gpu/publish.sh   # lines whose command is listed
+# OUT defaults to benchmarks/results; BENCHMARKS=<path> or BENCHMARKS= (none) for the page.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-if [ -z "${OUT:-}" ]; then
-  OUT="$($PY -c 'from moe_tools.report import results_folder; print(results_folder())')"
-fi
-mkdir -p "$OUT"
+OUT="${OUT:-benchmarks/results}"
+CACHE="${CACHE:-benchmarks/.cache/publish-$(date -u +%Y-%m-%dT%H%M)}"
+BENCHMARKS="${BENCHMARKS-BENCHMARKS.md}"
+mkdir -p "$CACHE"
 
-plot_args() {  # --plot only when matplotlib imports (the `plot` extra)
-  if $PY -c "import matplotlib" 2>/dev/null; then
-    echo "--plot $OUT/$1"
-  else
-    echo "# matplotlib missing: no $1" >&2
-  fi
-}
+# One published command line each (moe-bench's arguments). A new row of BENCHMARKS.md is a new
+# line here: its run writes a new data file.
+PUBLISHED=(
+  "matrix --preset seed-moe"
+  "matrix --preset seed-moe --impls torch,triton_bf16"
+  "matrix --preset deepseek-v3 --tokens 4096 --impls torch,triton_bf16"
+  "matrix --preset deepseek-v3 --tokens 64 --impls torch,triton_bf16"
+  "matrix --preset qwen3-30b-a3b --tokens 4096 --impls torch,triton_bf16"
+  "matrix --preset qwen3-30b-a3b --tokens 64 --impls torch,triton_bf16"
+  "rollout --preset seed-moe --frames 256 --compile --cuda-graph"
+  "rollout --preset seed-moe --modes compile,graph --frames 256"
+  "rollout --preset seed-moe --modes eager,compile,graph --no-images --frames 128 --profile"
+  "kernels"
+  "kernels --ops route,index_shuffling"
+  "kernels --ops to_blocked_per_group_2d,to_blocked_per_group_3d"
+  "kernels --sweep routing --jobs 16"
+  "kernels --sweep routing --jobs 16 --sweep-T 4096,65536,1048576 --sweep-E 16,32,128,320 --sweep-k 1,8"
+  "verify"
+  "train --preset seed-moe"
+)
+
+has_plot() { [[ " $1 " =~ \ (rollout|kernels|train)\  ]]; }
+wanted() { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",${1%% *},"* ]]; }
 
 status=0
-run() {
+i=0
+for line in "${PUBLISHED[@]}"; do
+  i=$((i + 1))
+  wanted "$line" || continue
+  # shellcheck disable=SC2206
+  args=($line)
+  extra=()
+  if has_plot "$line" && $PY -c "import matplotlib" 2>/dev/null; then
+    extra=(--plot "$CACHE/$i-${args[0]}.png")
+  fi
   echo
-  echo "### moe-bench $*"
-  local t0=$SECONDS
-  $PY -m moe_tools.cli "$@" || { echo "### exit status $? for: $*"; status=1; }
+  echo "### moe-bench $line"
+  t0=$SECONDS
+  $PY -m moe_tools.cli "${args[@]}" --no-progress --save "$OUT" "${extra[@]}" 2>&1 \
+    | tee "$CACHE/$i-${args[0]}.log" || true
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "### exit status $rc for: $line"; status=1; }
   echo "### $((SECONDS - t0)) s"
-}
-
-# shellcheck disable=SC2046
-run rollout --preset seed-moe --frames 256 --compile --cuda-graph --json "$OUT/rollout.json" \
-  $(plot_args rollout.png)
-# shellcheck disable=SC2046
-run kernels --json "$OUT/kernels.json" $(plot_args kernels.png)
-run matrix --preset seed-moe --json "$OUT/matrix.json"
-if [ -z "${SKIP_VERIFY:-}" ]; then
-  run verify --json "$OUT/verify.json"
+done
+if [ -n "$BENCHMARKS" ]; then
+  $PY -m moe_tools.cli report --results "$OUT" --out "$BENCHMARKS" --force \
+    --title "moe-bench results" || status=1
 fi
-$PY -m moe_tools.cli report --results "$OUT" --out "$OUT/BENCHMARKS.md" --title "moe-bench results"
-ls -l "$OUT"
+echo "logs and plots: $CACHE"
 exit $status

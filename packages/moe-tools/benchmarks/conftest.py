@@ -1,6 +1,6 @@
 """The pytest-benchmark suite: full sizes on CUDA, tiny ones on CPU (so it passes anywhere).
 
-Run it with ``nox -s benchmarks`` (JSON under ``benchmarks/results/<machine>-<date>/``) or
+Run it with ``nox -s benchmarks`` (JSON: ``benchmarks/results/<machine>/pytest-benchmark.json``) or
 ``pytest packages/moe-tools/benchmarks --benchmark-json=out.json``.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from moe_tools.report import environment
+from moe_tools.env import environment
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CUDA = DEVICE.type == "cuda"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_tools.matrix import build_layer, diff_stats, layer_sizes
-from moe_tools.report import short_error
+from moe_tools.tables import short_error
 
 CUDA = torch.cuda.is_available()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_tools.report import short_error
+from moe_tools.tables import short_error
 from moe_tools.train import PRESETS, build_layer, reference_grads, rel_err
 
 CUDA = torch.cuda.is_available()

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from moe_tools import kernels, matrix, report, rollout, verify
+from moe_tools import kernels, matrix, rollout, verify
+from moe_tools.ops import REGISTRY
+from moe_tools.tables import short_error
 
 
 def test_diff_stats():
@@ -20,9 +22,9 @@ def test_diff_stats():
 
 
 def test_short_error_is_one_clipped_line():
-    text = report.short_error(ValueError("first line\nsecond line"))
+    text = short_error(ValueError("first line\nsecond line"))
     assert text == "ValueError: first line"
-    assert len(report.short_error(RuntimeError("x" * 500), limit=50)) == 50
+    assert len(short_error(RuntimeError("x" * 500), limit=50)) == 50
 
 
 def test_matrix_rows_on_tiny_preset():
@@ -180,88 +182,107 @@ def test_rollout_unavailable_rows():
 
 
 def test_kernels_rows_on_cpu():
-    res = kernels.run(device="cpu", ops=["route", "blocked_3d", "to_mxfp8"], progress=False)
-    assert res.extra["quick"] is True and res.extra["ceiling_gbps"] > 0
-    ops = {r["op"] for r in res.rows}
-    assert ops == {"route", "blocked_3d", "to_mxfp8"}
-    by = {(r["op"], r["shape"], r["impl"]): r for r in res.rows}
-    for (op, shape, _), r in by.items():
-        assert r["status"] == "ok", r
-        assert r["us"] > 0
-        assert r["gbps"] == pytest.approx(r["bytes"] / r["us"] / 1e3)
-        assert r["pct_ceiling"] == pytest.approx(100 * r["gbps"] / res.extra["ceiling_gbps"])
-        if op != "to_mxfp8":
-            native = by[(op, shape, "torch")]["us"]
-            assert r["speedup"] == pytest.approx(native / r["us"])
+    ops = ["route", "to_blocked_per_group_3d", "to_mxfp8", "gather_grouped_mm"]
+    res = kernels.run(device="cpu", ops=ops, progress=False)
+    assert res.extra["quick"] is True and res.extra["path"] == "reference"
+    assert res.extra["ceiling_gbps"] is None  # no copy ceiling on a CPU: nothing to compare
+    assert res.extra["notes"][0] == kernels.CPU_NOTE
+    want = [name for name, spec in REGISTRY.items() if name in ops for _ in spec.sizes["quick"]]
+    assert [r["op"] for r in res.rows] == want  # registry order
+    for r in res.rows:
+        assert set(r) == set(kernels.COLUMNS) and r["status"] == "ok", r
+        assert r["us"] > 0 and r["gbps"] == pytest.approx(r["bytes"] / r["us"] / 1e3)
+        assert r["pct_ceiling"] is None and r["clone_us"] is None and r["graph_us"] is None
+        if REGISTRY[r["op"]].native is None:
+            assert r["torch_us"] is None and r["speedup"] is None  # vs nothing
         else:
-            assert r["speedup"] is None and (op, shape, "torch") not in by  # vs clone only
-        clone = by[(op, shape, "clone")]["us"]
-        assert r["vs_clone"] == pytest.approx(clone / r["us"])
-    impls = {(r["op"], r["impl"]) for r in res.rows}
-    assert ("route", "moe_kernels") in impls and ("to_mxfp8", "moe_kernels") in impls
-    shapes = {r["shape"] for r in res.rows if r["op"] == "route"}
-    assert len(shapes) == len(kernels.shapes(True)["route"])
+            assert r["speedup"] == pytest.approx(r["torch_us"] / r["us"])
+        assert (r["tflops"] is not None) == (r["op"] == "gather_grouped_mm")
+    header = res.text.splitlines()[0].split()
+    assert "pct_ceiling" not in header and "fbgemm_us" not in header  # empty columns drop out
 
 
-def test_kernels_full_shapes_are_the_issue_sizes():
-    full = kernels.shapes(False)
-    assert (1048576, 128, 8) in full["route"] and (4096, 16, 8) in full["route"]
-    assert full["tokens"] == [(65536, 8, 2048)]
-    assert (524288, 256, 8) in full["blocked_2d"] and (16, 4096, 64) in full["blocked_3d"]
-    assert full["quant"] == [(16384, 8192), (131072, 2048)]
+def test_kernels_full_shapes_are_the_published_sizes():
+    full = {name: spec.sizes["full"] for name, spec in REGISTRY.items()}
+    assert dict(T=1048576, E=128, k=8) in full["route"] and dict(T=4096, E=16, k=8) in full["route"]
+    assert full["combine"] == [dict(T=65536, k=8, D=2048)]
+    assert dict(R=524288, C=256, G=8) in full["to_blocked_per_group_2d"]
+    assert dict(E=16, N=4096, C=64) in full["to_blocked_per_group_3d"]
+    assert full["to_mxfp8"] == [dict(M=16384, K=8192), dict(M=131072, K=2048)]
 
 
 def test_kernels_missing_op_is_an_unavailable_row(monkeypatch):
-    import moe_kernels.mxfp8 as M
+    import moe_kernels
 
     def boom(*a, **k):
         raise RuntimeError("no kernel here")
 
-    monkeypatch.setattr(M, "to_mxfp8", boom)
+    monkeypatch.setattr(moe_kernels, "to_mxfp8", boom)
     res = kernels.run(device="cpu", ops=["to_mxfp8"], progress=False)
-    ours = [r for r in res.rows if r["impl"] == "moe_kernels"]
-    assert ours and all(r["status"] == "unavailable: RuntimeError: no kernel here" for r in ours)
+    assert res.rows and all(
+        r["status"] == "unavailable: RuntimeError: no kernel here" for r in res.rows
+    )
     with pytest.raises(ValueError, match="unknown ops"):
         kernels.run(device="cpu", ops=["nope"], progress=False)
 
 
-def test_group_ends_are_distinct_multiples_of_32():
-    ends = kernels._group_ends(16640, 16, torch.Generator().manual_seed(0), torch.device("cpu"))
-    assert ends.dtype == torch.int32 and ends.shape == (16,)
-    assert int(ends[-1]) == 16640 and bool((ends % 32 == 0).all())
-    assert bool((ends[1:] > ends[:-1]).all()) and int(ends[0]) > 0
+def test_kernels_peer_failures_are_notes_not_rows(monkeypatch):
+    spec = REGISTRY["dispatch"]
+
+    def broken(problem):
+        raise RuntimeError("peer broke")
+
+    monkeypatch.setitem(REGISTRY, "dispatch", type(spec)(**{**spec.__dict__, "native": broken}))
+    res = kernels.run(device="cpu", ops=["dispatch"], progress=False)
+    assert res.rows[0]["status"] == "ok" and res.rows[0]["torch_us"] is None
+    assert any("torch: RuntimeError: peer broke" in n for n in res.extra["notes"])
+
+    def not_installed(problem):
+        raise ModuleNotFoundError("No module named 'fbgemm_gpu'")
+
+    missing: dict[str, str] = {}
+    patched = type(spec)(**{**spec.__dict__, "native": not_installed})
+    problem = spec.make(
+        spec.sizes["quick"][0], torch.Generator().manual_seed(0), torch.device("cpu")
+    )
+    for _ in range(2):  # a peer that does not import: recorded once, then skipped
+        row, skipped = kernels.measure(patched, problem, torch.device("cpu"), None, missing)
+        assert row["status"] == "ok" and skipped == []
+    assert missing == {"torch": "ModuleNotFoundError: No module named 'fbgemm_gpu'"}
 
 
 def test_verify_passes_on_the_reference_path():
     res = verify.run(device="cpu", shapes=1, ops=list(verify.CHECKS), progress=False)
     bad = [r for r in res.rows if r["status"] != "pass" and not r["status"].startswith("unavail")]
     assert not bad, bad
-    assert res.extra["failed"] == 0
-    checks = {r["check"] for r in res.rows}
-    assert set(verify.KERNEL_CHECKS) <= checks
+    assert res.extra["failed"] == 0 and res.extra["path"] == "reference"
+    checks = [r["check"] for r in res.rows]
+    assert checks[: len(REGISTRY)] == list(REGISTRY)  # every op, by its public name
     assert any(c.startswith("moe:") for c in checks)
+    for r in res.rows[: len(REGISTRY)]:
+        assert r["vs_reference"] is None and r["vs_oracle"] is not None  # CPU: the oracle checks
 
 
 def test_verify_catches_a_wrong_kernel(monkeypatch):
-    import moe_kernels.routing as R
+    import moe_kernels
 
-    real = R.route
+    real = moe_kernels.route
 
     def wrong(scores, top_k, **kw):
         plan = real(scores, top_k, **kw)
         return plan._replace(weights=plan.weights * 1.001)
 
-    monkeypatch.setattr(R, "route", wrong)
+    monkeypatch.setattr(moe_kernels, "route", wrong)
     res = verify.run(device="cpu", shapes=2, ops=["route"], progress=False)
     assert res.extra["failed"] == 2
-    assert all(r["status"].startswith("FAIL: weights") for r in res.rows)
+    assert all(r["status"].startswith("FAIL: oracle weights") for r in res.rows)
     assert all(r["shape"].startswith("T=") for r in res.rows)
 
 
 def test_verify_catches_nondeterminism(monkeypatch):
-    import moe_kernels.mxfp8 as M
+    import moe_kernels
 
-    real, calls = M.to_blocked_per_group_3d, []
+    real, calls = moe_kernels.to_blocked_per_group_3d, []
 
     def flaky(s):
         calls.append(1)
@@ -270,64 +291,20 @@ def test_verify_catches_nondeterminism(monkeypatch):
             out.view(torch.uint8)[..., -1] ^= 1
         return out
 
-    monkeypatch.setattr(M, "to_blocked_per_group_3d", flaky)
-    res = verify.run(device="cpu", shapes=1, ops=["blocked_3d"], progress=False)
+    monkeypatch.setattr(moe_kernels, "to_blocked_per_group_3d", flaky)
+    res = verify.run(device="cpu", shapes=1, ops=["to_blocked_per_group_3d"], progress=False)
     assert res.rows[0]["deterministic"] is False
     assert res.rows[0]["status"] == "FAIL: not deterministic"
 
 
-def test_expect_equal():
-    a = torch.tensor([1.0, 2.0, float("nan")])
-    assert verify.expect_equal("x", a, a.clone()) == 0.0
-    with pytest.raises(verify.CheckFailed, match="1 of 3 differ"):
-        verify.expect_equal("x", a, torch.tensor([1.0, 2.5, float("nan")]))
-    with pytest.raises(verify.CheckFailed, match="NaN"):
-        verify.expect_equal("x", a, torch.tensor([1.0, 2.0, 3.0]))
-    with pytest.raises(verify.CheckFailed, match="shape"):
-        verify.expect_equal("x", a, a[:2])
-    assert verify.expect_equal("x", torch.tensor([1.0]), torch.tensor([1.005]), rel=0.01) > 0
+def test_verify_compares_with_the_reference_where_the_kernels_run(monkeypatch):
+    """Off the reference path (CUDA, the interpreter) vs_reference is measured and checked."""
+    import moe_kernels
 
-
-def test_oracle_blocked_layout_by_hand():
-    s = torch.arange(130 * 5, dtype=torch.int32).remainder(251).to(torch.uint8).view(130, 5)
-    out = verify.oracle_blocked(s).flatten()
-    assert out.shape == (256 * 8,)
-    assert int(out[0]) == int(s[0, 0])
-    assert int(out[1]) == int(s[0, 1])  # columns inside a tile are adjacent
-    assert int(out[4]) == int(s[32, 0])  # row 32 is the second 32-row slab: offset 4
-    assert int(out[16]) == int(s[1, 0])  # row 1: offset 16
-    assert int(out[512]) == int(s[0, 4])  # second column tile of the first row tile
-    assert int(out[2 * 512]) == int(s[128, 0])  # first tile of the second row tile
-    assert int(out[512 + 1]) == 0  # padding column 5 of row 0
-
-
-def test_oracle_mxfp8_scale():
-    x = torch.zeros(4, 32)
-    x[0, 3], x[1, 0], x[2, 5] = 448.0, -449.0, 1.0
-    assert verify.oracle_mxfp8_scale(x).tolist() == [[127], [128], [119], [0]]
-
-
-def test_every_kernel_case_runs_and_matches_its_torch_version():
-    """The benchmark harness itself: every op has a case, and where a torch-native version is
-    timed beside ours it computes the same thing (so the speedup compares like with like)."""
-    gen = torch.Generator().manual_seed(0)
-    seen = set()
-    for case in kernels.all_cases(torch.device("cpu"), True, gen):
-        seen.add(case.op)
-        assert case.nbytes > 0 and not case.unavailable, (case.op, case.unavailable)
-        ours = case.impls["moe_kernels"]()
-        native = case.impls["torch"]() if "torch" in case.impls else None
-        if case.op in ("route", "index_shuffling"):
-            counts = ours[0] if case.op == "index_shuffling" else ours.counts
-            E = native[0].numel()
-            # same pairs up to ties between equal bf16 scores (topk breaks those its own way)
-            assert int(counts[:E].sum()) == int(native[0].sum())
-            assert int((counts[:E].long() - native[0]).abs().sum()) <= 0.02 * int(native[0].sum())
-        elif case.op in ("dispatch", "blocked_3d", "from_mxfp8"):
-            assert torch.equal(verify._bits(ours), verify._bits(native))  # bitwise (NaN scales)
-        elif case.op == "blocked_2d":
-            used = int(ours[1][-1])
-            assert torch.equal(ours[0][:used].view(torch.uint8), native[0][:used].view(torch.uint8))
-        elif case.op in ("gather_scale", "combine"):
-            torch.testing.assert_close(ours.float(), native.float(), rtol=1e-2, atol=1e-2)
-    assert seen == set(kernels.OPS)
+    monkeypatch.setattr(verify, "execution_path", lambda device: "interpreter")
+    res = verify.run(device="cpu", shapes=1, ops=["combine"], progress=False)
+    assert res.rows[0]["vs_reference"] == 0.0 and res.rows[0]["status"] == "pass"
+    real = moe_kernels.combine
+    monkeypatch.setattr(moe_kernels, "combine", lambda y, plan, **kw: real(y, plan, **kw) * 1.1)
+    res = verify.run(device="cpu", shapes=1, ops=["combine"], progress=False)
+    assert res.rows[0]["status"].startswith("FAIL: output 0 vs reference")

@@ -12,7 +12,10 @@ from torch.autograd.profiler_util import EventList, FunctionEvent
 
 from moe_model.engine import DECODE_SCOPE, FRAME_SCOPE
 from moe_tools import cli, report, rollout, rollout_profile
+from moe_tools.env import environment
+from moe_tools.results import make_document, write_json
 from moe_tools.rollout_profile import CATEGORIES, Activity, breakdown, categorize, rule_category
+from moe_tools.tables import format_value
 
 NAMES = [
     # moe_kernels (Triton's names; Inductor appends "_<n>" to user kernels)
@@ -266,7 +269,7 @@ def test_cli_rollout_profile_on_cpu(tmp_path, capsys):
     assert 0 < inside <= prof["host_ms_per_frame"] * 1.001
     for line in out.splitlines():
         if line.startswith("gemm "):
-            assert line.split()[1] == report.format_value(cats["gemm"]["ms_per_frame"])
+            assert line.split()[1] == format_value(cats["gemm"]["ms_per_frame"])
 
 
 def test_profile_failure_keeps_the_row(monkeypatch):
@@ -292,14 +295,14 @@ def _profile_doc() -> dict:
 
 
 def test_report_renders_a_profile(tmp_path):
-    doc = report.make_document(
+    doc = make_document(
         "rollout",
         [{"fps": 100.0}],
-        report.environment("cpu"),
+        environment("cpu"),
         cmdline="moe-bench rollout --profile",
         extra={"title": "rollout seed-moe", "profile": _profile_doc()},
     )
-    report.write_json(tmp_path / "res" / "rollout.json", doc)
+    write_json(tmp_path / "res" / "rollout.json", doc)
     md = report.markdown_report(tmp_path / "res")
     assert "| category | ms_per_frame | share_pct | kernels_per_frame |" in md
     assert "| gemm | 0.35 | 70 | 1 |" in md  # (600 + 100) us / 2 frames, 70 %
@@ -308,17 +311,17 @@ def test_report_renders_a_profile(tmp_path):
     assert "* host 0.1 ms/frame" in md and "2 launch calls/frame" in md
     assert "* 1 of 3 device activities placed by name rules alone" in md
     assert "title: rollout seed-moe" in md  # the scalars line is still there
-    text = report.format_profile(_profile_doc())
-    assert text.splitlines()[0].split() == report.PROFILE_COLUMNS
-    failed = report.markdown_profile({"status": "failed: RuntimeError: x"})
+    text = rollout_profile.format_profile(_profile_doc())
+    assert text.splitlines()[0].split() == rollout_profile.PROFILE_COLUMNS
+    failed = rollout_profile.markdown_profile({"status": "failed: RuntimeError: x"})
     assert failed == "* profile: failed: RuntimeError: x"
 
 
 def test_report_renders_one_profile_per_mode(tmp_path):
     profiles = [{"mode": m, **_profile_doc()} for m in ("compile", "graph")]
     extra = {"title": "t", "profiles": profiles, "profile": profiles[-1]}
-    doc = report.make_document("rollout", [{"fps": 1.0}], report.environment("cpu"), extra=extra)
-    report.write_json(tmp_path / "res" / "rollout.json", doc)
+    doc = make_document("rollout", [{"fps": 1.0}], environment("cpu"), extra=extra)
+    write_json(tmp_path / "res" / "rollout.json", doc)
     md = report.markdown_report(tmp_path / "res")
     assert md.index("Profile, mode compile:") < md.index("Profile, mode graph:")
     assert md.count("| total | 0.5 | - | 1.5 |") == 2
@@ -326,9 +329,9 @@ def test_report_renders_one_profile_per_mode(tmp_path):
 
 def test_plot_profile(tmp_path):
     pytest.importorskip("matplotlib")
-    out = report.plot_profile(_profile_doc(), tmp_path / "p.png", title="t")
+    out = rollout_profile.plot_profile(_profile_doc(), tmp_path / "p.png", title="t")
     assert out.read_bytes()[:4] == b"\x89PNG"
-    empty = report.plot_profile({"status": "failed: x"}, tmp_path / "e.png")
+    empty = rollout_profile.plot_profile({"status": "failed: x"}, tmp_path / "e.png")
     assert empty.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -4,7 +4,7 @@ model (diffusion transformer + KV ring buffer) built on moe-kernels."""
 from moe_model.config import PRESETS, WorldModelConfig
 from moe_model.engine import WorldEngine, count_parameters
 from moe_model.expert_parallel import ExpertParallelMoE
-from moe_model.impls import IMPLS, MOE_IMPLS, MoEImpl
+from moe_model.impls import IMPL_ALIASES, IMPLS, MOE_IMPLS, MoEImpl
 from moe_model.moe import MoELayer
 from moe_model.presets import MOE_PRESETS
 
@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ExpertParallelMoE",
+    "IMPL_ALIASES",
     "IMPLS",
     "MOE_IMPLS",
     "MOE_PRESETS",

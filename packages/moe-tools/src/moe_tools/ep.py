@@ -19,6 +19,7 @@ process group: NCCL on CUDA with one GPU per rank, gloo on CPU) and collects ran
 
 from __future__ import annotations
 
+import argparse
 import copy
 import datetime
 import json
@@ -31,7 +32,9 @@ from typing import Any
 
 import torch
 
-from moe_tools.report import Result, Row, short_error
+from moe_tools import command as cmd
+from moe_tools.results import Result, slug
+from moe_tools.tables import Row, short_error
 from moe_tools.timing import default_device, time_fn
 
 # tokens per rank and the layer; seed-moe and training are moe_tools.train's shapes
@@ -103,7 +106,7 @@ def run(
         m for m in params["modes"] if m not in MODES
     ]
     if bad:
-        raise ValueError(f"unknown shapes/modes {bad}: shapes {list(SHAPES)}, modes {MODES}")
+        raise cmd.UsageError(f"unknown shapes/modes {bad}: shapes {list(SHAPES)}, modes {MODES}")
     extra: dict[str, Any] = {k: v for k, v in params.items() if k != "device"}
     extra["notes"] = [
         "tokens: per rank; single_ms: the full layer on one rank's tokens; dropless reads "
@@ -111,7 +114,7 @@ def run(
     ]
     if under_torchrun():
         if world_sizes:
-            raise ValueError("under torchrun the world size is torchrun's: drop world_sizes")
+            raise cmd.UsageError("under torchrun the world size is torchrun's: drop --world-sizes")
         rows = _group_rows(params)
         extra["world_sizes"] = [int(os.environ["WORLD_SIZE"])]
         return Result("ep", rows, COLUMNS, extra)
@@ -270,3 +273,61 @@ def _measure(params: dict[str, Any], shape: str, mode: str, device: torch.device
         bitwise=bool(worst[1] == 0),
     )
     return row
+
+
+# ----------------------------------------------------------------------------------------------
+# the command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from moe_tools.rollout import impl_name
+
+    p.add_argument(
+        "--shapes",
+        type=cmd.choices_csv(tuple(SHAPES)),
+        metavar="S,..",
+        help="tiny, seed-moe (2048 tokens per rank, E=16, top-8), training (16384, E=128, "
+        "top-8); default: seed-moe,training on CUDA, tiny on CPU",
+    )
+    p.add_argument("--tokens", type=cmd.positive, help="tokens per rank")
+    p.add_argument("--modes", type=cmd.choices_csv(MODES), help="dropless,padded (default: both)")
+    p.add_argument(
+        "--world-sizes",
+        type=cmd.int_csv,
+        metavar="W,..",
+        help="without torchrun: launch these group sizes (default: 1,2 on CPU, 1,2,4,8 up to "
+        "the GPUs on CUDA)",
+    )
+    p.add_argument("--capacity-factor", type=cmd.positive_float, default=1.25)
+    p.add_argument(
+        "--impl", type=impl_name, help="MoE impl (default: triton_bf16, CPU triton_fp32)"
+    )
+    cmd.dtype_option(p)
+    p.add_argument("--warmup", type=cmd.positive, help="untimed calls per row")
+    p.add_argument("--iters", type=cmd.positive, help="timed calls per row")
+
+
+def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) -> Result:
+    return run(
+        device=args.device,
+        shapes=args.shapes,
+        tokens=args.tokens,
+        modes=args.modes,
+        world_sizes=args.world_sizes,
+        capacity_factor=args.capacity_factor,
+        impl=args.impl,
+        dtype=cmd.dtype_of(args.dtype, args.device) if args.dtype else None,
+        warmup=args.warmup,
+        iters=args.iters,
+        seed=args.seed,
+    )
+
+
+COMMAND = cmd.Command(
+    name="ep",
+    help="ExpertParallelMoE per mode and world size (under torchrun, or spawned)",
+    add_arguments=add_arguments,
+    run=run_cli,
+    result_name=lambda args: slug("ep", args.shapes, args.modes, args.world_sizes, args.impl),
+    prepare=quiet_other_ranks,
+)

@@ -14,14 +14,18 @@ same parameters; Dynamo is reset between implementations.
 
 from __future__ import annotations
 
+import argparse
 import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from moe_tools import report
-from moe_tools.report import Result, Row, short_error
+from moe_tools import command as cmd
+from moe_tools import tables
+from moe_tools.memory import check_fits, module_bytes
+from moe_tools.results import Result, slug
+from moe_tools.tables import Row, short_error
 from moe_tools.timing import default_device, graph_time_fn, time_fn
 
 COLUMNS = [
@@ -165,6 +169,7 @@ def run(
     extra["layer"] = sizes
     impls = list(impls or MOE_IMPLS)
 
+    check_layer_fits(preset, sizes, tokens, device, dtype)
     gen = torch.Generator().manual_seed(seed)
     x_TD = torch.randn(tokens, sizes["d_model"], generator=gen).to(device=device, dtype=dtype)
     layer = build_layer(sizes, device, dtype, seed)
@@ -176,8 +181,8 @@ def run(
         except Exception as exc:  # the reference itself failed: drift columns stay empty
             extra["baseline_error"] = short_error(exc)
         rows = []
-        for impl in report.progress(impls, enabled=progress, desc="matrix", unit="impl"):
-            if impl not in MOE_IMPLS:
+        for impl in tables.progress(impls, enabled=progress, desc="matrix", unit="impl"):
+            if impl not in impl_names():
                 rows.append(
                     _empty_row(impl, f"unavailable: unknown impl (known: {', '.join(MOE_IMPLS)})")
                 )
@@ -194,6 +199,36 @@ def run(
             rows += gemm_rows
     torch._dynamo.reset()
     return Result("matrix", rows, COLUMNS, extra)
+
+
+def layer_bytes(sizes: dict[str, Any], tokens: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(weights, activations) bytes of a matrix run: the layer's parameters (built on the meta
+    device), and its largest intermediates at ``tokens`` tokens in fp32 (x, the T*k dispatched
+    rows, the expert hidden states, the outputs kept for the drift columns), twice over for the
+    compiled variant's buffers."""
+    weights = module_bytes(build_layer(sizes, torch.device("meta"), dtype, seed=0))
+    k, d = sizes["top_k"], sizes["d_model"]
+    hidden = sizes["hidden"] * (3 if sizes.get("gated") else 2)
+    activations = 2 * 4 * (tokens * k * (2 * d + hidden) + 6 * tokens * d)
+    return weights, activations
+
+
+def check_layer_fits(
+    preset: str, sizes: dict[str, Any], tokens: int, device: torch.device, dtype: torch.dtype
+) -> None:
+    """UsageError with the layer's size when it would not fit in ``device``'s free memory."""
+    weights, activations = layer_bytes(sizes, tokens, dtype)
+    name = str(dtype).removeprefix("torch.")
+    check_fits(
+        f"the {preset} layer (E={sizes['n_experts']}, d_model {sizes['d_model']}, hidden "
+        f"{sizes['hidden']})",
+        weights + activations,
+        torch.device(device),
+        f"{weights / 2**30:.1f} GiB of weights in {name}, about {activations / 2**30:.1f} GiB of "
+        f"activations at {tokens} tokens",
+        "Shrink it for a quick look: --experts, --hidden, --d-model (e.g. --experts 16 --hidden "
+        "256), or fewer --tokens.",
+    )
 
 
 def _empty_row(impl: str, status: str) -> Row:
@@ -305,3 +340,89 @@ def _grouped_gemms_rows(
         except Exception as exc:
             row["status"] = f"unavailable: {short_error(exc)}"
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# the command
+
+WORLD_PRESETS = ("tiny", "seed-moe")  # world-model presets with an MoE layer
+SHRINK = {"experts": "n_experts", "d_model": "d_model", "hidden": "hidden", "top_k": "top_k"}
+
+
+def preset_name(text: str) -> str:
+    """A world-model preset with an MoE layer, or an MoE preset (``moe_model.MOE_PRESETS``)."""
+    from moe_model import MOE_PRESETS
+
+    known = (*WORLD_PRESETS, *MOE_PRESETS)
+    if text not in known:
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose from {', '.join(known)}")
+    return text
+
+
+def impl_names() -> tuple[str, ...]:
+    """``moe_model.MOE_IMPLS`` and the former names MoELayer still accepts."""
+    from moe_model import IMPL_ALIASES, MOE_IMPLS
+
+    return (*MOE_IMPLS, *IMPL_ALIASES)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--preset",
+        type=preset_name,
+        help="the layer: a world model's (tiny, seed-moe) or a published model's with its "
+        "routing options (moe_model.MOE_PRESETS: deepseek-v3, qwen3-30b-a3b, mixtral-8x7b); "
+        "default: seed-moe on CUDA, tiny on CPU",
+    )
+    p.add_argument(
+        "--tokens",
+        type=cmd.positive,
+        help="tokens per call (default: 2048 on CUDA, 4096 for an MoE preset; 64 on CPU)",
+    )
+    p.add_argument(
+        "--impls", type=cmd.choices_csv(impl_names), help="comma-separated (default: all)"
+    )
+    cmd.dtype_option(p)
+    p.add_argument("--warmup", type=cmd.positive, help="untimed calls per variant")
+    p.add_argument("--iters", type=cmd.positive, help="timed calls per variant")
+    p.add_argument("--no-compile", action="store_true", help="eager columns only")
+    shrink = p.add_argument_group("shrink the preset's layer (a quick look on a small machine)")
+    shrink.add_argument("--experts", type=cmd.positive, metavar="E", help="number of experts")
+    shrink.add_argument("--hidden", type=cmd.positive, metavar="N", help="expert hidden size")
+    shrink.add_argument("--d-model", type=cmd.positive, metavar="N", help="model width")
+    shrink.add_argument("--top-k", type=cmd.positive, metavar="K", help="experts per token")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, int]:
+    return {key: getattr(args, opt) for opt, key in SHRINK.items() if getattr(args, opt)}
+
+
+def result_name(args: argparse.Namespace) -> str:
+    preset = args.preset or ("seed-moe" if args.device.type == "cuda" else "tiny")
+    shrunk = [f"{opt.replace('_', '-')}={v}" for opt in SHRINK if (v := getattr(args, opt))]
+    return slug("matrix", preset, args.tokens, shrunk, args.impls)
+
+
+def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) -> Result:
+    return run(
+        device=args.device,
+        preset=args.preset,
+        tokens=args.tokens,
+        impls=args.impls,
+        dtype=cmd.dtype_of(args.dtype, args.device),
+        warmup=args.warmup,
+        iters=args.iters,
+        seed=args.seed,
+        progress=not args.no_progress,
+        compile=not args.no_compile,
+        layer_overrides=_overrides(args),
+    )
+
+
+COMMAND = cmd.Command(
+    name="matrix",
+    help="every MoELayer impl on one layer: speed, determinism, drift",
+    add_arguments=add_arguments,
+    run=run_cli,
+    result_name=result_name,
+)

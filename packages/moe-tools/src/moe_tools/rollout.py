@@ -10,14 +10,21 @@ steady frames of the same engine: ``extra["profile"]``, printed after the row.
 
 from __future__ import annotations
 
+import argparse
+import os
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from moe_tools import report
-from moe_tools.report import Result, Row, short_error
+from moe_tools import command as cmd
+from moe_tools import rollout_profile, tables
+from moe_tools.plots import pyplot, save_figure
+from moe_tools.results import Result, slug
+from moe_tools.tables import Row, format_table, short_error
 from moe_tools.timing import (
     EventTimer,
     default_device,
@@ -110,7 +117,7 @@ def measure_rollout(
     vram_snap: float | None = None
     synchronize(device)
     t0 = time.perf_counter()
-    bar = report.progress(range(frames), enabled=progress, desc="rollout", unit="frame")
+    bar = tables.progress(range(frames), enabled=progress, desc="rollout", unit="frame")
     for i in bar:
         with timer:
             engine.gen_frame(return_img=images)
@@ -197,8 +204,6 @@ def run(
             row["status"] = "unavailable: --cuda-graph needs a CUDA device"
         return done()
     if profile:
-        from moe_tools import rollout_profile
-
         rollout_profile.prepare_cuda_graphs(device)  # before the engine captures its graphs
     t0 = time.perf_counter()
     try:
@@ -259,8 +264,197 @@ def run(
         return done()
     extra["profiles"] = profiles
     extra["profile"] = profiles[-1] if profiles else {"status": "failed: no runtime ran"}
-    parts = [report.format_table(rows, COLUMNS)]
+    parts = [format_table(rows, COLUMNS)]
     for prof in profiles:
         head = f"# profile: {prof['mode']}" if prof.get("mode") else None
-        parts.append("\n".join(filter(None, [head, report.format_profile(prof)])))
+        parts.append("\n".join(filter(None, [head, rollout_profile.format_profile(prof)])))
     return done("\n\n".join(parts))
+
+
+# ----------------------------------------------------------------------------------------------
+# the command
+
+
+def world_preset(text: str) -> str:
+    from moe_model import PRESETS
+
+    if text not in PRESETS:
+        raise argparse.ArgumentTypeError(
+            f"unknown preset {text!r}; choose from {', '.join(PRESETS)}"
+        )
+    return text
+
+
+def impl_name(text: str) -> str:
+    from moe_tools.matrix import impl_names
+
+    if text not in impl_names():
+        raise argparse.ArgumentTypeError(
+            f"unknown impl {text!r}; choose from {', '.join(impl_names())}"
+        )
+    return text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--preset", type=world_preset, help="world model (moe_model.PRESETS); default: seed-moe "
+        "on CUDA, tiny on CPU"
+    )  # fmt: skip
+    p.add_argument(
+        "--frames", type=cmd.positive, help="timed frames (default: 256 on CUDA, 16 on CPU)"
+    )
+    p.add_argument(
+        "--warmup-frames",
+        type=cmd.non_negative,
+        help="untimed frames first (default 8 on CUDA, 2 on CPU)",
+    )
+    p.add_argument("--impl", type=impl_name, help="MoE implementation (default: the preset's)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (on CUDA with CUDA graphs, unless --no-cuda-graph)",
+    )
+    graphs = p.add_mutually_exclusive_group()
+    graphs.add_argument(
+        "--cuda-graph",
+        dest="cuda_graph",
+        action="store_const",
+        const=True,
+        default=None,
+        help="replay every frame from CUDA graphs (default: with --compile on CUDA)",
+    )
+    graphs.add_argument(
+        "--no-cuda-graph",
+        dest="cuda_graph",
+        action="store_const",
+        const=False,
+        help="no CUDA graphs, even with --compile",
+    )
+    p.add_argument(
+        "--modes",
+        type=cmd.choices_csv(tuple(MODES)),
+        metavar="M,..",
+        help="runtimes measured on one engine, in order: eager, compile (no graphs), graph "
+        "(compile + CUDA graphs); replaces --compile / --cuda-graph",
+    )
+    p.add_argument(
+        "--no-images", action="store_true", help="keep each frame's latent: no decode, no copy"
+    )
+    cmd.dtype_option(p)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="then profile steady frames: device time per kernel category, host time, launches",
+    )
+    p.add_argument(
+        "--profile-frames",
+        type=cmd.positive,
+        metavar="N",
+        help="frames profiled with --profile (default 16 on CUDA, 2 on CPU)",
+    )
+    cmd.plot_option(p, "per-frame time over the rollout (--profile: the breakdown)")
+
+
+def _runtime(args: argparse.Namespace) -> str:
+    """The runtimes a command line measures: its modes, or the one --compile / --cuda-graph
+    give (graphs by default when compiled on CUDA)."""
+    if args.modes:
+        return "+".join(args.modes)
+    graph = args.cuda_graph if args.cuda_graph is not None else args.device.type == "cuda"
+    if not args.compile:
+        return "eager-graph" if args.cuda_graph else "eager"
+    return "graph" if graph else "compile"
+
+
+def result_name(args: argparse.Namespace) -> str:
+    preset = args.preset or ("seed-moe" if args.device.type == "cuda" else "tiny")
+    return slug(
+        "rollout",
+        preset,
+        args.impl,
+        _runtime(args),
+        "latents" if args.no_images else None,
+        "profile" if args.profile else None,
+    )
+
+
+def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) -> Result:
+    if args.profile_frames and not args.profile:
+        raise cmd.UsageError("--profile-frames needs --profile")
+    if args.modes and (args.compile or args.cuda_graph is not None):
+        raise cmd.UsageError("--modes replaces --compile / --cuda-graph / --no-cuda-graph")
+    graphs = args.cuda_graph or "graph" in (args.modes or ())
+    if graphs and args.device.type != "cuda":
+        raise cmd.UsageError(
+            f"CUDA graphs (--cuda-graph, mode graph) need a CUDA device, not {args.device}"
+        )
+    return run(
+        device=args.device,
+        preset=args.preset,
+        frames=args.frames,
+        warmup_frames=args.warmup_frames,
+        impl=args.impl,
+        compile=args.compile,
+        cuda_graph=args.cuda_graph,
+        dtype=cmd.dtype_of(args.dtype, args.device),
+        seed=args.seed,
+        progress=not args.no_progress,
+        profile=args.profile,
+        modes=args.modes,
+        images=not args.no_images,
+        profile_frames=args.profile_frames,
+    )
+
+
+def markdown(doc: Mapping[str, Any], path: Path) -> str:
+    """The rows, then each runtime's profile (``--profile``), then the scalar extras."""
+    parts = [cmd.markdown_rows({**doc, "extra": {}}, path)]
+    extra = doc.get("extra") or {}
+    profiles = extra.get("profiles")
+    if isinstance(profiles, list) and profiles:
+        for prof in profiles:
+            head = f"Profile, mode {prof.get('mode')}:" if prof.get("mode") else "Profile:"
+            parts += ["", head, "", rollout_profile.markdown_profile(prof)]
+    elif isinstance(extra.get("profile"), Mapping):
+        parts += ["", rollout_profile.markdown_profile(extra["profile"])]
+    if cmd.scalars_line(extra):
+        parts += ["", cmd.scalars_line(extra)]
+    return "\n".join(parts)
+
+
+def plot(result: Result, path: str | os.PathLike[str]) -> Path:
+    """The breakdown of the profiled frames (with --profile), else the per-frame time."""
+    title = result.extra.get("title", "")
+    if isinstance(result.extra.get("profile"), Mapping):
+        return rollout_profile.plot_profile(result.extra["profile"], path, title=title)
+    return plot_frames(result.extra.get("frame_ms", []), path, title=title)
+
+
+def plot_frames(
+    frame_ms: Sequence[float], path: str | os.PathLike[str], *, title: str = ""
+) -> Path:
+    """Per-frame time over the rollout, with its median."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.plot(range(len(frame_ms)), list(frame_ms), linewidth=1, label="frame time")
+    if frame_ms:
+        med = statistics.median(frame_ms)
+        ax.axhline(med, color="k", linestyle="--", linewidth=1, label=f"median {med:.3g} ms")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("frame")
+    ax.set_ylabel("ms per frame")
+    ax.set_title(title or "moe-bench rollout: time per frame")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+COMMAND = cmd.Command(
+    name="rollout",
+    help="a world-model rollout: fps, latency and VRAM (--profile: where a frame's time goes)",
+    add_arguments=add_arguments,
+    run=run_cli,
+    result_name=result_name,
+    markdown=markdown,
+    plot=plot,
+)

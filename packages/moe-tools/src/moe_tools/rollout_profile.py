@@ -39,15 +39,19 @@ inside the model, a full launch queue).
 from __future__ import annotations
 
 import math
+import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch.autograd import DeviceType
 
 from moe_model.engine import DECODE_SCOPE, FRAME_SCOPE
+from moe_tools.plots import pyplot, save_figure
+from moe_tools.tables import Row, format_table, format_value, markdown_table
 from moe_tools.timing import synchronize
 
 CATEGORIES = ("gemm", "attention", "routing", "pointwise", "decode", "other")
@@ -342,3 +346,113 @@ def profile_engine(
     else:
         activities, launches, basis = cpu_activities(events), None, "cpu_self"
     return breakdown(activities, frames, host_us=host_us(events), launches=launches, basis=basis)
+
+
+# ----------------------------------------------------------------------------------------------
+# presentation: the breakdown as a table, markdown and a figure
+
+PROFILE_COLUMNS = ["category", "ms_per_frame", "share_pct", "kernels_per_frame"]
+
+
+def _count(value: float | None) -> float | int | None:
+    """A per-frame count: an int when whole (1 and 0.5, not 1.0 and 0.5)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def profile_rows(profile: Mapping[str, Any]) -> list[Row]:
+    """One row per category (its share of the total in percent), then the total."""
+    rows: list[Row] = [
+        {
+            "category": c["category"],
+            "ms_per_frame": c["ms_per_frame"],
+            "share_pct": 100.0 * c["share"],
+            "kernels_per_frame": _count(c["kernels_per_frame"]),
+        }
+        for c in profile.get("categories", [])
+    ]
+    total: Row = {
+        "category": "total",
+        "ms_per_frame": profile.get("device_ms_per_frame"),
+        "share_pct": None,
+        "kernels_per_frame": _count(profile.get("kernels_per_frame")),
+    }
+    return [*rows, total]
+
+
+def profile_lines(profile: Mapping[str, Any]) -> list[str]:
+    """What the profile's table measured, host time, launches, how kernels were attributed."""
+    if profile.get("status") != "ok":
+        return [f"profile: {profile.get('status')}"]
+    if profile.get("basis") == "cpu_self":
+        basis = "self CPU time of the ATen ops, kernels = op calls (device time needs CUDA)"
+    else:
+        basis = "device time of every kernel, memcpy and memset"
+    launches = profile.get("launches_per_frame")
+    lines = [
+        f"profile of {profile['frames']} steady frame(s), per frame: {basis}",
+        f"host {format_value(profile['host_ms_per_frame'])} ms/frame (CPU time inside the frame "
+        "and decode ranges, under the profiler); device "
+        f"{format_value(profile['device_ms_per_frame'])} ms/frame"
+        + ("" if launches is None else f"; {format_value(launches)} launch calls/frame"),
+    ]
+    counts = profile.get("attribution") or {}
+    if counts.get("name_rules"):
+        lines.append(
+            f"{counts['name_rules']} of {sum(counts.values())} device activities placed by name "
+            "rules alone (no launch found in the profile's CPU events, or none in a range)"
+        )
+    return lines
+
+
+def format_profile(profile: Mapping[str, Any]) -> str:
+    """The profile's stdout: the breakdown table (when measured), then its summary lines."""
+    lines = [f"# {x}" for x in profile_lines(profile)]
+    if profile.get("status") != "ok":
+        return "\n".join(lines)
+    return "\n".join([format_table(profile_rows(profile), PROFILE_COLUMNS), *lines])
+
+
+def markdown_profile(profile: Mapping[str, Any]) -> str:
+    """The BENCHMARKS.md body of a rollout profile: the breakdown table and its summary."""
+    notes = [f"* {x}" for x in profile_lines(profile)]
+    if profile.get("status") != "ok":
+        return "\n".join(notes)
+    return "\n".join([markdown_table(profile_rows(profile), PROFILE_COLUMNS), "", *notes])
+
+
+def plot_profile(
+    profile: Mapping[str, Any], path: str | os.PathLike[str], *, title: str = ""
+) -> Path:
+    """A rollout profile as horizontal bars, ms per frame: one per category (labelled with its
+    share), then the device total and the host time, to compare the two."""
+    plt = pyplot()
+    cats = list(profile.get("categories", []))
+    labels = [c["category"] for c in cats]
+    values = [c["ms_per_frame"] for c in cats]
+    colors = ["C0"] * len(cats)
+    notes = [f"{c['ms_per_frame']:.3g} ms ({100 * c['share']:.1f}%)" for c in cats]
+    cpu = profile.get("basis") == "cpu_self"
+    for label, key, color in (
+        ("op total" if cpu else "device total", "device_ms_per_frame", "C1"),
+        ("host", "host_ms_per_frame", "C2"),
+    ):
+        if profile.get(key) is not None:
+            labels.append(label)
+            values.append(profile[key])
+            colors.append(color)
+            notes.append(f"{profile[key]:.3g} ms")
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.4 * max(len(labels), 1)))
+    if labels:
+        ax.barh(labels, values, color=colors)
+        ax.invert_yaxis()
+        for i, (v, note) in enumerate(zip(values, notes, strict=True)):
+            ax.annotate(f" {note}", (v, i), va="center", fontsize=8)
+        ax.set_xlim(0, 1.25 * max(values) or 1.0)
+    else:
+        ax.text(0.5, 0.5, f"profile: {profile.get('status')}", ha="center", va="center")
+    basis = "CPU self time" if cpu else "device time"
+    ax.set_xlabel(f"ms per frame ({basis}; host: enqueueing one frame)")
+    ax.set_title(title or "moe-bench rollout --profile: where a frame's time goes")
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    return save_figure(fig, path)

@@ -30,9 +30,12 @@ from typing import Any
 
 import torch
 
-from moe_tools.kernels import _fbgemm_op, torch_route
-from moe_tools.report import SWEEP_CLIFF as CLIFF
-from moe_tools.report import Result, Row, format_sweep, short_error
+from moe_tools.ops.routing import torch_route
+from moe_tools.ops.spec import fbgemm_ops
+from moe_tools.results import Result
+from moe_tools.routing_sweep_report import SWEEP_CLIFF as CLIFF
+from moe_tools.routing_sweep_report import format_sweep
+from moe_tools.tables import Row, short_error
 from moe_tools.timing import bench_us, default_device, graph_time_fn, synchronize
 
 FULL_T = (1024, 4096, 16384, 65536, 262144, 1048576)
@@ -125,7 +128,7 @@ def op_thunks(scores: torch.Tensor, k: int) -> dict[str, Thunk]:
 @cache
 def _fbgemm() -> tuple[Callable[..., Any] | None, str]:
     try:
-        return _fbgemm_op("index_shuffling"), "ok"
+        return fbgemm_ops().index_shuffling, "ok"
     except Exception as exc:
         return None, f"unavailable: {short_error(exc)}"
 

@@ -29,19 +29,22 @@ are still measured.
 
 from __future__ import annotations
 
-import copy
+import argparse
 import gc
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from moe_tools import report
+from moe_tools import command as cmd
+from moe_tools import tables, train_report, train_step
 from moe_tools.matrix import BASELINE_COMPILE_REASON
-from moe_tools.report import Result, Row, short_error
-from moe_tools.timing import GIB, default_device, synchronize, time_fn
+from moe_tools.memory import check_fits, module_bytes
+from moe_tools.results import Result, slug
+from moe_tools.tables import Row, short_error
+from moe_tools.timing import GIB, default_device
+from moe_tools.train_step import copy_layer
 
 REFERENCE = "baseline"  # the gradient reference, run in fp32
 TEACHER_IMPL = "torch"  # the convergence run's teacher: deterministic on every device
@@ -136,12 +139,6 @@ def rel_err(value: torch.Tensor | None, ref: torch.Tensor | None) -> float | Non
     return diff / scale if scale > 0 else diff
 
 
-def _copy(base: torch.nn.Module, impl: str) -> torch.nn.Module:
-    layer = copy.deepcopy(base)
-    layer.impl = impl
-    return layer
-
-
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -173,120 +170,9 @@ def reference_grads(
     base: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor
 ) -> dict[str, torch.Tensor | None]:
     """The fp32 baseline's output and gradients on ``base``'s weights, x and dy in fp32."""
-    ref = _copy(base, REFERENCE).float()
+    ref = copy_layer(base, REFERENCE).float()
     y, xr = _forward(ref, x.float())
     return _backward(ref, y, xr, dy.float())
-
-
-def _make_step(
-    fn: Callable[[torch.Tensor], torch.Tensor],
-    opt: torch.optim.Optimizer,
-    x: torch.Tensor,
-    dy: torch.Tensor,
-) -> Callable[[], None]:
-    """One training step on static tensors: zero_grad, fn(x).backward(dy), AdamW step."""
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        x.grad = None
-        fn(x).backward(dy)
-        opt.step()
-
-    return step
-
-
-def _peak_step_gib(
-    step: Callable[[], None], opt: torch.optim.Optimizer, x: torch.Tensor, device: torch.device
-) -> float | None:
-    """Peak allocated GiB of one step above what was allocated before it (None on CPU)."""
-    if device.type != "cuda":
-        return None
-    opt.zero_grad(set_to_none=True)
-    x.grad = None
-    synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / GIB
-
-
-def _time_eager(
-    base: torch.nn.Module,
-    impl: str,
-    x: torch.Tensor,
-    dy: torch.Tensor,
-    device: torch.device,
-    warmup: int,
-    iters: int,
-    lr: float,
-) -> tuple[float, float | None]:
-    layer = _copy(base, impl)
-    xs = x.detach().clone().requires_grad_(True)
-    opt = torch.optim.AdamW(layer.parameters(), lr=lr)
-    step = _make_step(layer, opt, xs, dy)
-    ms = time_fn(step, device, warmup=warmup, iters=iters).median_ms
-    return ms, _peak_step_gib(step, opt, xs, device)
-
-
-def _time_compiled(
-    base: torch.nn.Module,
-    impl: str,
-    x: torch.Tensor,
-    dy: torch.Tensor,
-    device: torch.device,
-    warmup: int,
-    iters: int,
-    lr: float,
-    backend: str,
-) -> tuple[float, float | None, float]:
-    """(median ms, peak GiB, compile seconds: the first step, which compiles fwd and bwd)."""
-    torch._dynamo.reset()
-    try:
-        layer = _copy(base, impl)
-        compiled = torch.compile(layer, fullgraph=True, backend=backend)
-        xs = x.detach().clone().requires_grad_(True)
-        opt = torch.optim.AdamW(layer.parameters(), lr=lr)
-        step = _make_step(compiled, opt, xs, dy)
-        t0 = time.perf_counter()
-        step()
-        synchronize(device)
-        compile_s = time.perf_counter() - t0
-        ms = time_fn(step, device, warmup=warmup, iters=iters).median_ms
-        return ms, _peak_step_gib(step, opt, xs, device), compile_s
-    finally:
-        torch._dynamo.reset()
-
-
-def _time_graph(
-    base: torch.nn.Module,
-    impl: str,
-    x: torch.Tensor,
-    dy: torch.Tensor,
-    device: torch.device,
-    warmup: int,
-    iters: int,
-    lr: float,
-) -> float:
-    """The eager step (forward, backward, AdamW with ``capturable=True``) captured in one CUDA
-    graph on static x / dy, warmed up on a side stream first; median ms of the replays."""
-    layer = _copy(base, impl)
-    xs = x.detach().clone().requires_grad_(True)
-    opt = torch.optim.AdamW(layer.parameters(), lr=lr, capturable=True)
-    step = _make_step(layer, opt, xs, dy)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(max(warmup, 2)):  # builds the optimizer state outside the graph
-            step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    opt.zero_grad(set_to_none=True)  # the gradients are allocated in the graph's pool
-    xs.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer(xs).backward(dy)
-        opt.step()
-    return time_fn(graph.replay, device, warmup=1, iters=iters).median_ms
 
 
 def convergence(
@@ -301,7 +187,7 @@ def convergence(
 ) -> list[float]:
     """MSE loss (fp32) of each of ``steps`` AdamW steps of a copy of ``student`` (impl ``impl``)
     fitting ``teacher`` on fresh random inputs (the same sequence for every call)."""
-    layer = _copy(student, impl)
+    layer = copy_layer(student, impl)
     p = next(iter(layer.parameters()))
     device, dtype = p.device, layer.in_proj.dtype
     opt = torch.optim.AdamW(layer.parameters(), lr=lr)
@@ -317,6 +203,24 @@ def convergence(
         opt.step()
         losses.append(loss.detach())
     return [float(v) for v in torch.stack(losses).cpu()] if losses else []
+
+
+def check_training_fits(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
+    """UsageError with the run's size when it would not fit in ``device``'s free memory: about
+    six copies of the layer's weights (the benchmark's, the teacher, the fp32 reference, the
+    measured copy, its gradients and AdamW's two states) and the fp32 activations of a step."""
+    weights = module_bytes(build_layer(cfg, torch.device("meta"), dtype, seed=0))
+    T, k, d = cfg["tokens"], cfg["top_k"], cfg["d_model"]
+    hidden = cfg["hidden"] * (3 if cfg.get("gated") else 2)
+    activations = 3 * 4 * (T * k * (2 * d + hidden) + 6 * T * d)
+    check_fits(
+        f"training the layer (T={T}, E={cfg['n_experts']}, d_model {d}, hidden {cfg['hidden']})",
+        6 * weights + activations,
+        torch.device(device),
+        f"6 x {weights / GIB:.2f} GiB of weights and optimizer state, about "
+        f"{activations / GIB:.1f} GiB of activations",
+        "Shrink it: --tokens, --experts, --hidden, --d-model.",
+    )
 
 
 def _empty_row(impl: str, status: str) -> Row:
@@ -399,6 +303,7 @@ def run(
         return Result("train", [_empty_row(i, reason) for i in (impls or [REFERENCE])], COLUMNS)
     impls = list(impls or MOE_IMPLS)
 
+    check_training_fits(cfg, device, dtype)
     gen = torch.Generator().manual_seed(seed)
     T, D = cfg["tokens"], cfg["d_model"]
     x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
@@ -415,7 +320,7 @@ def run(
 
     rows: list[Row] = []
     curves: dict[str, list[float]] = {}
-    for impl in report.progress(impls, enabled=progress, desc="train", unit="impl"):
+    for impl in tables.progress(impls, enabled=progress, desc="train", unit="impl"):
         row, curve = _measure(
             base,
             teacher,
@@ -437,32 +342,8 @@ def run(
             curves[impl] = curve
         _free(device)
     extra["loss_curves"] = curves
-    extra["notes"] = _notes(extra, curves)
-    from moe_tools.train_report import format_rows
-
-    return Result("train", rows, COLUMNS, extra, text=format_rows(rows, COLUMNS))
-
-
-def _notes(extra: dict[str, Any], curves: dict[str, list[float]]) -> list[str]:
-    backend = extra["compile_backend"]
-    notes = [
-        "step = zero_grad + forward + backward (fixed upstream gradient, x requires grad) + "
-        f"AdamW; medians of {extra['iters']} after {extra['warmup']} warm-up; compiled: "
-        + (f"torch.compile(layer, fullgraph=True, backend={backend!r})" if backend else "off")
-        + "; graph: the eager step in one CUDA graph (AdamW capturable)",
-        f"errors (*_err): {ERROR_MEASURE} vs impl {extra['reference']} on the same weights, "
-        "x and dy; "
-        "bitwise: two fwd+bwd passes give equal gradients",
-        f"convergence: MSE to a random teacher (impl {TEACHER_IMPL}, another seed), "
-        f"{extra['steps']} AdamW steps at lr {extra['lr']:g}, the same inputs for every impl"
-        if extra["steps"]
-        else "convergence: off (--steps 0)",
-    ]
-    for impl, curve in curves.items():
-        picks = sorted({round(i * (len(curve) - 1) / 4) for i in range(5)})
-        values = " ".join(f"{curve[i]:.4g}" for i in picks)
-        notes.append(f"loss {impl} at steps {','.join(map(str, picks))}: {values}")
-    return notes
+    extra["notes"] = train_report.notes(extra, curves, ERROR_MEASURE, TEACHER_IMPL)
+    return Result("train", rows, COLUMNS, extra, text=train_report.format_rows(rows, COLUMNS))
 
 
 def _measure(
@@ -484,7 +365,7 @@ def _measure(
 ) -> tuple[Row, list[float]]:
     row = _empty_row(impl, "ok")
     try:
-        layer = _copy(base, impl)
+        layer = copy_layer(base, impl)
         y, xs = _forward(layer, x)
     except Exception as exc:
         row["status"] = f"unavailable: {short_error(exc)}"
@@ -512,7 +393,7 @@ def _measure(
 
     failures = []
     try:
-        row["eager_ms"], row["peak_mem_gib"] = _time_eager(
+        row["eager_ms"], row["peak_mem_gib"] = train_step.time_eager(
             base, impl, x, dy, device, warmup, iters, lr
         )
     except Exception as exc:
@@ -523,8 +404,8 @@ def _measure(
         row["compile_status"] = "skipped: --no-compile"
     else:
         try:
-            row["compiled_ms"], row["compiled_peak_mem_gib"], row["compile_s"] = _time_compiled(
-                base, impl, x, dy, device, warmup, iters, lr, backend
+            row["compiled_ms"], row["compiled_peak_mem_gib"], row["compile_s"] = (
+                train_step.time_compiled(base, impl, x, dy, device, warmup, iters, lr, backend)
             )
             row["compile_status"] = "ok"
         except Exception as exc:
@@ -545,7 +426,7 @@ def _measure(
         row["graph_status"] = f"expected: {BASELINE_COMPILE_REASON} (no capture)"
     else:
         try:
-            row["graph_ms"] = _time_graph(base, impl, x, dy, device, warmup, iters, lr)
+            row["graph_ms"] = train_step.time_graph(base, impl, x, dy, device, warmup, iters, lr)
             row["graph_status"] = "ok"
         except Exception as exc:
             row["graph_status"] = f"capture failed: {short_error(exc, limit=80)}"
@@ -563,3 +444,93 @@ def _measure(
     if failures:
         row["status"] = "FAIL: " + "; ".join(failures)
     return row, curve
+
+
+# ----------------------------------------------------------------------------------------------
+# the command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from moe_tools.matrix import impl_names
+
+    p.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        help="tokens and layer sizes: tiny (64 tokens, E=8, top-2, d_model 64, hidden 32), "
+        "seed-moe (2048, E=16, top-8, 2048, 1024), training (16384, E=128, top-8, 2048, 768); "
+        "default: seed-moe on CUDA, tiny on CPU",
+    )
+    p.add_argument("--tokens", type=cmd.positive, help="tokens per step")
+    p.add_argument("--d-model", type=cmd.positive, help="model width")
+    p.add_argument("--experts", type=cmd.positive, help="number of experts (E)")
+    p.add_argument("--top-k", type=cmd.positive, help="experts per token")
+    p.add_argument("--hidden", type=cmd.positive, help="expert hidden size")
+    p.add_argument("--gated", action="store_true", help="SwiGLU experts (default: SiLU)")
+    p.add_argument("--renormalize", action="store_true", help="renormalise the top-k weights")
+    p.add_argument(
+        "--impls", type=cmd.choices_csv(impl_names), help="comma-separated (default: all)"
+    )
+    cmd.dtype_option(p)
+    p.add_argument("--warmup", type=cmd.positive, help="untimed steps per variant")
+    p.add_argument("--iters", type=cmd.positive, help="timed steps per variant")
+    p.add_argument(
+        "--steps",
+        type=cmd.non_negative,
+        help="AdamW steps of the convergence run (default: 50 on CUDA, 20 on CPU; 0: none)",
+    )
+    p.add_argument("--lr", type=cmd.positive_float, help="AdamW lr (default 0.08/sqrt(d_model))")
+    p.add_argument("--no-compile", action="store_true", help="no compiled column")
+    p.add_argument(
+        "--compile-backend",
+        metavar="NAME",
+        help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)",
+    )
+    p.add_argument("--no-graph", action="store_true", help="no CUDA-graph column")
+    cmd.plot_option(p, "every impl's convergence loss curve")
+
+
+def result_name(args: argparse.Namespace) -> str:
+    preset = args.preset or ("seed-moe" if args.device.type == "cuda" else "tiny")
+    sizes = ("tokens", "d_model", "experts", "top_k", "hidden")
+    shape = [f"{n.replace('_', '-')}={v}" for n in sizes if (v := getattr(args, n))]
+    flags = [f for f in ("gated", "renormalize") if getattr(args, f)]
+    return slug("train", preset, shape, flags, args.impls)
+
+
+def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) -> Result:
+    return run(
+        device=args.device,
+        preset=args.preset,
+        tokens=args.tokens,
+        d_model=args.d_model,
+        n_experts=args.experts,
+        top_k=args.top_k,
+        hidden=args.hidden,
+        gated=args.gated,
+        renormalize=args.renormalize,
+        impls=args.impls,
+        dtype=cmd.dtype_of(args.dtype, args.device),
+        warmup=args.warmup,
+        iters=args.iters,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        progress=not args.no_progress,
+        compile=not args.no_compile,
+        compile_backend=args.compile_backend,
+        graph=not args.no_graph,
+        plot=args.plot,
+    )
+
+
+COMMAND = cmd.Command(
+    name="train",
+    help="every MoELayer impl as a training layer: step time, memory, gradients, convergence",
+    add_arguments=add_arguments,
+    run=run_cli,
+    result_name=result_name,
+    markdown=train_report.markdown,
+    plot=lambda result, path: train_report.plot_loss_curves(
+        result.extra.get("loss_curves", {}), path, title=train_report.plot_title(result.extra)
+    ),
+)

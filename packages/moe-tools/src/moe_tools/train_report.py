@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_tools.report import Row, _pyplot, format_table, markdown_table
+from moe_tools.command import scalars_line
+from moe_tools.plots import pyplot, save_figure
+from moe_tools.tables import Row, format_table, markdown_table
 
 SIDE_STATUSES = ("compile_status", "graph_status")  # printed below the table, not in it
 
@@ -29,6 +31,35 @@ def format_rows(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> st
             f"# {label}, {r['impl']}: {r[col]}" for r in rows if r.get(col) not in (None, "ok")
         ]
     return "\n".join([table, *lines])
+
+
+def notes(
+    extra: Mapping[str, Any],
+    curves: Mapping[str, Sequence[float]],
+    error_measure: str,
+    teacher_impl: str,
+) -> list[str]:
+    """The lines below the table: how a step, the errors and the convergence run are defined,
+    then a few points of each loss curve."""
+    backend = extra["compile_backend"]
+    notes = [
+        "step = zero_grad + forward + backward (fixed upstream gradient, x requires grad) + "
+        f"AdamW; medians of {extra['iters']} after {extra['warmup']} warm-up; compiled: "
+        + (f"torch.compile(layer, fullgraph=True, backend={backend!r})" if backend else "off")
+        + "; graph: the eager step in one CUDA graph (AdamW capturable)",
+        f"errors (*_err): {error_measure} vs impl {extra['reference']} on the same weights, "
+        "x and dy; "
+        "bitwise: two fwd+bwd passes give equal gradients",
+        f"convergence: MSE to a random teacher (impl {teacher_impl}, another seed), "
+        f"{extra['steps']} AdamW steps at lr {extra['lr']:g}, the same inputs for every impl"
+        if extra["steps"]
+        else "convergence: off (--steps 0)",
+    ]
+    for impl, curve in curves.items():
+        picks = sorted({round(i * (len(curve) - 1) / 4) for i in range(5)})
+        values = " ".join(f"{curve[i]:.4g}" for i in picks)
+        notes.append(f"loss {impl} at steps {','.join(map(str, picks))}: {values}")
+    return notes
 
 
 def loss_rows(
@@ -54,7 +85,7 @@ def plot_loss_curves(
     title: str = "",
 ) -> Path:
     """Every implementation's convergence-run loss against the step, in one figure (log y)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     styles = ("-", "--", "-.", ":")
     for i, (impl, curve) in enumerate(curves.items()):
@@ -79,8 +110,6 @@ def plot_loss_curves(
     ax.set_title(title or "moe-bench train: student fitting a random teacher MoE layer")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    from moe_tools.report import save_figure
-
     return save_figure(fig, path)
 
 
@@ -104,6 +133,19 @@ def _figure(doc: Mapping[str, Any], json_path: Path) -> Path | None:
         if candidate.is_file():
             return candidate
     return None
+
+
+def markdown(doc: Mapping[str, Any], json_path: str | os.PathLike[str]) -> str:
+    """A saved train result: the rows (the compiled / graph statuses below them), the loss
+    curves, the figure and notes (:func:`markdown_train`), the settings."""
+    rows, columns = doc.get("rows", []), doc.get("columns") or []
+    parts = [markdown_table(rows, [c for c in columns if c not in SIDE_STATUSES])]
+    side = [f"* {x[2:]}" for x in format_rows(rows, columns).splitlines() if x.startswith("# ")]
+    if side:
+        parts += ["", *side]
+    parts += ["", markdown_train(doc, json_path)]
+    settings = scalars_line(doc.get("extra") or {})
+    return "\n".join([*parts, *(["", settings] if settings else [])])
 
 
 def markdown_train(doc: Mapping[str, Any], json_path: str | os.PathLike[str]) -> str:

@@ -1,0 +1,239 @@
+"""Registry entries of the routing ops: ``route``, ``index_shuffling``, ``router_scores``."""
+
+from __future__ import annotations
+
+import math
+import random
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from moe_tools.ops.spec import (
+    OpSpec,
+    Problem,
+    Sizes,
+    expect_equal,
+    expect_within,
+    randn,
+    softmax_scores,
+)
+
+# ----------------------------------------------------------------------------------------------
+# torch-native routing and the naive oracles
+
+
+def torch_route(scores_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
+    """What the routing kernels replace: topk, a stable sort of the expert ids, bincount."""
+    weights_TK, experts_TK = torch.topk(scores_TE, top_k, dim=1)
+    flat_N = experts_TK.flatten()
+    _, order_N = torch.sort(flat_N, stable=True)
+    counts_E = torch.bincount(flat_N, minlength=scores_TE.shape[1])
+    return counts_E, order_N, flat_N[order_N], weights_TK.flatten()[order_N]
+
+
+def oracle_choices(scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(T, k) int64 experts by descending score, ties to the lower expert (fp32 values)."""
+    x = scores_TE.float().cpu()
+    T, E = x.shape
+    out = torch.empty(T, top_k, dtype=torch.int64)
+    for t in range(T):
+        row = x[t].tolist()
+        out[t] = torch.tensor(sorted(range(E), key=lambda e, r=row: (-r[e], e))[:top_k])
+    return out
+
+
+def oracle_pairs(choice_TK: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert, token) of every pair sorted by expert then token, via one scan per expert."""
+    experts, tokens = [], []
+    for e in range(E):
+        toks = (choice_TK == e).any(dim=1).nonzero().flatten()
+        experts.append(torch.full_like(toks, e))
+        tokens.append(toks)
+    return torch.cat(experts), torch.cat(tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# route and index_shuffling
+
+ROUTE_SIZES = {
+    "quick": [dict(T=512, E=16, k=4), dict(T=1024, E=128, k=8)],
+    "full": [
+        dict(T=T, E=E, k=8) for T, E in ((4096, 16), (4096, 128), (65536, 128), (1048576, 128))
+    ],
+}
+
+
+def _draw_route(rng: random.Random, large: bool) -> Sizes:
+    E = rng.choice([4, 16, 33, 128] if large else [4, 8, 16])
+    k = rng.choice([k for k in (1, 2, 4, 8) if k <= E])
+    return dict(T=rng.randint(1, 2048 if large else 200), E=E, k=k)
+
+
+def _make_route(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem:
+    scores = softmax_scores(s["T"], s["E"], gen, device)
+    return Problem(f"T={s['T']} E={s['E']} k={s['k']}", s, (scores, s["k"]))
+
+
+def _make_shuffling(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem:
+    p = _make_route(s, gen, device)
+    return Problem(p.label, s, (p.args[0],), {"top_k": s["k"]})
+
+
+def _route_bytes(p: Problem) -> int:
+    T, E, k = p.sizes["T"], p.sizes["E"], p.sizes["k"]
+    return T * E * p.args[0].element_size() + T * k * 4 * 5 + (2 * E + 1) * 4
+
+
+def _shuffling_bytes(p: Problem) -> int:
+    T, E, k = p.sizes["T"], p.sizes["E"], p.sizes["k"]
+    return T * E * p.args[0].element_size() + T * k * 4 * 2 + (E + 2) * 4
+
+
+def _route_reference(scores, top_k, **_):
+    from moe_kernels._reference.routing import route_reference
+
+    return route_reference(scores, top_k, None, 0, scores.shape[1], False)
+
+
+def _shuffling_reference(scores, top_k=1, **_):
+    from moe_kernels._reference.routing import index_shuffling_reference
+
+    return index_shuffling_reference(scores, 0, scores.shape[1], None, top_k)
+
+
+def _route_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
+    scores, k = p.args
+    T, E = scores.shape
+    counts, offsets, exp_P, tok_P, w_P, inv_TK = (t.cpu() for t in out)
+    choice = oracle_choices(scores, k)
+    oe, ot = oracle_pairs(choice, E)
+    expect_equal("oracle counts", counts.long(), torch.bincount(choice.flatten(), minlength=E))
+    expect_equal("oracle offsets[1:]", offsets[1:].long(), torch.cumsum(counts.long(), 0))
+    expect_equal("oracle experts", exp_P.long(), oe)
+    expect_equal("oracle tokens", tok_P.long(), ot)
+    expect_equal("oracle weights", w_P, scores.float().cpu()[ot, oe])
+    expect_equal(
+        "oracle inverse->token", tok_P.long()[inv_TK.long()], torch.arange(T)[:, None].expand(T, k)
+    )
+    expect_equal("oracle inverse->expert", exp_P.long()[inv_TK.long()], choice)
+    return 0.0
+
+
+def _shuffling_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
+    (scores,), k = p.args, p.kwargs["top_k"]
+    T, E = scores.shape
+    counts, exp_P, tok_P = (t.cpu().long() for t in out)
+    choice = oracle_choices(scores, k)
+    oe, ot = oracle_pairs(choice, E)
+    tail = torch.tensor([T, T * k])
+    expect_equal(
+        "oracle counts", counts, torch.cat([torch.bincount(choice.flatten(), minlength=E), tail])
+    )
+    expect_equal("oracle experts", exp_P, oe)
+    expect_equal("oracle tokens", tok_P, ot)
+    return 0.0
+
+
+ROUTE = OpSpec(
+    name="route",
+    sizes=ROUTE_SIZES,
+    draw=_draw_route,
+    make=_make_route,
+    reference=_route_reference,
+    oracle=_route_oracle,
+    bytes_moved=_route_bytes,
+    native=lambda p: partial(torch_route, *p.args),
+)
+
+INDEX_SHUFFLING = OpSpec(
+    name="index_shuffling",
+    sizes=ROUTE_SIZES,
+    draw=_draw_route,
+    make=_make_shuffling,
+    reference=_shuffling_reference,
+    oracle=_shuffling_oracle,
+    bytes_moved=_shuffling_bytes,
+    native=lambda p: partial(torch_route, p.args[0], p.kwargs["top_k"]),
+    fbgemm=lambda ops, p: partial(ops.index_shuffling, p.args[0], top_k=p.kwargs["top_k"]),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# router_scores
+
+U32 = 2.0**-24  # unit roundoff of fp32
+
+
+def _draw_router(rng: random.Random, large: bool) -> Sizes:
+    return dict(
+        T=rng.randint(1, 4096 if large else 64),
+        D=rng.choice([256, 2048, 2050] if large else [16, 64, 130]),
+        E=rng.choice([1, 16, 33, 128] if large else [1, 4, 16, 33]),
+        score_fn=rng.choice(["softmax", "sigmoid"]),
+        dtype=rng.choice(["float32", "bfloat16"]),
+    )
+
+
+def _make_router(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem:
+    T, D, E = s["T"], s["D"], s["E"]
+    x = randn((T, D), gen, device, getattr(torch, s.get("dtype", "bfloat16")))
+    w = randn((E, D), gen, device, torch.float32) / math.sqrt(D)  # nn.Linear's scale
+    label = f"T={T} D={D} E={E} {s['score_fn']} {str(x.dtype).removeprefix('torch.')}"
+    return Problem(label, s, (x, w), {"score_fn": s["score_fn"]})
+
+
+def _router_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
+    """float64 scores with a rigorous bound: any fp32 summation order of D products moves a logit
+    by at most gamma_D * sum |x w| (gamma_D = D u / (1 - D u)); a softmax score then by at most
+    s_e (|dl_e| + max_j |dl_j|), a sigmoid by s |dl|; plus 8 ulps for exp and divide."""
+    (x, w), score_fn = p.args, p.kwargs["score_fn"]
+    x64, w64 = x.double().cpu(), w.double().cpu()
+    logits = x64 @ w64.T
+    D = x.shape[1]
+    gamma = D * U32 / (1 - D * U32)
+    dl = gamma * (x64.abs() @ w64.abs().T)
+    if score_fn == "softmax":
+        exact = torch.softmax(logits, dim=-1)
+        slack = dl + dl.amax(dim=1, keepdim=True) if dl.numel() else dl
+    else:
+        exact, slack = torch.sigmoid(logits), dl
+    return expect_within("vs oracle", out[0], exact, exact * (slack + 8 * U32) + 1e-30)
+
+
+def _router_native(p: Problem):
+    (x, w), fn = p.args, p.kwargs["score_fn"]
+    score = torch.softmax if fn == "softmax" else (lambda z, dim: torch.sigmoid(z))
+    return lambda: score(F.linear(x.float(), w.float()), dim=-1)
+
+
+def _router_reference(x, w, score_fn="softmax"):
+    from moe_kernels._reference.router import router_scores
+
+    return router_scores(x, w, score_fn)
+
+
+ROUTER_SCORES = OpSpec(
+    name="router_scores",
+    sizes={
+        "quick": [dict(T=256, D=64, E=16, score_fn="softmax")],
+        "full": [
+            dict(T=T, D=2048, E=E, score_fn="softmax")
+            for T, E in ((512, 16), (2048, 16), (16384, 16), (16384, 128))
+        ],
+    },
+    draw=_draw_router,
+    make=_make_router,
+    reference=_router_reference,
+    oracle=_router_oracle,
+    bytes_moved=lambda p: (
+        p.args[0].numel() * p.args[0].element_size()
+        + p.args[1].numel() * 4
+        + p.args[0].shape[0] * p.args[1].shape[0] * 4
+    ),
+    flops=lambda p: 2 * p.args[0].shape[0] * p.args[0].shape[1] * p.args[1].shape[0],
+    native=_router_native,
+    reference_tol=(1e-5, 1e-6),  # summation order and exp: fp32 rounding, not bitwise
+)
+
+ENTRIES = (ROUTE, INDEX_SHUFFLING, ROUTER_SCORES)

@@ -1,0 +1,132 @@
+"""Text for people: table cells, aligned plain-text and markdown tables, progress bars.
+
+Rows are plain dicts (column name -> value); every command returns a list of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+Row = dict[str, Any]
+
+
+def short_error(exc: BaseException, limit: int = 120) -> str:
+    """One line naming the exception: 'Type: first line of the message' (clipped)."""
+    msg = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {msg[0]}" if msg else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def format_value(value: Any) -> str:
+    """How one cell prints: '-' for missing, 3-4 significant digits, scientific for tiny errors."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        if value == 0.0:
+            return "0"
+        mag = abs(value)
+        if mag < 1e-2 or mag >= 1e6:
+            return f"{value:.2e}"
+        if mag >= 100:
+            return f"{value:.1f}"
+        return f"{value:.3g}" if mag < 1 else f"{value:.3f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
+def columns_of(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None
+) -> list[str]:
+    """``columns``, or every key of the rows in first-seen order."""
+    if columns is not None:
+        return list(columns)
+    seen: dict[str, None] = {}
+    for row in rows:
+        for key in row:
+            seen.setdefault(key, None)
+    return list(seen)
+
+
+def non_empty(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> list[str]:
+    """The columns that hold a value in at least one row (optional columns drop out)."""
+    return [c for c in columns if any(row.get(c) is not None for row in rows)]
+
+
+def _is_numeric(values: Iterable[Any]) -> bool:
+    vals = [v for v in values if v is not None]
+    return bool(vals) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """An aligned plain-text table: numbers right-aligned, text left-aligned."""
+    cols = columns_of(rows, columns)
+    if not cols:
+        return "(no rows)"
+    cells = [[format_value(row.get(c)) for c in cols] for row in rows]
+    numeric = [_is_numeric(row.get(c) for row in rows) for c in cols]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+
+    def line(vals: Sequence[str]) -> str:
+        out = [
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(vals, widths, numeric, strict=True)
+        ]
+        return "  ".join(out).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cols), sep] + [line(r) for r in cells])
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """The same table as GitHub markdown."""
+    cols = columns_of(rows, columns)
+    if not cols:
+        return "_(no rows)_"
+    numeric = [_is_numeric(row.get(c) for row in rows) for c in cols]
+    head = "| " + " | ".join(cols) + " |"
+    align = "| " + " | ".join("---:" if n else "---" for n in numeric) + " |"
+    body = [
+        "| " + " | ".join(format_value(row.get(c)).replace("|", "\\|") for c in cols) + " |"
+        for row in rows
+    ]
+    return "\n".join([head, align, *body])
+
+
+class _NoBar:
+    """Stands in for a tqdm bar when tqdm is missing or progress is off."""
+
+    def __init__(self, iterable: Iterable[Any] | None = None, **_: Any) -> None:
+        self._it = iterable
+
+    def __iter__(self) -> Any:
+        return iter(self._it if self._it is not None else ())
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(iterable: Iterable[Any] | None = None, *, enabled: bool = True, **kw: Any) -> Any:
+    """A tqdm progress bar on stderr (``leave=False``), or a silent stand-in."""
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # tqdm is a dependency, but keep the commands usable without it
+            pass
+        else:
+            return tqdm(iterable, leave=False, **kw)
+    return _NoBar(iterable)
