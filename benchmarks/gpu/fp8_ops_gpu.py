@@ -458,6 +458,23 @@ def sweep_configs():
         gs = graph_us(lambda cfg=cfg: gather(xg, tok, exp, scores, None, None, config=cfg), 10,
                       10, DRY)  # fmt: skip
         print(f"  {cfg}: silu_mul_quant {qs:.1f}  gather {gs:.1f}", flush=True)
+    d5 = 64 if DRY else 5120  # FBGEMM's widths (not powers of two): whole padded rows or chunks
+    for t5 in (16, 64) if DRY else (4096, 16384):
+        x5 = rand((t5, 2 * d5), BF16, 10)
+        g5 = gather_problem(t5, d5, t5, 8, BF16, 11, dead=False)
+        for cfg in [rows.pick_config("quant", t5, d5), C(1, 1024, 4), C(1, 1024, 8),
+                    C(2, 1024, 4), C(1, 2048, 4), C(1, 2048, 8), C(1, 512, 4)]:  # fmt: skip
+            gs = graph_us(lambda cfg=cfg: tri_g.gather_scale_quant(*g5, None, None, config=cfg),
+                          10, 10, DRY)  # fmt: skip
+            a5, b5 = x5[:, :d5], x5[:, d5:]
+            qs = graph_us(lambda cfg=cfg: tri_s.silu_mul_quant(a5, b5, None, None, config=cfg),
+                          10, 10, DRY)  # fmt: skip
+            print(f"  T={t5} D={d5} {cfg}: gather {gs:.1f}  silu_mul_quant {qs:.1f}", flush=True)
+        for cfg in [rows.pick_config("elementwise", t5, d5), C(1, 1024, 4), C(2, 1024, 4),
+                    C(1, 2048, 8), C(1, 512, 4), C(1, 1024, 8)]:  # fmt: skip
+            us = graph_us(lambda cfg=cfg: tri_s.silu_mul(x5[:, :d5], x5[:, d5:], None, config=cfg),
+                          10, 10, DRY)  # fmt: skip
+            print(f"  T={t5} D={d5} {cfg}: silu_mul {us:.1f}", flush=True)
     wd = 64 if DRY else 7168
     xw = rand((t // 8, 2 * wd), BF16, 9)
     for cfg in [C(1, 8192, 8), C(1, 8192, 16), C(2, 8192, 16), C(1, 4096, 8), C(1, 2048, 4)]:
