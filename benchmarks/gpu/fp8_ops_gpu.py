@@ -441,7 +441,7 @@ def sweep_configs():
     C = rows.RowConfig
     print(f"config sweep T={t} D={d} k={k}: graph us (defaults: elementwise "
           f"{rows.pick_config('elementwise', t, d)}, quant {rows.pick_config('quant', t, d)},"
-          f" gather {rows.pick_config('quant', t * k, d)})")  # fmt: skip
+          f" gather {rows.pick_config('gather', t * k, d)})")  # fmt: skip
     small = rand((128, 2 * 5120), BF16, 6)
     for cfg in [C(1, 1024, 4), C(2, 1024, 4), C(4, 1024, 4), C(8, 1024, 8), C(8, 256, 4),
                 C(4, 512, 4), C(16, 256, 8), C(1, 2048, 4), C(1, 2048, 8), C(2, 2048, 8),
@@ -462,7 +462,7 @@ def sweep_configs():
     for t5 in (16, 64) if DRY else (4096, 16384):
         x5 = rand((t5, 2 * d5), BF16, 10)
         g5 = gather_problem(t5, d5, t5, 8, BF16, 11, dead=False)
-        for cfg in [rows.pick_config("quant", t5, d5), C(1, 1024, 4), C(1, 1024, 8),
+        for cfg in [rows.pick_config("gather", t5, d5), C(1, 1024, 4), C(1, 1024, 8),
                     C(2, 1024, 4), C(1, 2048, 4), C(1, 2048, 8), C(1, 512, 4)]:  # fmt: skip
             gs = graph_us(lambda cfg=cfg: tri_g.gather_scale_quant(*g5, None, None, config=cfg),
                           10, 10, DRY)  # fmt: skip

@@ -524,6 +524,8 @@ def test_silu_mul_launches_compile_for_sm90(monkeypatch):
     for dtype in (torch.float32, torch.float16):
         x0, x1 = meta_pair(256, 2048, dtype, "halves")
         calls.append(lambda x0=x0, x1=x1: tri.silu_mul(x0, x1, None))
+    x0, x1 = meta_pair(64, 1024, torch.bfloat16, "contiguous")  # two rows a program
+    calls.append(lambda x0=x0, x1=x1: tri.silu_mul(x0, x1, None))
     compiled = compile_launches(tri, [tri._silu_mul], calls, monkeypatch)
     assert any("stride_0d" not in cx for cx, _ in compiled)  # the strided launch
     assert len({(cx["BLOCK_T"], cx["BLOCK_D"]) for cx, _ in compiled}) >= 3

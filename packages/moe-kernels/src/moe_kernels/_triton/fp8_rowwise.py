@@ -94,9 +94,15 @@ class RowConfig(NamedTuple):
     num_warps: int
 
 
-_ELEMWISE_TILE = 4096  # elements per program (GPU)
+# Measured on the H200 (session 19, ``benchmarks/gpu/fp8_ops_gpu.py --configs-only``, CUDA-graph
+# device time): silu_mul at (65536, 2048) 196 us with one row of 2048 a program against 212 us
+# with 4 x 1024 (FBGEMM 186), and 2.3 against 3.5 us at (128, 5120); the gather-quant at
+# D=5120 (not a power of two) 84 us at 16384 rows with two rows of 1024-wide chunks against 108
+# holding the row padded to 8192 (FBGEMM 66), while silu_mul_quant is fastest with the padded row.
+_ELEMWISE_TILE = 2048  # elements per program (GPU)
 _ROW_CAP = 8192  # widest row a quantising program holds in registers (GPU)
 _CHUNK = 4096  # chunk of a wider row
+_GATHER_CHUNKS = RowConfig(2, 1024, 4)  # the gather-quant's rows of a width not a power of two
 _INTERPRET_TILE, _INTERPRET_ROW_CAP = 16384, 2048  # numpy: few large programs
 
 
@@ -105,13 +111,15 @@ def _warps(tile: int) -> int:
 
 
 def pick_config(kind: str, num_rows: int, dim: int) -> RowConfig:
-    """The default launch shape for ``kind`` ("elementwise": silu_mul; "quant": the quantising
-    kernels) over ``num_rows`` rows of ``dim`` elements."""
+    """The default launch shape for ``kind`` ("elementwise": silu_mul; "quant": silu_mul_quant;
+    "gather": the gather-quant) over ``num_rows`` rows of ``dim`` elements."""
     tile = _INTERPRET_TILE if INTERPRET else _ELEMWISE_TILE
     row_cap = _INTERPRET_ROW_CAP if INTERPRET else _ROW_CAP
     full = max(next_pow2(dim), 16)  # 16 elements: a 16-byte vector of 8 halves at least
+    if kind == "gather" and not INTERPRET and 2048 <= dim < full:
+        return _GATHER_CHUNKS
     if kind == "elementwise":
-        block_d = min(full, 1024 if not INTERPRET else 4096)
+        block_d = min(full, 2048 if not INTERPRET else 4096)
     elif full <= row_cap:
         block_d = full
     else:

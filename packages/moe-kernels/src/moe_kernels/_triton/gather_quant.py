@@ -118,7 +118,7 @@ def gather_scale_quant(
     native_cast: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (N, D) float8_e4m3fn, scale (N,) fp32) of x[tok] * scores[tok, exp], dead rows zero.
-    ``config`` overrides the launch shape (``pick_config("quant", N, D)``); ``ieee_div=True``
+    ``config`` overrides the launch shape (``pick_config("gather", N, D)``); ``ieee_div=True``
     divides with IEEE division (the reference's; default: FBGEMM's ``div.full.f32`` on the GPU);
     ``native_cast`` (default: on the GPU) picks the hardware e4m3 cast over the integer rounding.
     Index tensors must be contiguous."""
@@ -127,7 +127,7 @@ def gather_scale_quant(
     q = torch.empty((num_rows, dim), dtype=torch.uint8, device=x_TD.device)
     scale = torch.empty((num_rows,), dtype=torch.float32, device=x_TD.device)
     if num_rows > 0:
-        cfg = pick_config("quant", num_rows, dim) if config is None else check_config(config)
+        cfg = pick_config("gather", num_rows, dim) if config is None else check_config(config)
         args = (
             q,
             scale,
