@@ -8,14 +8,20 @@ aside), so a new public op needs exactly one entry here: add it to a family modu
 
 from __future__ import annotations
 
-from moe_tools.ops import attention, experts, mxfp8, routing, tokens
+from moe_tools.ops import attention, ep_tokens, experts, fp8_rows, mxfp8, routing, tokens
 from moe_tools.ops.spec import SIZE_CLASSES, CheckFailed, OpSpec, Problem, Sizes, fbgemm_ops
 
-FAMILIES = (routing, tokens, experts, mxfp8, attention)
+FAMILIES = (routing, tokens, ep_tokens, fp8_rows, experts, mxfp8, attention)
 REGISTRY: dict[str, OpSpec] = {spec.name: spec for family in FAMILIES for spec in family.ENTRIES}
 
 # Public names of moe_kernels that are result types, not ops: the op that returns each.
-RESULT_TYPES = {"RoutingPlan": "route", "ShuffledIndices": "index_shuffling"}
+RESULT_TYPES = {
+    "CombinedTokens": "combine_shuffling",
+    "Fp8Rows": "silu_mul_quant",  # gather_scale_quant_dense_tokens returns one too
+    "RoutingPlan": "route",
+    "ShuffledIndices": "index_shuffling",
+    "TopkChoices": "topk_choices",
+}
 
 __all__ = [
     "REGISTRY",

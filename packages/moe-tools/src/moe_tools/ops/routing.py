@@ -1,4 +1,5 @@
-"""Registry entries of the routing ops: ``route``, ``index_shuffling``, ``router_scores``."""
+"""Registry entries of the routing ops: ``route``, ``index_shuffling``, ``topk_choices``,
+``router_scores``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_tools.ops.spec import (
+    CheckFailed,
     OpSpec,
     Problem,
     Sizes,
@@ -236,4 +238,162 @@ ROUTER_SCORES = OpSpec(
     reference_tol=(1e-5, 1e-6),  # summation order and exp: fp32 rounding, not bitwise
 )
 
-ENTRIES = (ROUTE, INDEX_SHUFFLING, ROUTER_SCORES)
+# ----------------------------------------------------------------------------------------------
+# topk_choices
+
+
+def _draw_topk(rng: random.Random, large: bool) -> Sizes:
+    E = rng.choice([4, 16, 33, 96, 128] if large else [4, 8, 12, 16])
+    n_groups = rng.choice([g for g in (1, 2, 4, 8) if E % g == 0])
+    topk_groups = rng.randint(1, n_groups)
+    k = rng.choice([k for k in (1, 2, 4, 8) if k <= topk_groups * (E // n_groups)])
+    return dict(
+        T=rng.randint(1, 2048 if large else 200),
+        E=E,
+        k=k,
+        n_groups=n_groups,
+        topk_groups=topk_groups,
+        bias=rng.choice([False, True]),
+        renormalize=rng.choice([False, True]),
+        scale=rng.choice([1.0, 2.5]),
+        dtype=rng.choice(["float32", "bfloat16"]),
+        score_fn=rng.choice(["softmax", "sigmoid"]),
+    )
+
+
+def _make_topk(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem:
+    """Router scores (softmax, or sigmoid of normal logits: many ties in bf16) and the options;
+    ``bias``: a small fp32 selection bias (DeepSeek-V3's load balancing)."""
+    T, E, k = s["T"], s["E"], s["k"]
+    dtype = getattr(torch, s.get("dtype", "bfloat16"))
+    if s.get("score_fn", "softmax") == "softmax":
+        scores = softmax_scores(T, E, gen, device, dtype)
+    else:
+        scores = torch.sigmoid(randn((T, E), gen, device, torch.float32)).to(dtype)
+    kwargs = dict(
+        bias=randn((E,), gen, device, torch.float32) * 0.01 if s.get("bias") else None,
+        n_groups=s.get("n_groups", 1),
+        topk_groups=s.get("topk_groups", s.get("n_groups", 1)),
+        scale=float(s.get("scale", 1.0)),
+        renormalize=bool(s.get("renormalize", False)),
+    )
+    opts = (
+        [f"groups={kwargs['topk_groups']}/{kwargs['n_groups']}"] if kwargs["n_groups"] > 1 else []
+    )
+    opts += ["bias"] if kwargs["bias"] is not None else []
+    opts += ["renormalize"] if kwargs["renormalize"] else []
+    opts += [f"scale={kwargs['scale']:g}"] if kwargs["scale"] != 1.0 else []
+    label = " ".join([f"T={T} E={E} k={k} {str(dtype).removeprefix('torch.')}", *opts])
+    return Problem(label, s, (scores, k), kwargs)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to fp32 (a float64 sum of two fp32 values rounds to their fp32 sum)."""
+    return float(torch.tensor(x, dtype=torch.float64).float())
+
+
+def _topk_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
+    """A loop over the tokens: selection values ``scores + bias`` (the contract's fp32 add; NaN as
+    -inf), each group's score the fp32 sum of its two largest values, the ``topk_groups`` best
+    groups (ties to the lower group), then the k best of their experts (ties to the lower
+    expert). Weights: the choices' scores exactly without renormalize and scale, else their
+    float64 value within (k + 4) fp32 roundings (sequential sum, division, scale)."""
+    (scores, k), kw = p.args, p.kwargs
+    weights, experts = out
+    if weights.dtype != torch.float32 or experts.dtype != torch.int64:
+        raise CheckFailed(f"dtypes {weights.dtype}, {experts.dtype}: float32, int64 expected")
+    T, E = scores.shape
+    n_groups, topk_groups = kw["n_groups"], kw["topk_groups"]
+    size = E // n_groups
+    sel = scores.float().cpu()
+    if kw["bias"] is not None:
+        sel = sel + kw["bias"].float().cpu()
+    want = torch.empty(T, k, dtype=torch.int64)
+    for t, row in enumerate(sel.tolist()):
+        val = [float("-inf") if v != v else v for v in row]
+        allowed = range(E)
+        if topk_groups < n_groups:
+            group_score = []
+            for g in range(n_groups):
+                top = sorted(val[g * size : (g + 1) * size], reverse=True)
+                sc = _f32(top[0] + top[1]) if size > 1 else top[0]
+                group_score.append(float("-inf") if sc != sc else sc)
+            best = sorted(range(n_groups), key=lambda g, gs=group_score: (-gs[g], g))
+            allowed = [
+                e for g in sorted(best[:topk_groups]) for e in range(g * size, (g + 1) * size)
+            ]
+        want[t] = torch.tensor(sorted(allowed, key=lambda e, v=val: (-v[e], e))[:k])
+    expect_equal("experts vs oracle", experts.cpu(), want)
+    raw = scores.double().cpu().gather(1, want)
+    if not kw["renormalize"] and kw["scale"] == 1.0:
+        return expect_equal("weights vs oracle", weights, raw)
+    exact = raw / raw.sum(dim=1, keepdim=True) if kw["renormalize"] else raw
+    exact = exact * kw["scale"]
+    return expect_within("weights vs oracle", weights, exact, exact.abs() * (k + 4) * U32)
+
+
+def _topk_native(p: Problem):
+    """torch.topk of the (biased) fp32 scores, DeepSeek-V3's group limit (top-2 sums, the best
+    groups' experts), a gather of the weights."""
+    (scores, k), kw = p.args, p.kwargs
+    T, E = scores.shape
+    n_groups, topk_groups = kw["n_groups"], kw["topk_groups"]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        x = scores.float()
+        sel = x + kw["bias"] if kw["bias"] is not None else x
+        if topk_groups < n_groups:
+            grouped = sel.view(T, n_groups, E // n_groups)
+            group = grouped.topk(min(2, E // n_groups), dim=2).values.sum(dim=2)
+            keep = torch.zeros_like(group, dtype=torch.bool)
+            keep.scatter_(1, group.topk(topk_groups, dim=1).indices, True)
+            sel = sel.masked_fill(~keep.repeat_interleave(E // n_groups, dim=1), float("-inf"))
+        idx = sel.topk(k, dim=1).indices
+        w = x.gather(1, idx)
+        if kw["renormalize"]:
+            w = w / w.sum(dim=1, keepdim=True)
+        return w * kw["scale"], idx
+
+    return run
+
+
+def _topk_reference(scores, top_k, **options):
+    """The op is itself route's torch formula (``_reference.routing`` calls it): the same
+    function, on every device."""
+    from moe_kernels.selection import topk_choices
+
+    return topk_choices(scores, top_k, **options)
+
+
+TOPK_CHOICES = OpSpec(
+    name="topk_choices",
+    sizes={
+        "quick": [dict(T=512, E=16, k=4)],
+        "full": [
+            dict(T=65536, E=128, k=8),
+            dict(
+                T=65536,
+                E=256,
+                k=8,
+                n_groups=8,
+                topk_groups=4,
+                bias=True,
+                renormalize=True,
+                scale=2.5,
+                score_fn="sigmoid",
+            ),  # fmt: skip
+        ],
+    },
+    draw=_draw_topk,
+    make=_make_topk,
+    reference=_topk_reference,
+    oracle=_topk_oracle,
+    bytes_moved=lambda p: (
+        p.args[0].numel() * p.args[0].element_size()
+        + (p.args[0].shape[1] * 4 if p.kwargs["bias"] is not None else 0)
+        + p.args[0].shape[0] * p.args[1] * (4 + 8)
+    ),
+    native=_topk_native,
+)
+
+ENTRIES = (ROUTE, INDEX_SHUFFLING, TOPK_CHOICES, ROUTER_SCORES)
