@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_shuffling import compile_launches  # the sm_90a launch recorder
 from test_swiglu import (
     FLOATS,
     IEEE_DIV_PTX,
@@ -18,7 +19,6 @@ from test_swiglu import (
     NAN,
     assert_quant,
     assert_same_bits,
-    compile_launches,
     needs_kernels,
     quant_oracle,
     rand,
@@ -377,10 +377,10 @@ def test_launches_compile_for_sm90(monkeypatch):
     calls.append(lambda: tri.gather_scale_quant(x, tok, tok, scores, None, None))
     calls.append(lambda: tri.gather_scale_quant(x[:, ::2], tok, tok, scores, ub, None))
     calls.append(lambda: tri.gather_scale_quant(x, tok, tok, scores, ub, None, ieee_div=True))
-    compiled = compile_launches(tri, [tri._gather_quant], calls, monkeypatch)
-    assert any(cx["NUM_CHUNKS"] > 1 for cx, _ in compiled)
-    assert any("stride_xd" not in cx for cx, _ in compiled)  # the strided launch
-    for cx, ptx in compiled:
+    compiled = compile_launches([tri._gather_quant], calls, monkeypatch)
+    assert any(cx["NUM_CHUNKS"] > 1 for cx, _, _ in compiled)
+    assert any("stride_xd" not in cx for cx, _, _ in compiled)  # the strided launch
+    for cx, _, ptx in compiled:
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert bool(IEEE_DIV_PTX.search(ptx)) == cx["IEEE_DIV"], cx
         assert ("div.full.f32" in ptx) == (not cx["IEEE_DIV"]), cx

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from test_mxfp8_quant import oracle_e4m3_bits
+from test_shuffling import compile_launches  # the sm_90a launch recorder
 
 from moe_kernels import swiglu as sm
 from moe_kernels._dispatch import INTERPRET, use_triton
@@ -448,52 +449,6 @@ def test_bad_input_raises_naming_argument_before_any_launch(case, monkeypatch):
 # sm_90a: every GPU launch the launchers pick compiles, with the instructions it must have
 
 
-def compile_launches(launcher, kernels, calls, monkeypatch):
-    """Run ``calls`` (launcher calls on meta tensors) with ``kernels``' launches recorded instead
-    of run, then compile each distinct launch for sm_90a the way Triton specialises it on the GPU
-    (16-byte aligned tensors, ints divisible by 16 marked, ints equal to 1 made constexpr).
-    Returns [(constexprs, ptx)]."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    recorded = []
-    for fk in kernels:
-        monkeypatch.setattr(fk, "launch", lambda grid, args, consts, fk=fk, **opts:
-                            recorded.append((fk.fn, args, consts, opts)))  # fmt: skip
-    for call in calls:
-        call()
-    types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-             torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}  # fmt: skip
-    done, out = set(), []
-    for fn, args, consts, opts in recorded:
-        sig, attrs, cx = {}, {}, dict(consts)
-        for i, (name, a) in enumerate(zip(fn.arg_names, args, strict=False)):
-            if isinstance(a, torch.Tensor):
-                sig[name] = "*" + types[a.dtype]
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif a == 1:
-                sig[name], cx[name] = "constexpr", 1
-            else:
-                sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
-                if a % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        sig.update(dict.fromkeys(consts, "constexpr"))
-        key = (fn.__name__, tuple(sig.items()), tuple(cx.items()), tuple(attrs), opts["num_warps"])
-        if key in done:
-            continue
-        done.add(key)
-        src = ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
-        try:
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(opts))
-        except Exception as exc:  # no CUDA backend / ptxas in this Triton build
-            if "ptxas" in str(exc).lower() or "backend" in str(exc).lower():
-                pytest.skip(f"triton cannot compile for sm_90 here: {exc}"[:200])
-            raise
-        out.append((cx, k.asm["ptx"]))
-    return out
-
-
 def meta_pair(num_tokens, dim, dtype, layout):
     x = torch.empty(num_tokens, 2 * dim, dtype=dtype, device="meta")
     if layout == "halves":
@@ -526,10 +481,10 @@ def test_silu_mul_launches_compile_for_sm90(monkeypatch):
         calls.append(lambda x0=x0, x1=x1: tri.silu_mul(x0, x1, None))
     x0, x1 = meta_pair(64, 1024, torch.bfloat16, "contiguous")  # two rows a program
     calls.append(lambda x0=x0, x1=x1: tri.silu_mul(x0, x1, None))
-    compiled = compile_launches(tri, [tri._silu_mul], calls, monkeypatch)
-    assert any("stride_0d" not in cx for cx, _ in compiled)  # the strided launch
-    assert len({(cx["BLOCK_T"], cx["BLOCK_D"]) for cx, _ in compiled}) >= 3
-    for cx, ptx in compiled:
+    compiled = compile_launches([tri._silu_mul], calls, monkeypatch)
+    assert any("stride_0d" not in cx for cx, _, _ in compiled)  # the strided launch
+    assert len({(cx["BLOCK_T"], cx["BLOCK_D"]) for cx, _, _ in compiled}) >= 3
+    for cx, _, ptx in compiled:
         assert "ex2.approx.f32" in ptx and "div.full.f32" in ptx  # FBGEMM's tl.sigmoid
         if cx.get("stride_0d") == 1:  # 16-byte vectors where the columns are contiguous
             assert re.search(r"ld\.global[\w.:]*\.v4\.b32", ptx), cx
@@ -549,9 +504,9 @@ def test_silu_mul_quant_launches_compile_for_sm90(monkeypatch):
     x0, x1 = meta_pair(2048, 7168, torch.bfloat16, "halves")
     calls.append(lambda: tri.silu_mul_quant(x0, x1, None, None))
     calls.append(lambda: tri.silu_mul_quant(x0, x1, ub, None, ieee_div=True))
-    compiled = compile_launches(tri, [tri._silu_mul_quant], calls, monkeypatch)
-    assert any(cx["NUM_CHUNKS"] > 1 for cx, _ in compiled)
-    for cx, ptx in compiled:
+    compiled = compile_launches([tri._silu_mul_quant], calls, monkeypatch)
+    assert any(cx["NUM_CHUNKS"] > 1 for cx, _, _ in compiled)
+    for cx, _, ptx in compiled:
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert bool(IEEE_DIV_PTX.search(ptx)) == cx["IEEE_DIV"], cx
 
