@@ -101,9 +101,10 @@ def _symbolic(args: Sequence[object]) -> bool:
     return False
 
 
-def _decompose(impl: Callable) -> Callable:
+def _decompose(impl: Callable, traceable: Callable[..., bool] | None) -> Callable:
     """The FunctionalTensorMode rule of an op: run ``impl`` under the mode (its launches become
-    ``wrap_triton`` nodes Inductor lowers) where ``_traced_kernels``, else keep the op opaque.
+    ``wrap_triton`` nodes Inductor lowers) where ``_traced_kernels`` and ``traceable(*args)``
+    (when given), else keep the op opaque.
     Tensor subclasses other than fake and functional ones, symbolic sizes (``dynamic=True``, or
     the automatic dynamic shapes of a recompile: the launchers choose plans and grids from
     concrete sizes), symbolic ints (a ``top_k`` or an expert range made dynamic: plans are
@@ -118,7 +119,11 @@ def _decompose(impl: Callable) -> Callable:
     def rule(mode, func, types, args, kwargs):  # noqa: ANN001, ANN202
         decompose = getattr(torch._functorch.config, "decompose_custom_triton_ops", True)
         traced = decompose and _traced_kernels(args) and not _symbolic(args)
-        if not (traced and all(map(known, types))):
+        traced = traced and all(map(known, types))
+        if traced and traceable is not None:
+            with mode:
+                traced = traceable(*args, **kwargs)
+        if not traced:
             return mode.__torch_dispatch__(func, types, args, kwargs)
         with mode:
             return impl(*args, **kwargs)
@@ -132,7 +137,7 @@ def register_op(
     fake: Callable,
     mutates_args: tuple[str, ...] = (),
     *,
-    traced: bool = True,
+    traced: bool | Callable[..., bool] = True,
 ) -> torch.library.CustomOpDef:
     """The custom op ``moe_kernels::<name>``: ``impl`` (the Triton launch or the reference, by
     device), ``fake`` its fake kernel, ``mutates_args`` the inputs it writes in place.
@@ -146,14 +151,17 @@ def register_op(
     emits the kernels in its generated code (its own launchers and planned allocations, no
     dispatcher round trip a call). CPU calls stay opaque: the reference must not be recompiled
     by Inductor (its fp32 sums would change order), and the interpreter's kernels cannot be
-    traced. Eager calls, fake tensors and ``torch.export`` see a plain custom op."""
+    traced. ``traced`` may be a predicate of the op's arguments: False keeps that call opaque
+    (a kernel Inductor cannot analyse in reasonable time). Eager calls, fake tensors and
+    ``torch.export`` see a plain custom op."""
     op = torch.library.custom_op(op_name(name), mutates_args=mutates_args)(impl)
     op.register_fake(fake)
     if not traced:
         return op
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-    op.register_torch_dispatch(FunctionalTensorMode, _decompose(impl))
+    traceable = traced if callable(traced) else None
+    op.register_torch_dispatch(FunctionalTensorMode, _decompose(impl, traceable))
     return op
 
 

@@ -167,7 +167,16 @@ def _index_shuffling_fake(routing_scores, expert_index_start, expert_index_end,
     )
 
 
-_index_shuffling_op = register_op("index_shuffling", _index_shuffling_impl, _index_shuffling_fake)
+def _index_shuffling_traceable(routing_scores, expert_index_start, expert_index_end,
+                               valid_token_count, top_k) -> bool:  # fmt: skip
+    return _triton()[0].traceable(routing_scores, top_k, valid_token_count, expert_index_start,
+                                  expert_index_end, False, False)  # fmt: skip
+
+
+_index_shuffling_op = register_op(
+    "index_shuffling", _index_shuffling_impl, _index_shuffling_fake,
+    traced=_index_shuffling_traceable,
+)  # fmt: skip
 
 
 def index_shuffling(
@@ -277,7 +286,14 @@ def _route_fake(scores, top_k, valid_token_count, expert_index_start, expert_ind
     )
 
 
-_route_op = register_op("route", _route_impl, _route_fake)
+def _route_traceable(scores, top_k, valid_token_count, expert_index_start, expert_index_end,
+                     renormalize, bias, n_groups, topk_groups, scale) -> bool:  # fmt: skip
+    sel = Selection(bias, n_groups, topk_groups, scale)
+    return _triton()[0].traceable(scores, top_k, valid_token_count, expert_index_start,
+                                  expert_index_end, renormalize, True, sel)  # fmt: skip
+
+
+_route_op = register_op("route", _route_impl, _route_fake, traced=_route_traceable)
 
 
 def _route_setup_context(ctx, inputs, output):

@@ -80,7 +80,7 @@ def _shuffle_kernel(
 
     # 2. the local chunks, BLOCK_G experts at a time; carries: rows of the earlier local experts
     # (all ranks: expert-first base) and per rank (rank-first prefix)
-    first = (pid_t == 0) & (pid_d == 0)  # the program that writes counts_out
+    first = (pid_t + pid_d) == 0  # the program that writes counts_out
     src1 = tl.zeros((BLOCK_T,), tl.int64)  # source row + 1 of each row, 0: none
     carry_e = tl.sum(rank_rows * 0, axis=0)
     carry_raw = carry_e
@@ -96,7 +96,10 @@ def _shuffle_kernel(
         if COMBINE:
             raw_col = tl.sum(raw, axis=0)
             out_ty = counts_out_ptr.dtype.element_ty
-            tl.store(counts_out_ptr + g, raw_col.to(out_ty), mask=g_ok & first)
+            # a tensor predicate: Triton 3.9's interpreter makes `tensor & scalar bool` int32,
+            # which its store refuses as a mask
+            first_g = (g * 0 + pid_t + pid_d) == 0
+            tl.store(counts_out_ptr + g, raw_col.to(out_ty), mask=g_ok & first_g)
             carry_raw += tl.sum(raw_col, axis=0)
         # expert-first: earlier local experts, then earlier ranks of this expert
         a = carry_e + (tl.cumsum(col, 0) - col)[None, :] + (tl.cumsum(k, 0) - k)

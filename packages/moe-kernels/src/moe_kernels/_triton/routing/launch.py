@@ -27,7 +27,8 @@ from . import eager as lane
 from .expert_runs import expert_runs_kernel
 from .fused import fused_kernel
 from .place import PLACE, place_kernel
-from .plan import INTERPRETER, Constraints, Device, Plan, Problem, choose_plan, grouped_width
+from .plan import (INTERPRETER, Constraints, Device, Plan, Problem, choose_plan, columns_apply,
+                   grouped_width)  # fmt: skip
 from .scan import scan_kernel
 from .topk_columns import topk_columns_kernel
 from .topk_grouped import topk_grouped_kernel
@@ -218,6 +219,18 @@ def _outputs(seg: list, p: Problem) -> RoutingPlan | ShuffledIndices:
     counts = seg[_SEG["counts"]][: p.L]  # (an empty range's segment holds one element)
     return RoutingPlan(counts, seg[_SEG["offsets"]], seg[0], seg[1], seg[2],
                        seg[_SEG["inverse"]].view(p.T, p.top_k))  # fmt: skip
+
+
+def traceable(scores_TE: torch.Tensor, top_k: int, vtc: object, start: int, end: int,
+              renormalize: bool, route: bool, selection: Selection | None = None) -> bool:  # fmt: skip
+    """Whether a compiled call may trace its launches into Inductor's graph: every plan but
+    ``columns``. Inductor's TTIR access analysis walks the columns kernel's dataflow path by
+    path (pytorch#193703): 12-50 s per analysis at E=128, top_k=8 on torch 2.13, over ten
+    minutes on 2.14, twice per compile. Those calls stay one opaque op."""
+    p = problem_of(scores_TE, top_k, vtc, start, end, renormalize, route, selection)
+    if p.T == 0 or not columns_apply(p):
+        return True
+    return choose_plan(p, device_of(scores_TE.device.index or 0)).placement != "columns"
 
 
 def run(
