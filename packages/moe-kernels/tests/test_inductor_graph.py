@@ -299,12 +299,13 @@ def module_of(monkeypatch):
 def _cpu_stands_for_sm90(monkeypatch) -> None:
     """torch 2.14 checks a launch's backend options (``num_warps``, ...) against the tensors'
     device: there the CPU answers as sm_90a (each seam found by name, absent in older torch)."""
-    from triton.backends.compiler import GPUTarget
     from torch._dynamo import device_interface
+    from triton.backends.compiler import GPUTarget
 
     cpu = getattr(device_interface, "CpuInterface", None)
     if hasattr(cpu, "raise_if_triton_unavailable"):
-        monkeypatch.setattr(cpu, "raise_if_triton_unavailable", staticmethod(lambda device=None: None))
+        answer = staticmethod(lambda device=None: None)
+        monkeypatch.setattr(cpu, "raise_if_triton_unavailable", answer)
     try:
         from torch._inductor.runtime import triton_helpers
     except ImportError:

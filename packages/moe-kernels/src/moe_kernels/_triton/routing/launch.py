@@ -27,8 +27,16 @@ from . import eager as lane
 from .expert_runs import expert_runs_kernel
 from .fused import fused_kernel
 from .place import PLACE, place_kernel
-from .plan import (INTERPRETER, Constraints, Device, Plan, Problem, choose_plan, columns_apply,
-                   grouped_width)  # fmt: skip
+from .plan import (
+    INTERPRETER,
+    Constraints,
+    Device,
+    Plan,
+    Problem,
+    choose_plan,
+    columns_apply,
+    grouped_width,
+)
 from .scan import scan_kernel
 from .topk_columns import topk_columns_kernel
 from .topk_grouped import topk_grouped_kernel
@@ -221,8 +229,16 @@ def _outputs(seg: list, p: Problem) -> RoutingPlan | ShuffledIndices:
                        seg[_SEG["inverse"]].view(p.T, p.top_k))  # fmt: skip
 
 
-def traceable(scores_TE: torch.Tensor, top_k: int, vtc: object, start: int, end: int,
-              renormalize: bool, route: bool, selection: Selection | None = None) -> bool:  # fmt: skip
+def traceable(
+    scores_TE: torch.Tensor,
+    top_k: int,
+    vtc: object,
+    start: int,
+    end: int,
+    renormalize: bool,
+    route: bool,
+    selection: Selection | None = None,
+) -> bool:
     """Whether a compiled call may trace its launches into Inductor's graph: every plan but
     ``columns``. Inductor's TTIR access analysis walks the columns kernel's dataflow path by
     path (pytorch#193703): 12-50 s per analysis at E=128, top_k=8 on torch 2.13, over ten
