@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_tools import command as cmd
-from moe_tools import tables, train_report, train_step
+from moe_tools import tables, train_report, train_roofline, train_step
 from moe_tools.matrix import BASELINE_COMPILE_REASON
 from moe_tools.memory import check_fits, module_bytes
 from moe_tools.results import Result, slug
@@ -79,6 +79,7 @@ COLUMNS = [
     "loss_first",
     "loss_last",
     "compile_s",
+    *train_roofline.COLUMNS,
     "status",
     "compile_status",
     "graph_status",
@@ -251,6 +252,7 @@ def run(
     compile: bool = True,
     compile_backend: str | None = None,
     graph: bool = True,
+    roofline: bool | None = None,
     plot: str | None = None,
 ) -> Result:
     """Measure every implementation; one row each, in ``impls`` order (default: ``MOE_IMPLS``).
@@ -260,7 +262,9 @@ def run(
     forward/backward graph without Inductor's C++ compilation, which takes ~20 s per impl on a
     small CPU). ``lr`` (AdamW, timing and convergence): :func:`default_lr` of d_model.
     ``graph=False`` skips the CUDA-graph column; ``plot`` is only recorded in ``extra`` (the CLI
-    draws it) so that ``moe-bench report`` can link the figure.
+    draws it) so that ``moe-bench report`` can link the figure. ``roofline`` (default: on CUDA)
+    adds each impl's forward + backward per mode beside the six grouped GEMMs timed in the same
+    run (:mod:`moe_tools.train_roofline`).
     """
     device = torch.device(device) if device is not None else default_device()
     cuda = device.type == "cuda"
@@ -311,6 +315,11 @@ def run(
     base = build_layer(cfg, device, dtype, seed)
     teacher = build_layer(cfg, device, dtype, seed + 1, impl=TEACHER_IMPL).requires_grad_(False)
 
+    roof: dict[str, Any] | None = None
+    if roofline if roofline is not None else cuda:
+        roof = train_roofline.setup(cfg, base, x, device, dtype, warmup, iters, compile, graph)
+        extra["roofline"] = {k: v for k, v in roof.items() if k != "modes"}
+
     ref: dict[str, torch.Tensor | None] | None = None
     try:
         ref = reference_grads(base, x, dy)
@@ -337,6 +346,11 @@ def run(
             backend=backend if compile else None,
             graph=graph,
         )
+        if roof is not None and impl != REFERENCE:
+            row.update(train_roofline.measure(
+                base, impl, x, dy, modes=roof["modes"], backend=backend, warmup=warmup,
+                iters=iters, flops=roof["expert_flops"], gemms_ms=roof["six_gemms_ms"],
+            ))  # fmt: skip
         rows.append(row)
         if curve:
             curves[impl] = curve
@@ -486,6 +500,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)",
     )
     p.add_argument("--no-graph", action="store_true", help="no CUDA-graph column")
+    roof = p.add_mutually_exclusive_group()
+    roof.add_argument("--roofline", action="store_true", default=None,
+                      help="forward + backward per mode beside the six grouped GEMMs "
+                      "(default on CUDA)")  # fmt: skip
+    roof.add_argument("--no-roofline", action="store_false", dest="roofline")
     cmd.plot_option(p, "every impl's convergence loss curve")
 
 
@@ -519,6 +538,7 @@ def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) 
         compile=not args.no_compile,
         compile_backend=args.compile_backend,
         graph=not args.no_graph,
+        roofline=args.roofline,
         plot=args.plot,
     )
 

@@ -55,6 +55,17 @@ def notes(
         if extra["steps"]
         else "convergence: off (--steps 0)",
     ]
+    roof = extra.get("roofline")
+    if roof:
+        gemms = roof.get("six_gemms_ms")
+        notes.append(
+            "roofline (fb_*): forward + backward of the layer alone (no optimizer) per mode, "
+            f"best of them as fb_best_ms; tflops: the routed experts' {roof['expert_flops']:.4g} "
+            "GEMM FLOPs over fb_best_ms; vs_gemms: fb_best_ms over the six grouped GEMMs "
+            "(torch._grouped_mm on the layer's own expert groups) timed in this run: "
+            + (f"{gemms:.4g} ms ({roof['six_gemms_tflops']:.4g} TFLOP/s)" if gemms else
+               f"not run ({roof.get('six_gemms_error', 'unavailable')})")
+        )  # fmt: skip
     for impl, curve in curves.items():
         picks = sorted({round(i * (len(curve) - 1) / 4) for i in range(5)})
         values = " ".join(f"{curve[i]:.4g}" for i in picks)
