@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_tools import cli, train, train_roofline
+from moe_tools import cli, train, train_roofline, train_sweep
 
 
 def test_expert_flops_reproduce_the_issue_table():
@@ -72,3 +72,55 @@ def test_roofline_flags():
     assert p.parse_args(["train", "--no-roofline"]).roofline is False
     with pytest.raises(SystemExit):
         p.parse_args(["train", "--roofline", "--no-roofline"])
+
+
+def test_sweep_points_one_axis_at_a_time():
+    center = dict(tokens=8, d_model=16, n_experts=4, top_k=2, hidden=8)
+    got = list(train_sweep.points(center, {"tokens": (4, 8, 16), "top_k": (1, 2)}))
+    assert got == [
+        ("center", center),
+        ("tokens", dict(center, tokens=4)),
+        ("tokens", dict(center, tokens=16)),
+        ("top_k", dict(center, top_k=1)),
+    ]
+    assert set(train_sweep.GRID) <= set(train_sweep.CENTER)
+
+
+def test_sweep_rows_and_report(tmp_path):
+    from moe_tools import train_report
+
+    center = dict(tokens=16, d_model=16, n_experts=4, top_k=2, hidden=8)
+    res = train_sweep.run(
+        device=torch.device("cpu"), dtype=torch.float32, impls=["torch", "nope"],
+        modes=("eager",), warmup=1, iters=1, center=center,
+        grid={"top_k": (1, 2), "n_experts": (4, 1 << 40)},
+    )  # fmt: skip
+    rows = res.rows
+    assert [(r["axis"], r["impl"]) for r in rows] == [
+        ("center", "torch"), ("center", "nope"), ("top_k", "torch"), ("top_k", "nope"),
+        ("n_experts", "torch"), ("n_experts", "nope"),
+    ]  # fmt: skip
+    ok = [r for r in rows[:4] if r["impl"] == "torch"]
+    assert all(r["status"] == "ok" and r["vs_gemms"] > 0 and r["tflops"] > 0 for r in ok)
+    assert all(r["fb_best_ms"] / r["six_gemms_ms"] == pytest.approx(r["vs_gemms"]) for r in ok)
+    assert all(r["status"].startswith("FAIL") for r in rows[:4] if r["impl"] == "nope")
+    assert all(r["status"].startswith("skipped") for r in rows[4:])  # 2**40 experts: refused
+    doc = {"rows": rows, "columns": res.columns, "extra": res.extra}
+    md = train_report.markdown(doc, tmp_path / "train.json")
+    assert "vs_gemms" in md and "one axis at a time" in md
+
+
+def test_sweep_flag():
+    args = cli.build_parser().parse_args(["train", "--sweep", "--hidden", "512"])
+    assert args.sweep and args.hidden == 512
+
+
+def test_sweep_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [
+        dict(axis=axis, tokens=t, hidden=8, n_experts=4, top_k=2, impl=impl, vs_gemms=v)
+        for axis, t, v in (("center", 16, 1.5), ("tokens", 8, 1.9), ("tokens", 32, 1.2))
+        for impl in ("torch", "triton_bf16")
+    ]
+    train_sweep.plot(rows, str(tmp_path / "sweep.png"), title="t")
+    assert (tmp_path / "sweep.png").stat().st_size > 1000

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_tools import command as cmd
-from moe_tools import tables, train_report, train_roofline, train_step
+from moe_tools import tables, train_report, train_roofline, train_step, train_sweep
 from moe_tools.matrix import BASELINE_COMPILE_REASON
 from moe_tools.memory import check_fits, module_bytes
 from moe_tools.results import Result, slug
@@ -505,6 +505,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="forward + backward per mode beside the six grouped GEMMs "
                       "(default on CUDA)")  # fmt: skip
     roof.add_argument("--no-roofline", action="store_false", dest="roofline")
+    p.add_argument(
+        "--sweep", action="store_true",
+        help="forward + backward vs the six grouped GEMMs over a grid of shapes, one axis at a "
+        "time around the Qwen3-30B-A3B layer (the size options move the centre; default impls: "
+        "triton_bf16, torch)",
+    )  # fmt: skip
     cmd.plot_option(p, "every impl's convergence loss curve")
 
 
@@ -512,11 +518,23 @@ def result_name(args: argparse.Namespace) -> str:
     preset = args.preset or ("seed-moe" if args.device.type == "cuda" else "tiny")
     sizes = ("tokens", "d_model", "experts", "top_k", "hidden")
     shape = [f"{n.replace('_', '-')}={v}" for n in sizes if (v := getattr(args, n))]
-    flags = [f for f in ("gated", "renormalize") if getattr(args, f)]
+    flags = [f for f in ("gated", "renormalize", "sweep") if getattr(args, f)]
     return slug("train", preset, shape, flags, args.impls)
 
 
 def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) -> Result:
+    if args.sweep:
+        sizes = dict(tokens=args.tokens, d_model=args.d_model, n_experts=args.experts,
+                     top_k=args.top_k, hidden=args.hidden)  # fmt: skip
+        modes = ("eager",) + (() if args.no_compile else ("compiled",))
+        return train_sweep.run(
+            device=args.device, dtype=cmd.dtype_of(args.dtype, args.device), impls=args.impls,
+            gated=args.gated, modes=modes + (() if args.no_graph else ("graph",)),
+            backend=args.compile_backend or "inductor", warmup=args.warmup or 3,
+            iters=args.iters or 10, seed=args.seed,
+            center={**train_sweep.CENTER, **{k: v for k, v in sizes.items() if v}},
+            plot=args.plot,
+        )  # fmt: skip
     return run(
         device=args.device,
         preset=args.preset,
@@ -550,7 +568,11 @@ COMMAND = cmd.Command(
     run=run_cli,
     result_name=result_name,
     markdown=train_report.markdown,
-    plot=lambda result, path: train_report.plot_loss_curves(
-        result.extra.get("loss_curves", {}), path, title=train_report.plot_title(result.extra)
+    plot=lambda result, path: (
+        train_sweep.plot(result.rows, path)
+        if result.extra.get("sweep")
+        else train_report.plot_loss_curves(
+            result.extra.get("loss_curves", {}), path, title=train_report.plot_title(result.extra)
+        )
     ),
 )

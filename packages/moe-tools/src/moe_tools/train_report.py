@@ -150,6 +150,13 @@ def markdown(doc: Mapping[str, Any], json_path: str | os.PathLike[str]) -> str:
     """A saved train result: the rows (the compiled / graph statuses below them), the loss
     curves, the figure and notes (:func:`markdown_train`), the settings."""
     rows, columns = doc.get("rows", []), doc.get("columns") or []
+    extra = doc.get("extra") or {}
+    if extra.get("sweep"):  # moe-bench train --sweep: the grid's rows, the figure, the notes
+        parts = [markdown_table(rows, columns)]
+        figure = _figure(doc, Path(json_path))
+        if figure is not None:
+            parts += ["", f"![moe-bench train --sweep]({figure.as_posix()})"]
+        return "\n".join([*parts, "", *(f"* {n}" for n in extra.get("notes") or [])])
     parts = [markdown_table(rows, [c for c in columns if c not in SIDE_STATUSES])]
     side = [f"* {x[2:]}" for x in format_rows(rows, columns).splitlines() if x.startswith("# ")]
     if side:
