@@ -40,13 +40,11 @@ import torch.nn.functional as F
 from moe_tools import command as cmd
 from moe_tools import tables, train_report, train_roofline, train_step, train_sweep
 from moe_tools.matrix import BASELINE_COMPILE_REASON
-from moe_tools.memory import check_fits, module_bytes
 from moe_tools.results import Result, slug
 from moe_tools.tables import Row, short_error
-from moe_tools.timing import GIB, default_device
-from moe_tools.train_step import copy_layer
+from moe_tools.timing import default_device
+from moe_tools.train_step import REFERENCE, build_layer, check_training_fits, copy_layer
 
-REFERENCE = "baseline"  # the gradient reference, run in fp32
 TEACHER_IMPL = "torch"  # the convergence run's teacher: deterministic on every device
 
 # Layer shapes: tokens per step and MoELayer's sizes.
@@ -105,18 +103,6 @@ def layer_config(
     cfg.update({k: v for k, v in sizes.items() if v is not None})
     cfg.update(gated=gated, renormalize=renormalize)
     return cfg
-
-
-def build_layer(
-    cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int, impl: str = REFERENCE
-) -> torch.nn.Module:
-    """A trainable ``MoELayer`` of ``cfg`` (see :func:`layer_config`): ``matrix.build_layer``'s
-    seeded layer (expert weights in ``dtype``, the router in fp32), in train mode, every parameter
-    requiring grad."""
-    from moe_tools.matrix import build_layer as build_eval_layer
-
-    sizes = {"score_fn": "softmax", **{k: v for k, v in cfg.items() if k != "tokens"}}
-    return build_eval_layer(sizes, device, dtype, seed, impl).train().requires_grad_(True)
 
 
 def default_lr(d_model: int) -> float:
@@ -204,24 +190,6 @@ def convergence(
         opt.step()
         losses.append(loss.detach())
     return [float(v) for v in torch.stack(losses).cpu()] if losses else []
-
-
-def check_training_fits(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
-    """UsageError with the run's size when it would not fit in ``device``'s free memory: about
-    six copies of the layer's weights (the benchmark's, the teacher, the fp32 reference, the
-    measured copy, its gradients and AdamW's two states) and the fp32 activations of a step."""
-    weights = module_bytes(build_layer(cfg, torch.device("meta"), dtype, seed=0))
-    T, k, d = cfg["tokens"], cfg["top_k"], cfg["d_model"]
-    hidden = cfg["hidden"] * (3 if cfg.get("gated") else 2)
-    activations = 3 * 4 * (T * k * (2 * d + hidden) + 6 * T * d)
-    check_fits(
-        f"training the layer (T={T}, E={cfg['n_experts']}, d_model {d}, hidden {cfg['hidden']})",
-        6 * weights + activations,
-        torch.device(device),
-        f"6 x {weights / GIB:.2f} GiB of weights and optimizer state, about "
-        f"{activations / GIB:.1f} GiB of activations",
-        "Shrink it: --tokens, --experts, --hidden, --d-model.",
-    )
 
 
 def _empty_row(impl: str, status: str) -> Row:

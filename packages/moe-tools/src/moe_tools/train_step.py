@@ -1,16 +1,51 @@
-"""One training step of an MoE layer (``moe-bench train``): zero_grad, forward, backward with a
-fixed upstream gradient, one AdamW step; timed eager, compiled and captured in a CUDA graph, with
-its peak memory."""
+"""The training layer of ``moe-bench train`` (built, sized against the device's memory, copied
+per impl) and one training step of it: zero_grad, forward, backward with a fixed upstream
+gradient, one AdamW step; timed eager, compiled and captured in a CUDA graph, with its peak
+memory."""
 
 from __future__ import annotations
 
 import copy
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from moe_tools.memory import check_fits, module_bytes
 from moe_tools.timing import GIB, synchronize, time_fn
+
+REFERENCE = "baseline"  # the gradient reference (run in fp32) and the layer built by default
+
+
+def build_layer(
+    cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int, impl: str = REFERENCE
+) -> torch.nn.Module:
+    """A trainable ``MoELayer`` of ``cfg`` (see ``train.layer_config``): ``matrix.build_layer``'s
+    seeded layer (expert weights in ``dtype``, the router in fp32), in train mode, every parameter
+    requiring grad."""
+    from moe_tools.matrix import build_layer as build_eval_layer
+
+    sizes = {"score_fn": "softmax", **{k: v for k, v in cfg.items() if k != "tokens"}}
+    return build_eval_layer(sizes, device, dtype, seed, impl).train().requires_grad_(True)
+
+
+def check_training_fits(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
+    """UsageError with the run's size when it would not fit in ``device``'s free memory: about
+    six copies of the layer's weights (the benchmark's, the teacher, the fp32 reference, the
+    measured copy, its gradients and AdamW's two states) and the fp32 activations of a step."""
+    weights = module_bytes(build_layer(cfg, torch.device("meta"), dtype, seed=0))
+    T, k, d = cfg["tokens"], cfg["top_k"], cfg["d_model"]
+    hidden = cfg["hidden"] * (3 if cfg.get("gated") else 2)
+    activations = 3 * 4 * (T * k * (2 * d + hidden) + 6 * T * d)
+    check_fits(
+        f"training the layer (T={T}, E={cfg['n_experts']}, d_model {d}, hidden {cfg['hidden']})",
+        6 * weights + activations,
+        torch.device(device),
+        f"6 x {weights / GIB:.2f} GiB of weights and optimizer state, about "
+        f"{activations / GIB:.1f} GiB of activations",
+        "Shrink it: --tokens, --experts, --hidden, --d-model.",
+    )
 
 
 def copy_layer(base: torch.nn.Module, impl: str) -> torch.nn.Module:

@@ -56,7 +56,7 @@ def run(
     plot: str | None = None,
 ) -> Result:
     """One row per (point, impl); a point that does not fit or fails says so in ``status``."""
-    from moe_tools.train import build_layer, check_training_fits
+    from moe_tools.train_step import build_layer, check_training_fits
 
     center, grid = dict(center or CENTER), dict(grid or GRID)
     modes = tuple(m for m in modes if m != "graph" or device.type == "cuda")
