@@ -16,15 +16,14 @@ the layer's time, as SonicMoE and the issue's table count it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from moe_tools.tables import Row, short_error
-from moe_tools.timing import GIB, synchronize, time_fn
-from moe_tools.train_step import copy_layer
+from moe_tools.timing import GIB, time_fn
+from moe_tools.train_step import captured, copy_layer, peak_gib
 
 MODES = ("eager", "compiled", "graph")
 # per impl: forward + backward ms per mode, the best of them, its TFLOP/s and ratio to the six
@@ -116,36 +115,6 @@ def time_six_gemms(
     return time_fn(gemms.run, device, warmup=warmup, iters=iters).median_ms
 
 
-def fwd_bwd(
-    base: torch.nn.Module, impl: str, x: torch.Tensor, dy: torch.Tensor, mode: str, backend: str
-) -> Callable[[], None]:
-    """The layer's forward + backward of ``dy`` (no optimizer), as ``mode`` runs it: eager, the
-    layer compiled (``fullgraph=True``), or the eager pass captured in one CUDA graph."""
-    layer = copy_layer(base, impl)
-    xs = x.detach().clone().requires_grad_(True)
-    fn = torch.compile(layer, fullgraph=True, backend=backend) if mode == "compiled" else layer
-
-    def step() -> None:
-        layer.zero_grad(set_to_none=True)
-        xs.grad = None
-        fn(xs).backward(dy)
-
-    if mode != "graph":
-        return step
-    stream = torch.cuda.Stream(x.device)
-    stream.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream(x.device).wait_stream(stream)
-    layer.zero_grad(set_to_none=True)
-    xs.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer(xs).backward(dy)
-    return graph.replay
-
-
 def time_fwd_bwd(
     base: torch.nn.Module,
     impl: str,
@@ -156,23 +125,30 @@ def time_fwd_bwd(
     warmup: int,
     iters: int,
 ) -> tuple[float, float | None]:
-    """(median ms, peak GiB of one pass above what was allocated before it; None on CPU and for
-    graph replays, whose memory is the graph's pool)."""
-    device = x.device
+    """The layer's forward + backward of ``dy`` (no optimizer) as ``mode`` runs it: eager, the
+    layer compiled (``fullgraph=True``), or the eager pass captured in one CUDA graph. (median
+    ms, peak GiB of one pass above what was allocated before it: None on CPU and for graph
+    replays, whose memory is the graph's pool)."""
     if mode != "eager":
         torch._dynamo.reset()
     try:
-        run = fwd_bwd(base, impl, x, dy, mode, backend)
-        ms = time_fn(run, device, warmup=warmup, iters=iters).median_ms
-        peak = None
-        if device.type == "cuda" and mode != "graph":
-            synchronize(device)
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            run()
-            synchronize(device)
-            peak = (torch.cuda.max_memory_allocated(device) - before) / GIB
-        return ms, peak
+        layer = copy_layer(base, impl)
+        xs = x.detach().clone().requires_grad_(True)
+        fn = torch.compile(layer, fullgraph=True, backend=backend) if mode == "compiled" else layer
+
+        def clear() -> None:
+            layer.zero_grad(set_to_none=True)
+            xs.grad = None
+
+        def step() -> None:
+            clear()
+            fn(xs).backward(dy)
+
+        if mode == "graph":
+            graph = captured(step, clear, lambda: layer(xs).backward(dy), x.device, warmup)
+            return time_fn(graph.replay, x.device, warmup=1, iters=iters).median_ms, None
+        ms = time_fn(step, x.device, warmup=warmup, iters=iters).median_ms
+        return ms, peak_gib(step, clear, x.device)
     finally:
         if mode != "eager":
             torch._dynamo.reset()

@@ -73,20 +73,51 @@ def make_step(
     return step
 
 
-def peak_step_gib(
-    step: Callable[[], None], opt: torch.optim.Optimizer, x: torch.Tensor, device: torch.device
+def peak_gib(
+    run: Callable[[], None], clear: Callable[[], None], device: torch.device
 ) -> float | None:
-    """Peak allocated GiB of one step above what was allocated before it (None on CPU)."""
+    """Peak allocated GiB of one ``run()`` above what was allocated before it, after ``clear()``
+    (dropping the gradients of the runs before); None on CPU."""
     if device.type != "cuda":
         return None
-    opt.zero_grad(set_to_none=True)
-    x.grad = None
+    clear()
     synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    step()
+    run()
     synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - before) / GIB
+
+
+def captured(
+    step: Callable[[], None],
+    clear: Callable[[], None],
+    body: Callable[[], None],
+    device: torch.device,
+    warmup: int,
+) -> torch.cuda.CUDAGraph:
+    """``body`` captured in one CUDA graph after ``warmup`` (at least 2) runs of ``step`` on a side
+    stream (building any state outside the graph) and ``clear()`` (the gradients are then
+    allocated in the graph's pool)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(max(warmup, 2)):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
+def _clear_grads(opt: torch.optim.Optimizer, x: torch.Tensor) -> Callable[[], None]:
+    def clear() -> None:
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return clear
 
 
 def time_eager(
@@ -104,7 +135,7 @@ def time_eager(
     opt = torch.optim.AdamW(layer.parameters(), lr=lr)
     step = make_step(layer, opt, xs, dy)
     ms = time_fn(step, device, warmup=warmup, iters=iters).median_ms
-    return ms, peak_step_gib(step, opt, xs, device)
+    return ms, peak_gib(step, _clear_grads(opt, xs), device)
 
 
 def time_compiled(
@@ -131,7 +162,7 @@ def time_compiled(
         synchronize(device)
         compile_s = time.perf_counter() - t0
         ms = time_fn(step, device, warmup=warmup, iters=iters).median_ms
-        return ms, peak_step_gib(step, opt, xs, device), compile_s
+        return ms, peak_gib(step, _clear_grads(opt, xs), device), compile_s
     finally:
         torch._dynamo.reset()
 
@@ -152,16 +183,10 @@ def time_graph(
     xs = x.detach().clone().requires_grad_(True)
     opt = torch.optim.AdamW(layer.parameters(), lr=lr, capturable=True)
     step = make_step(layer, opt, xs, dy)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(max(warmup, 2)):  # builds the optimizer state outside the graph
-            step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    opt.zero_grad(set_to_none=True)  # the gradients are allocated in the graph's pool
-    xs.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def body() -> None:
         layer(xs).backward(dy)
         opt.step()
+
+    graph = captured(step, _clear_grads(opt, xs), body, device, warmup)
     return time_fn(graph.replay, device, warmup=1, iters=iters).median_ms
