@@ -122,22 +122,25 @@ def several() -> None:
     """One compiled function per op, called over many top_k / ranges / valid counts."""
     calls = [(1, 0, 128, None), (2, 0, 128, 5), (8, 0, 128, None), (4, 32, 64, None),
              (8, 16, 80, 3), (6, 0, 16, None), (1, 127, 128, 1), (8, 0, 128, 64)]  # fmt: skip
-    for op in ("index_shuffling", "route"):
-        for dtype in (torch.bfloat16, torch.float32):
-            x = scores_of(64, 128, dtype, seed=7)
+    ops = ("index_shuffling", "route")
+    groups = [(op, dt) for op in ops for dt in (torch.bfloat16, torch.float32)]
+    for n, (op, dtype) in enumerate(groups):
+        if n % SHARD[1] != SHARD[0]:
+            continue  # another shard's compiled function (--shard splits this part by function)
+        x = scores_of(64, 128, dtype, seed=7)
 
-            def fn(s, k, a, b, c, op=op):
-                if op == "route":
-                    return tuple(mk.route(s, k, valid_token_count=c, expert_index_start=a,
-                                          expert_index_end=b))  # fmt: skip
-                return tuple(mk.index_shuffling(s, a, b, c, k))
+        def fn(s, k, a, b, c, op=op):
+            if op == "route":
+                return tuple(mk.route(s, k, valid_token_count=c, expert_index_start=a,
+                                      expert_index_end=b))  # fmt: skip
+            return tuple(mk.index_shuffling(s, a, b, c, k))
 
-            torch._dynamo.reset()
-            compiled = torch.compile(fn, fullgraph=True)
-            for k, a, b, valid in calls:
-                vtc = None if valid is None else torch.tensor([valid], device=DEV)
-                compare(f"several {op} {dtype} k={k} [{a},{b}) valid={valid}", fn,
-                        (x, k, a, b, vtc), dynamic=False, compiled=compiled)  # fmt: skip
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True)
+        for k, a, b, valid in calls:
+            vtc = None if valid is None else torch.tensor([valid], device=DEV)
+            compare(f"several {op} {dtype} k={k} [{a},{b}) valid={valid}", fn,
+                    (x, k, a, b, vtc), dynamic=False, compiled=compiled)  # fmt: skip
 
 
 def other_ops() -> None:

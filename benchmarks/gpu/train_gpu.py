@@ -4,6 +4,8 @@ weight-gradient GEMM (Triton against CUTLASS), and the MoE layer's forward + bac
 
     PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \\
         python3 benchmarks/gpu/train_gpu.py [--shapes=seed,train] [--profile] [--dry-run]
+        python3 benchmarks/gpu/train_gpu.py --skip=ops,wgrad --impls=torch,triton_bf16 \
+            --no-compile --profile     # eager rows, each profiled by host (self CPU) time
 
 ``--dry-run``: tiny shapes on the CPU (run it under ``TRITON_INTERPRET=1`` for the kernels).
 Shapes: seed = 2048 tokens, E=16, top-8, d_model 2048, hidden 1024; train = 16384 tokens,
@@ -183,7 +185,9 @@ def six_gemms(xs, w1, w2, offs, dy):
     return run
 
 
-def layer_rows(dev: str, shapes: list[str], dry: bool, profile: bool) -> None:
+def layer_rows(
+    dev: str, shapes: list[str], dry: bool, profile: bool, impls: list[str], compiled: bool
+) -> None:
     print("\n## MoE layer forward + backward (bf16 params and activations, fp32 router)")
     print(f"{'shape':<14}{'impl':<13}{'eager ms':>10}{'compiled ms':>13}{'graph ms':>10}"
           f"{'repeat':>8}{'cmp==eager':>11}{'dx err':>9}{'dw1 err':>9}")  # fmt: skip
@@ -199,7 +203,7 @@ def layer_rows(dev: str, shapes: list[str], dry: bool, profile: bool) -> None:
             dy = torch.randn(T, D, device=dev, dtype=dt) / D**0.5
             ref = None
             tag = f"{name}{'-gated' if gated else ''}"
-            for impl in ("baseline", "torch", "triton_bf16", "mxfp8"):
+            for impl in impls:
                 if impl == "baseline" and not dry and name == "train":
                     continue  # the host-syncing loop: seed shape only
                 layer = copy.deepcopy(base)
@@ -217,8 +221,10 @@ def layer_rows(dev: str, shapes: list[str], dry: bool, profile: bool) -> None:
                     ref = [t.float() for t in first]
                 err = (rel_err(first[0], ref[0]), rel_err(first[2], ref[2])) if ref else (0, 0)
                 eager = bench_us(step, dry=dry) / 1e3
+                if profile and impl in ("torch", "triton_bf16") and not dry:
+                    profile_step(step, f"{tag} {impl} eager", "self_cpu_time_total")
                 comp_ms, graph_ms, same = float("nan"), float("nan"), "-"
-                if impl != "baseline":
+                if impl != "baseline" and compiled:
                     torch._dynamo.reset()  # one compiled layer at a time: no recompile limit
                     cl = copy.deepcopy(base)
                     cl.impl = impl
@@ -261,8 +267,9 @@ def layer_rows(dev: str, shapes: list[str], dry: bool, profile: bool) -> None:
                 print(f"{tag:<14}{'6 GEMMs':<13}{bench_us(gemms) / 1e3:>10.3f}")
 
 
-def profile_step(fn, title: str) -> None:
-    """The kernels of a few steps of ``fn`` by CUDA time (torch.profiler)."""
+def profile_step(fn, title: str, sort_by: str = "self_cuda_time_total") -> None:
+    """The ops of a few steps of ``fn`` by ``sort_by`` (torch.profiler): kernels by CUDA time,
+    or the host's share of an eager step by ``self_cpu_time_total``."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -274,9 +281,9 @@ def profile_step(fn, title: str) -> None:
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
-    print(f"\n### profile: {title} (5 steps), by self CUDA time, with input shapes")
+    print(f"\n### profile: {title} (5 steps), by {sort_by}, with input shapes")
     table = prof.key_averages(group_by_input_shape=True).table(
-        sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60,
+        sort_by=sort_by, row_limit=30, max_name_column_width=60,
         max_shapes_column_width=70,
     )  # fmt: skip
     print(table)
@@ -286,6 +293,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="seed,train")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--impls", default="baseline,torch,triton_bf16,mxfp8")
+    ap.add_argument("--no-compile", action="store_true", help="eager rows only")
     ap.add_argument("--skip", default="", help="comma list of: ops, wgrad, layer")
     ap.add_argument("--sweep", action="store_true", help="the weight-gradient launch configs")
     ap.add_argument("--dry-run", action="store_true")
@@ -299,7 +308,9 @@ def main() -> None:
     if "wgrad" not in skip:
         wgrad_checks(dev, args.dry_run, args.sweep)
     if "layer" not in skip:
-        layer_rows(dev, args.shapes.split(","), args.dry_run, args.profile)
+        impls = args.impls.split(",")
+        layer_rows(dev, args.shapes.split(","), args.dry_run, args.profile, impls,
+                   not args.no_compile)  # fmt: skip
     print(f"\n{len(FAILS)} failed checks" + (": " + "; ".join(FAILS) if FAILS else ""))
 
 
