@@ -9,6 +9,7 @@ syncs, deterministic.
 __version__ = "0.1.0"
 
 from moe_kernels.activation import expert_activation
+from moe_kernels.expert_mlp import expert_mlp
 from moe_kernels.gather_quant import gather_scale_quant_dense_tokens
 from moe_kernels.grouped_mm import gather_grouped_mm, grouped_weight_grad
 from moe_kernels.mxfp8 import (
@@ -46,6 +47,7 @@ __all__ = [
     "compute_per_group_blocked_scale_offsets",
     "dispatch",
     "expert_activation",
+    "expert_mlp",
     "from_mxfp8",
     "gather_grouped_mm",
     "gather_scale_dense_tokens",

@@ -72,6 +72,34 @@ def expert_activation_backward(
 _op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _grad_and_out_impl(
+    grad: torch.Tensor, h: torch.Tensor, gated: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(h.device):
+        return _ref.activation_backward(grad, h, gated), _ref.activation(h, gated)
+    out = torch.empty(grad.shape, dtype=h.dtype, device=h.device)
+    return _triton().activation_backward(grad, h, gated, out), out
+
+
+def _grad_and_out_fake(grad, h, gated):
+    return torch.empty_like(h), h.new_empty(grad.shape)
+
+
+_grad_and_out_op = register_op(
+    "expert_activation_grad_and_out", _grad_and_out_impl, _grad_and_out_fake
+)
+
+
+def activation_grad_and_out(
+    grad_MH: torch.Tensor, h_MX: torch.Tensor, gated: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expert_activation_backward`` and ``expert_activation(h_MX)`` (M, H) from one pass over
+    h: (dh in h's dtype, the activation in h's dtype, the forward's bits). Inputs are trusted
+    (a backward formula calls it)."""
+    op = _grad_and_out_impl if eager_direct(grad_MH, h_MX) else _grad_and_out_op
+    return op(grad_MH, h_MX, gated)
+
+
 def expert_activation(h_MX: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """SiLU of h_MX (M, H), or with ``gated`` SwiGLU of h_MX (M, 2H): ``silu(h[:, :H]) *
     h[:, H:]`` (gate first, then up). float32/bf16/fp16, any strides; returns (M, H) in h's dtype,

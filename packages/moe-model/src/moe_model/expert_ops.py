@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from moe_kernels import RoutingPlan, dispatch, gather_grouped_mm
+from moe_kernels import RoutingPlan, dispatch
 
 ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what moe_kernels.dispatch moves
 
@@ -115,16 +115,6 @@ def grouped_mm(
         rows_M1 = (expert_M == e).unsqueeze(1)
         out_MN = torch.where(rows_M1, a_MK @ b_EKN[e], out_MN)
     return out_MN
-
-
-def fast_grouped_mm(
-    a_MK: torch.Tensor, w_ENK: torch.Tensor, offsets: torch.Tensor, expert_M: torch.Tensor
-) -> torch.Tensor:
-    """``grouped_mm(a, w.mT)`` where ``torch._grouped_mm`` runs, else moe-kernels' grouped GEMM
-    (``gather_grouped_mm``), not the static loop's E times the FLOPs."""
-    if grouped_mm_supported(a_MK, w_ENK.mT):
-        return grouped_mm(a_MK, w_ENK.mT, offsets, expert_M)
-    return gather_grouped_mm(a_MK, w_ENK, offsets)
 
 
 def grouped_mlp(

@@ -25,7 +25,6 @@ from moe_model._moe_options import FLOAT_DTYPES
 from moe_model.expert_ops import (
     ExpertRows,
     activation,
-    fast_grouped_mm,
     gather_rows,
     grouped_mlp,
     move_rows,
@@ -179,11 +178,10 @@ class BaselineImpl(TorchImpl):
 
 
 class TritonImpl(MoEImpl):
-    """moe-kernels ``route``; without autograd the gather, first GEMM and SiLU fused in one
-    Triton grouped GEMM (SwiGLU's gate after it), the second GEMM ``torch._grouped_mm`` where it
-    runs, else the Triton one; with autograd the unfused chain (``dispatch``, grouped GEMM,
-    ``expert_activation``, grouped GEMM), each op differentiable, deterministic; ``combine``
-    accumulated in fp32, returned in ``out_dtype``, then cast to x's dtype."""
+    """moe-kernels ``route``; the experts as ``moe_kernels.expert_mlp`` (the gather in the first
+    grouped GEMM's loads, SiLU in its epilogue without autograd, SwiGLU's gate after it; with
+    autograd one node with its own deterministic backward); ``combine`` accumulated in fp32,
+    returned in ``out_dtype``, then cast to x's dtype."""
 
     kernel_router = True
 
@@ -194,15 +192,16 @@ class TritonImpl(MoEImpl):
         return mk.route(scores_TE, top_k, **options)
 
     def experts(self, rows, in_proj, out_proj, gated, record):
-        if record:
-            return self.unfused(rows, in_proj, out_proj, gated)
-        act = None if gated else "silu"
-        h_RH = mk.gather_grouped_mm(
-            rows.source, in_proj, rows.offsets, rows.source_indices, activation=act
+        dtype = rows.source.dtype
+        return mk.expert_mlp(
+            rows.source,
+            in_proj.to(dtype),
+            out_proj.to(dtype),
+            rows.offsets,
+            rows.source_indices,
+            rows.inverse,
+            gated=gated,
         )
-        if gated:
-            h_RH = mk.expert_activation(h_RH, gated=True)
-        return fast_grouped_mm(h_RH, out_proj, rows.offsets, rows.expert_indices)
 
     def unfused(self, rows, in_proj, out_proj, gated):
         xs_RD = move_rows(rows.source, rows.source_indices, rows.inverse)

@@ -37,8 +37,8 @@ def _activation_kernel(
 
 @triton.jit
 def _activation_backward_kernel(
-    go_ptr, h_ptr, dh_ptr, M, H, stride_gm, stride_gh, stride_hm, stride_hh,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    go_ptr, h_ptr, dh_ptr, out_ptr, M, H, stride_gm, stride_gh, stride_hm, stride_hh,
+    GATED: tl.constexpr, STORE_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -50,15 +50,20 @@ def _activation_backward_kernel(
     g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
     s = 1.0 / (1.0 + tl.exp(-g))
     dsilu = s * (1.0 + g * (1.0 - s))
+    silu = g / (1.0 + tl.exp(-g))  # the forward's formula, bit for bit
     width = 2 * H if GATED else H
     dg_ptrs = dh_ptr + r64 * width + cols[None, :]
+    out_ptrs = out_ptr + r64 * H + cols[None, :]
     if GATED:
         u = tl.load(g_ptrs + H * stride_hh, mask=mask, other=0.0).to(tl.float32)
         tl.store(dg_ptrs, (go * u * dsilu).to(dh_ptr.dtype.element_ty), mask=mask)
-        du = go * (g / (1.0 + tl.exp(-g)))
-        tl.store(dg_ptrs + H, du.to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dg_ptrs + H, (go * silu).to(dh_ptr.dtype.element_ty), mask=mask)
+        if STORE_OUT:
+            tl.store(out_ptrs, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(dg_ptrs, (go * dsilu).to(dh_ptr.dtype.element_ty), mask=mask)
+        if STORE_OUT:
+            tl.store(out_ptrs, silu.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _forward = FastKernel(_activation_kernel)
@@ -85,16 +90,19 @@ def activation(h_MX: torch.Tensor, gated: bool) -> torch.Tensor:
     return out
 
 
-def activation_backward(grad_MH: torch.Tensor, h_MX: torch.Tensor, gated: bool) -> torch.Tensor:
-    """(M, H or 2H) in h's dtype: the gradient of the activation's input."""
+def activation_backward(
+    grad_MH: torch.Tensor, h_MX: torch.Tensor, gated: bool, out_MH: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(M, H or 2H) in h's dtype: the gradient of the activation's input; with ``out_MH`` (M, H)
+    contiguous, the same pass also writes the activation itself there (the forward's bits)."""
     m, width = h_MX.shape
     hidden = width // 2 if gated else width
     dh = torch.empty((m, width), dtype=h_MX.dtype, device=h_MX.device)
     if dh.numel() == 0:
         return dh
     bm, bh = _blocks(m, hidden)
-    args = (grad_MH, h_MX, dh, m, hidden, grad_MH.stride(0), grad_MH.stride(1), h_MX.stride(0),
-            h_MX.stride(1))  # fmt: skip
-    _backward.launch((cdiv(m, bm), cdiv(hidden, bh)), args,
-                     dict(GATED=gated, BLOCK_M=bm, BLOCK_H=bh), num_warps=4)  # fmt: skip
+    args = (grad_MH, h_MX, dh, dh if out_MH is None else out_MH, m, hidden, grad_MH.stride(0),
+            grad_MH.stride(1), h_MX.stride(0), h_MX.stride(1))  # fmt: skip
+    meta = dict(GATED=gated, STORE_OUT=out_MH is not None, BLOCK_M=bm, BLOCK_H=bh)
+    _backward.launch((cdiv(m, bm), cdiv(hidden, bh)), args, meta, num_warps=4)
     return dh
