@@ -266,9 +266,10 @@ def shuffling_cases() -> None:
         if padded and n % EP:
             continue  # padded needs T % EP == 0
         tokens = torch.randn(n, 5120, device=dev, dtype=torch.bfloat16, generator=g)
-        cuts = torch.randint(0, n, (n_local * EP + 1,), device=dev, generator=g,
+        total_rows = n // EP if padded else n  # padded: every rank's rows fit in n / EP
+        cuts = torch.randint(0, total_rows + 1, (n_local * EP + 1,), device=dev, generator=g,
                              dtype=torch.int32).sort().values  # fmt: skip
-        cuts[0], cuts[-1] = 0, n if not padded else n // EP
+        cuts[0], cuts[-1] = 0, total_rows
         counts = (cuts[1:] - cuts[:-1]).reshape(EP, n_local).contiguous()
         total = int(counts[:, start:end].sum()) if combine else int(counts.sum())
         args = (tokens, counts, start, end, padded)

@@ -3,23 +3,24 @@ and the down-projection forward, and a backward of its own.
 
 ``expert_mlp(x, w_in, w_out, offsets, row_indices, inverse, gated=...)`` is what an MoE layer's
 experts compute between its routing and its combine, as one autograd node (torchtitan's
-``GroupedExperts``, with the token gather folded in). Against the chain of differentiable ops
-(``dispatch``, ``gather_grouped_mm``, ``expert_activation``, ``gather_grouped_mm``) it saves:
+``GroupedExperts``, with the token gather folded in).
 
-* the dispatched rows: the up-projection gathers its A rows in its loads, forward and in the
-  weight gradient, so no (R, D) copy of the tokens is written or kept for backward;
-* the activation's output: backward recomputes it in the pass that computes its gradient;
-* host time: one autograd node whose launches run directly in eager mode (no dispatcher round
-  trip per op), four kernels forward and seven backward.
+With gradients, forward gathers the rows (xs = x[rows], a copy kernel) and runs both GEMMs on
+sorted rows (``torch._grouped_mm``'s CUTLASS kernels where they run: bf16, sm90+, 16-aligned;
+the Triton grouped GEMM elsewhere), because on the H200 that beat the Triton GEMM that gathers
+in its loads at training sizes (``benchmarks/gpu/expert_mlp_gpu.py``, docs/training.md). It
+keeps the pre-activation h (R, X) and, with ``save_rows`` (the default), xs (R, D); the
+activation's output is not kept: backward recomputes it in the pass that computes its gradient.
 
-Forward keeps the pre-activation h (R, H'), or nothing with ``recompute=True`` (backward then
-runs the up-projection again: a third more forward FLOPs for (R, H') less memory).
+Backward, from dy (R, D): ``da = dy @ w_out[e]``, ``(dh, a) = (act'(h) da, act(h))`` in one
+pass, ``dw_out[e] = dy_e.T @ a_e``, ``dx_R = dh @ w_in[e]``, ``dx[n] = sum over j of
+dx_R[inverse[n, j]]`` in j order in fp32 (no atomics), ``dw_in[e] = dh_e.T @ xs_e`` (xs gathered
+again when not saved). Deterministic; the same kernels eager and under ``torch.compile``, so
+compiled gradients equal eager ones; in plain eager mode the launches run without a dispatcher
+round trip per op (one autograd node instead of four).
 
-Backward, from dy (R, D): ``da = dy @ w_out[e]`` (grouped GEMM), ``(dh, a) = act'(h) da, act(h)``
-(one pass), ``dw_out[e] = dy_e.T @ a_e``, ``dx_R = dh @ w_in[e]``, ``dx[n] = sum over j of
-dx_R[inverse[n, j]]`` in j order in fp32 (no atomics), ``dw_in[e] = dh_e.T @ x[rows_e]`` (the
-rows gathered in the GEMM's loads, or by one gather where CUTLASS runs it). Deterministic; the
-same kernels eager and under ``torch.compile``, so compiled gradients equal eager ones.
+Without gradients the Triton GEMM gathers its rows in its loads and applies SiLU to its fp32
+accumulator (SwiGLU after it), the second GEMM as above.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ def _activation(h, gated):
     return (_act._impl if plain_eager() else _act._op)(h, gated)
 
 
+def _gather(x_ND, rows_R):
+    """xs[r] = x[rows[r]] (zero for -1): ``dispatch``'s copy kernel."""
+    op = _tokens._dispatch_impl if plain_eager() else _tokens._dispatch_op
+    unused_weights = x_ND.new_empty(0, dtype=torch.float32)
+    return op(x_ND, rows_R, unused_weights, rows_R, False)
+
+
 def _sum_choices(dx_RD, inverse_NK, rows, out_dtype):
     """dx[n] = sum over j of dx_R[inverse[n, j]] in fp32, j order (``combine``, unweighted)."""
     op = _tokens._combine_impl if plain_eager() else _tokens._combine_op
@@ -54,34 +62,35 @@ def _sum_choices(dx_RD, inverse_NK, rows, out_dtype):
 
 class _ExpertMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w_in, w_out, offsets, rows_R, inverse_NK, gated, recompute):
-        h_RX = _mm(x_ND, w_in, offsets, rows_R)
+    def forward(ctx, x_ND, w_in, w_out, offsets, rows_R, inverse_NK, gated, save_rows):
+        xs_RD = _gather(x_ND, rows_R)
+        h_RX = _mm(xs_RD, w_in, offsets, None)
         y_RD = _mm(_activation(h_RX, gated), w_out, offsets, None)
-        ctx.save_for_backward(x_ND, w_in, w_out, offsets, rows_R, inverse_NK,
-                              None if recompute else h_RX)  # fmt: skip
+        ctx.save_for_backward(x_ND if not save_rows else None, xs_RD if save_rows else None,
+                              h_RX, w_in, w_out, offsets, rows_R, inverse_NK)  # fmt: skip
         ctx.gated = gated
         return y_RD
 
     @staticmethod
     def backward(ctx, dy_RD):
-        x_ND, w_in, w_out, offsets, rows_R, inverse_NK, h_RX = ctx.saved_tensors
-        if h_RX is None:
-            h_RX = _mm(x_ND, w_in, offsets, rows_R)
-        dy_RD = dy_RD.to(x_ND.dtype)
-        da_RH = _mm(dy_RD, w_out.mT, offsets, None)
+        x_ND, xs_RD, h_RX, w_in, w_out, offsets, rows_R, inverse_NK = ctx.saved_tensors
+        dy_RD = dy_RD.to(h_RX.dtype)
         want_x, want_in, want_out = ctx.needs_input_grad[:3]
-        if want_out:
-            dh_RX, a_RH = _act.activation_grad_and_out(da_RH, h_RX, ctx.gated)
-        else:
-            dh_RX = _act.expert_activation_backward(da_RH, h_RX, ctx.gated)
+        da_RH = _mm(dy_RD, w_out.mT, offsets, None)
         grad_x = grad_in = grad_out = None
         if want_out:
+            dh_RX, a_RH = _act.activation_grad_and_out(da_RH, h_RX, ctx.gated)
             grad_out = _gmm.grouped_weight_grad(dy_RD, a_RH, offsets, out_dtype=w_out.dtype)
+            del a_RH
+        else:
+            dh_RX = _act.expert_activation_backward(da_RH, h_RX, ctx.gated)
+        del da_RH
+        if want_in:
+            src, rows = (xs_RD, None) if xs_RD is not None else (x_ND, rows_R)
+            grad_in = _gmm.grouped_weight_grad(dh_RX, src, offsets, rows, out_dtype=w_in.dtype)
         if want_x:
             dx_RD = _mm(dh_RX, w_in.mT, offsets, None)
-            grad_x = _sum_choices(dx_RD, inverse_NK, rows_R, x_ND.dtype)
-        if want_in:
-            grad_in = _gmm.grouped_weight_grad(dh_RX, x_ND, offsets, rows_R, out_dtype=w_in.dtype)
+            grad_x = _sum_choices(dx_RD, inverse_NK, rows_R, h_RX.dtype)
         return grad_x, grad_in, grad_out, None, None, None, None, None
 
 
@@ -94,7 +103,7 @@ def expert_mlp(
     inverse_NK: torch.Tensor,
     *,
     gated: bool = False,
-    recompute: bool = False,
+    save_rows: bool = True,
 ) -> torch.Tensor:
     """The experts' MLP on rows gathered from x and grouped by expert.
 
@@ -109,9 +118,10 @@ def expert_mlp(
     Returns y_RD (R, D) in x's dtype: for offsets[e] <= r < offsets[e+1],
     ``y[r] = act(x[rows[r]] @ w_in[e].T) @ w_out[e].T``, each GEMM accumulated in fp32 and
     rounded once, the activation in fp32; rows past offsets[E] or reading no row are zero.
-    Differentiable in x, w_in and w_out with one backward (module docstring); ``recompute``:
-    keep no activation for it and run the up-projection again there. Without gradients the
-    SiLU runs in the first GEMM's epilogue.
+    Differentiable in x, w_in and w_out with one backward (module docstring); ``save_rows``:
+    keep the gathered rows for the up-projection's weight gradient (R x D memory), else gather
+    them again there (one more copy pass). Without gradients the SiLU runs in the first GEMM's
+    epilogue (one rounding fewer than with gradients, where h is rounded before the SiLU).
     """
     x_ND = V.float_2d("x_ND", x_ND)
     for name, w in (("w_in_EXD", w_in_EXD), ("w_out_EDH", w_out_EDH)):
@@ -120,8 +130,8 @@ def expert_mlp(
         if w.dtype != x_ND.dtype:
             raise TypeError(f"{name} must have x_ND's dtype {x_ND.dtype}, got {w.dtype}")
         V.same_device("x_ND", x_ND, **{name: w})
-    if not isinstance(gated, bool) or not isinstance(recompute, bool):
-        raise TypeError(f"gated and recompute must be bools, got {gated!r}, {recompute!r}")
+    if not isinstance(gated, bool) or not isinstance(save_rows, bool):
+        raise TypeError(f"gated and save_rows must be bools, got {gated!r}, {save_rows!r}")
     E, X, D = w_in_EXD.shape
     H = X // 2 if gated else X
     if gated and X % 2:
@@ -148,7 +158,7 @@ def expert_mlp(
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (x_ND, w_in_EXD, w_out_EDH))
     if grads:
         return _ExpertMLP.apply(
-            x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, recompute
+            x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, save_rows
         )
     h_RX = _mm(x_ND, w_in_EXD, offsets, row_indices, "none" if gated else "silu")
     a_RH = _activation(h_RX, True) if gated else h_RX
