@@ -13,7 +13,14 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
+from moe_kernels._dispatch import (
+    eager_direct,
+    pick,
+    register_autograd,
+    register_op,
+    triton_kernels,
+    use_triton,
+)
 from moe_kernels._reference import activation as _ref
 
 __all__ = ["expert_activation"]
@@ -69,7 +76,7 @@ def expert_activation_backward(
     return op(grad_MH, h_MX, gated)
 
 
-_op.register_autograd(_backward, setup_context=_setup_context)
+_eager = register_autograd(_op, _impl, _backward, _setup_context)
 
 
 def _grad_and_out_impl(
@@ -112,5 +119,4 @@ def expert_activation(h_MX: torch.Tensor, gated: bool = False) -> torch.Tensor:
         raise TypeError(f"gated must be a bool, got {type(gated).__name__}")
     if gated and h_MX.shape[1] % 2:
         raise ValueError(f"gated h_MX must have an even number of columns, got {tuple(h_MX.shape)}")
-    op = _impl if eager_direct(h_MX) else _op
-    return op(h_MX, gated)
+    return pick(_op, _impl, _eager, h_MX)(h_MX, gated)

@@ -17,7 +17,14 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
+from moe_kernels._dispatch import (
+    eager_direct,
+    pick,
+    register_autograd,
+    register_op,
+    triton_kernels,
+    use_triton,
+)
 from moe_kernels._reference import grouped_mm as _ref
 from moe_kernels._reference import tokens as _ref_tokens
 
@@ -94,7 +101,7 @@ def _backward(ctx, grad_PN):
     return grad_x, grad_w, None, None, None
 
 
-_op.register_autograd(_backward, setup_context=_setup_context)
+_eager = register_autograd(_op, _impl, _backward, _setup_context)
 
 
 def gather_grouped_mm(
@@ -147,7 +154,7 @@ def gather_grouped_mm(
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     act = "none" if activation is None else activation
-    op = _impl if eager_direct(x_TD, w_END) else _op
+    op = pick(_op, _impl, _eager, x_TD, w_END)
     return op(x_TD, w_END, offsets, row_indices, act)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
+from moe_kernels._dispatch import pick, register_autograd, register_op, triton_kernels, use_triton
 from moe_kernels._reference import router as _ref
 
 __all__ = ["SCORE_FNS", "router_scores"]
@@ -78,7 +78,7 @@ def _backward(ctx, grad_TE):
     return grad_x, grad_w, None
 
 
-_router_op.register_autograd(_backward, setup_context=_setup_context)
+_router_eager = register_autograd(_router_op, _router_impl, _backward, _setup_context)
 
 
 def router_scores(
@@ -111,5 +111,5 @@ def router_scores(
         raise TypeError(f"score_fn must be a str, got {type(score_fn).__name__}")
     if score_fn not in SCORE_FNS:
         raise ValueError(f"score_fn must be one of {SCORE_FNS}, got {score_fn!r}")
-    op = _router_impl if eager_direct(x_TD, weight_ED) else _router_op
+    op = pick(_router_op, _router_impl, _router_eager, x_TD, weight_ED)
     return op(x_TD, weight_ED, score_fn)

@@ -18,7 +18,15 @@ import math
 import torch
 
 from . import _validate as V
-from ._dispatch import eager_direct, plain_eager, register_op, triton_kernels, use_triton
+from ._dispatch import (
+    eager_direct,
+    pick,
+    plain_eager,
+    register_autograd,
+    register_op,
+    triton_kernels,
+    use_triton,
+)
 from ._reference.routing import index_shuffling_reference, route_reference
 from ._routing_outputs import RoutingPlan, Selection, ShuffledIndices
 from .selection import topk_choices
@@ -341,7 +349,7 @@ def _route_backward(ctx, *grads):
     return (grad[:, :E].to(scores.dtype),) + (None,) * 9
 
 
-_route_op.register_autograd(_route_backward, setup_context=_route_setup_context)
+_route_eager = register_autograd(_route_op, _route_impl, _route_backward, _route_setup_context)
 
 
 def route(
@@ -397,4 +405,5 @@ def route(
     if key is not None or eager_direct(scores, valid_token_count, sel.bias):  # one allocation
         return _route_run(scores, top_k, valid_token_count, start, end, renormalize, sel, True,
                           key)  # fmt: skip
-    return RoutingPlan(*_route_op(scores, top_k, valid_token_count, start, end, renormalize, *sel))
+    op = pick(_route_op, _route_impl, _route_eager, scores, valid_token_count, sel.bias)
+    return RoutingPlan(*op(scores, top_k, valid_token_count, start, end, renormalize, *sel))

@@ -18,7 +18,14 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
+from moe_kernels._dispatch import (
+    eager_direct,
+    pick,
+    register_autograd,
+    register_op,
+    triton_kernels,
+    use_triton,
+)
 from moe_kernels._reference import tokens as _ref
 from moe_kernels.routing import RoutingPlan
 
@@ -289,7 +296,9 @@ def _dispatch_backward(ctx, grad_PD):
     return grad_x, None, grad_w, None, None
 
 
-_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+_dispatch_eager = register_autograd(
+    _dispatch_op, _dispatch_impl, _dispatch_backward, _dispatch_setup
+)
 
 
 def _gather_dots_impl(
@@ -365,7 +374,7 @@ def _combine_backward(ctx, grad_TD):
     return grad_y, None, None, grad_w, None, None
 
 
-_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+_combine_eager = register_autograd(_combine_op, _combine_impl, _combine_backward, _combine_setup)
 
 
 def _check_plan(plan: object, ref_name: str, ref: torch.Tensor) -> RoutingPlan:
@@ -397,7 +406,7 @@ def dispatch(x: torch.Tensor, plan: RoutingPlan, *, scale: bool = False) -> torc
     V.dim_size("x", x, 0, plan.inverse.shape[0], "T, the rows of plan.inverse")
     if not isinstance(scale, bool):
         raise TypeError(f"scale must be a bool, got {type(scale).__name__}")
-    op = _dispatch_impl if eager_direct(x, plan.weights if scale else None) else _dispatch_op
+    op = pick(_dispatch_op, _dispatch_impl, _dispatch_eager, x, plan.weights if scale else None)
     return op(x, plan.token_indices, plan.weights, plan.inverse, scale)
 
 
@@ -428,5 +437,5 @@ def combine(
         raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
     if out_dtype not in V.FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of float32, bfloat16, float16, got {out_dtype}")
-    op = _combine_impl if eager_direct(y, plan.weights if weighted else None) else _combine_op
+    op = pick(_combine_op, _combine_impl, _combine_eager, y, plan.weights if weighted else None)
     return op(y, plan.inverse, plan.token_indices, plan.weights, weighted, out_dtype)
