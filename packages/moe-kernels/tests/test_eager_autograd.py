@@ -76,5 +76,6 @@ def test_pick():
         t = torch.zeros(2, device="cuda")
         assert _dispatch.pick(op, impl, eager, t, None) is impl
         assert _dispatch.pick(op, impl, eager, t.requires_grad_()) is eager
+        assert _dispatch.pick(op, impl, eager, torch.nn.Parameter(t)) is eager
         with torch.no_grad():
             assert _dispatch.pick(op, impl, eager, t) is impl

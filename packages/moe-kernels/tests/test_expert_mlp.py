@@ -122,6 +122,13 @@ def test_no_grad_forward(gated):
     torch.testing.assert_close(y, y_grad, atol=1e-5, rtol=1e-5)
 
 
+def test_no_grad_variant_rule():
+    from moe_kernels.expert_mlp import FUSED_GATHER_MAX_X, gather_in_gemm
+
+    assert gather_in_gemm(FUSED_GATHER_MAX_X, True) and gather_in_gemm(4096, False)
+    assert not gather_in_gemm(FUSED_GATHER_MAX_X + 16, True)
+
+
 def test_only_some_gradients():
     x, w_in, w_out, plan, dy = _problem(seed=4)
     w_in = w_in.requires_grad_()

@@ -212,13 +212,16 @@ def register_autograd(
     return EagerAutograd.apply
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # no subclass with its own dispatch (fake, DTensor)
+
+
 def pick(
     op: Callable, impl: Callable, eager_autograd: Callable, *tensors: torch.Tensor | None
 ) -> Callable:
     """What a public function calls: ``impl`` directly (``eager_direct``), ``eager_autograd``
     (``register_autograd``) for plain-eager CUDA calls that record gradients, else the op."""
     if not plain_eager() or not all(
-        t is None or (type(t) is torch.Tensor and t.is_cuda) for t in tensors
+        t is None or (type(t) in _PLAIN and t.is_cuda) for t in tensors
     ):
         return op
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):

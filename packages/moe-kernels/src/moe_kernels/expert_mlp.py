@@ -19,8 +19,9 @@ again when not saved). Deterministic; the same kernels eager and under ``torch.c
 compiled gradients equal eager ones; in plain eager mode the launches run without a dispatcher
 round trip per op (one autograd node instead of four).
 
-Without gradients the Triton GEMM gathers its rows in its loads and applies SiLU to its fp32
-accumulator (SwiGLU after it), the second GEMM as above.
+Without gradients, up to ``FUSED_GATHER_MAX_X`` columns of the first GEMM (or where CUTLASS
+does not run), the Triton GEMM gathers its rows in its loads and applies SiLU to its fp32
+accumulator (SwiGLU after it); wider, the gather and CUTLASS as with gradients.
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ from moe_kernels import tokens as _tokens
 from moe_kernels._dispatch import plain_eager
 
 __all__ = ["expert_mlp"]
+
+# The no-grad forward's variant (``gather_in_gemm``), from the H200 (expert_mlp_gpu.py, times
+# over the two grouped GEMMs alone): the gathering Triton GEMM 1.04x / 1.14x at X = 1024 / 512
+# (the gather + CUTLASS chain 1.14x / 1.24x); the chain 1.11x / 1.10x at X = 1536 / 2048 (the
+# gathering GEMM 1.17x / 1.23x). The gather's copy weighs more against a narrower GEMM.
+FUSED_GATHER_MAX_X = 1024
+
+
+def gather_in_gemm(width: int, cutlass: bool) -> bool:
+    """Whether the no-grad forward's first GEMM (``width`` = X output columns) gathers its rows
+    in its loads (Triton) rather than after a gather copy (CUTLASS, where ``cutlass`` runs)."""
+    return not cutlass or width <= FUSED_GATHER_MAX_X
 
 
 def _mm(x, w, offsets, rows, activation="none"):
@@ -160,6 +173,9 @@ def expert_mlp(
         return _ExpertMLP.apply(
             x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, save_rows
         )
-    h_RX = _mm(x_ND, w_in_EXD, offsets, row_indices, "none" if gated else "silu")
-    a_RH = _activation(h_RX, True) if gated else h_RX
+    if gather_in_gemm(X, _gmm._cutlass_forward(x_ND, w_in_EXD)):
+        h_RX = _mm(x_ND, w_in_EXD, offsets, row_indices, "none" if gated else "silu")
+        a_RH = _activation(h_RX, True) if gated else h_RX
+    else:
+        a_RH = _activation(_mm(_gather(x_ND, row_indices), w_in_EXD, offsets, None), gated)
     return _mm(a_RH, w_out_EDH, offsets, None)
