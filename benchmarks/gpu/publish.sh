@@ -31,11 +31,15 @@ PUBLISHED=(
   "rollout --preset seed-moe --modes eager,compile,graph --no-images --frames 128 --profile"
   "kernels"
   "kernels --ops route,index_shuffling"
+  "kernels --ops silu_mul,silu_mul_quant,gather_scale_quant_dense_tokens,combine_shuffling,split_shuffling,scatter_add_padded_tokens"
   "kernels --ops to_blocked_per_group_2d,to_blocked_per_group_3d"
   "kernels --sweep routing --jobs 16"
   "kernels --sweep routing --jobs 16 --sweep-T 4096,65536,1048576 --sweep-E 16,32,128,320 --sweep-k 1,8"
   "verify"
   "train --preset seed-moe"
+  "train --preset seed-moe --impls torch,triton_bf16 --steps 0"
+  "train --tokens 8192 --experts 128 --hidden 768 --gated --impls torch,triton_bf16 --steps 0"
+  "train --tokens 32768 --d-model 4096 --experts 128 --hidden 1024 --gated --impls torch,triton_bf16 --steps 0"
 )
 
 has_plot() { [[ " $1 " =~ \ (rollout|kernels|train)\  ]]; }
