@@ -8,10 +8,19 @@ aside), so a new public op needs exactly one entry here: add it to a family modu
 
 from __future__ import annotations
 
-from moe_tools.ops import attention, ep_tokens, experts, fp8_rows, mxfp8, routing, tokens
+from moe_tools.ops import (
+    attention,
+    ep_tokens,
+    expert_mlp,
+    experts,
+    fp8_rows,
+    mxfp8,
+    routing,
+    tokens,
+)
 from moe_tools.ops.spec import SIZE_CLASSES, CheckFailed, OpSpec, Problem, Sizes, fbgemm_ops
 
-FAMILIES = (routing, tokens, ep_tokens, fp8_rows, experts, mxfp8, attention)
+FAMILIES = (routing, tokens, ep_tokens, fp8_rows, experts, expert_mlp, mxfp8, attention)
 REGISTRY: dict[str, OpSpec] = {spec.name: spec for family in FAMILIES for spec in family.ENTRIES}
 
 # Public names of moe_kernels that are result types, not ops: the op that returns each.
