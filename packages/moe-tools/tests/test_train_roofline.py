@@ -115,6 +115,20 @@ def test_sweep_flag():
     assert args.sweep and args.hidden == 512
 
 
+def test_sweep_axes():
+    from moe_tools import command
+
+    args = cli.build_parser().parse_args(["train", "--sweep", "--sweep-axes", "top_k,hidden"])
+    assert args.sweep_axes == ["top_k", "hidden"]
+    args.device = torch.device("cpu")
+    assert train.result_name(args) == "train-tiny-sweep+top_k+hidden"  # its own saved file
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["train", "--sweep", "--sweep-axes", "width"])
+    args = cli.build_parser().parse_args(["train", "--sweep-axes", "top_k"])
+    with pytest.raises(command.UsageError, match="--sweep-axes needs --sweep"):
+        train.run_cli(args)
+
+
 def test_sweep_plot(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [

@@ -479,6 +479,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "time around the Qwen3-30B-A3B layer (the size options move the centre; default impls: "
         "triton_bf16, torch)",
     )  # fmt: skip
+    p.add_argument(
+        "--sweep-axes", type=cmd.choices_csv(tuple(train_sweep.GRID)), metavar="AXIS,..",
+        help="--sweep: only these axes of the grid (one 10-minute device call fits one or two)",
+    )  # fmt: skip
     cmd.plot_option(p, "every impl's convergence loss curve")
 
 
@@ -487,10 +491,14 @@ def result_name(args: argparse.Namespace) -> str:
     sizes = ("tokens", "d_model", "experts", "top_k", "hidden")
     shape = [f"{n.replace('_', '-')}={v}" for n in sizes if (v := getattr(args, n))]
     flags = [f for f in ("gated", "renormalize", "sweep") if getattr(args, f)]
+    if args.sweep and getattr(args, "sweep_axes", None):
+        flags.append("+".join(args.sweep_axes))
     return slug("train", preset, shape, flags, args.impls)
 
 
 def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) -> Result:
+    if args.sweep_axes and not args.sweep:
+        raise cmd.UsageError("--sweep-axes needs --sweep")
     if args.sweep:
         sizes = dict(tokens=args.tokens, d_model=args.d_model, n_experts=args.experts,
                      top_k=args.top_k, hidden=args.hidden)  # fmt: skip
@@ -501,6 +509,7 @@ def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) 
             backend=args.compile_backend or "inductor", warmup=args.warmup or 3,
             iters=args.iters or 10, seed=args.seed,
             center={**train_sweep.CENTER, **{k: v for k, v in sizes.items() if v}},
+            grid={a: train_sweep.GRID[a] for a in args.sweep_axes} if args.sweep_axes else None,
             plot=args.plot,
         )  # fmt: skip
     return run(
