@@ -178,10 +178,11 @@ class BaselineImpl(TorchImpl):
 
 
 class TritonImpl(MoEImpl):
-    """moe-kernels ``route``; the experts as ``moe_kernels.expert_mlp`` (the gather in the first
-    grouped GEMM's loads, SiLU in its epilogue without autograd, SwiGLU's gate after it; with
-    autograd one node with its own deterministic backward); ``combine`` accumulated in fp32,
-    returned in ``out_dtype``, then cast to x's dtype."""
+    """moe-kernels ``route``; the experts as ``moe_kernels.expert_mlp`` (with autograd one node:
+    the row gather, CUTLASS grouped GEMMs on sorted rows where they run, its own deterministic
+    backward; without, up to 1024 first-GEMM columns the Triton GEMM that gathers in its loads
+    with SiLU in its epilogue); ``combine`` accumulated in fp32, returned in ``out_dtype``, then
+    cast to x's dtype."""
 
     kernel_router = True
 
