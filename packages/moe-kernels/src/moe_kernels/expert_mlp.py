@@ -49,28 +49,32 @@ def gather_in_gemm(width: int, cutlass: bool) -> bool:
     return not cutlass or width <= FUSED_GATHER_MAX_X
 
 
+def _run(op, impl, *args):
+    """``impl`` directly in plain eager mode (no dispatcher round trip per launch), else the
+    registered op (what torch.compile traces)."""
+    return (impl if plain_eager() else op)(*args)
+
+
 def _mm(x, w, offsets, rows, activation="none"):
-    """gather_grouped_mm, its launch called directly in plain eager mode."""
-    op = _gmm._impl if plain_eager() else _gmm._op
-    return op(x, w, offsets, rows, activation)
+    return _run(_gmm._op, _gmm._impl, x, w, offsets, rows, activation)
 
 
 def _activation(h, gated):
-    return (_act._impl if plain_eager() else _act._op)(h, gated)
+    return _run(_act._op, _act._impl, h, gated)
 
 
 def _gather(x_ND, rows_R):
     """xs[r] = x[rows[r]] (zero for -1): ``dispatch``'s copy kernel."""
-    op = _tokens._dispatch_impl if plain_eager() else _tokens._dispatch_op
     unused_weights = x_ND.new_empty(0, dtype=torch.float32)
-    return op(x_ND, rows_R, unused_weights, rows_R, False)
+    return _run(_tokens._dispatch_op, _tokens._dispatch_impl, x_ND, rows_R, unused_weights,
+                rows_R, False)  # fmt: skip
 
 
 def _sum_choices(dx_RD, inverse_NK, rows, out_dtype):
     """dx[n] = sum over j of dx_R[inverse[n, j]] in fp32, j order (``combine``, unweighted)."""
-    op = _tokens._combine_impl if plain_eager() else _tokens._combine_op
     unused_weights = dx_RD.new_empty(0, dtype=torch.float32)
-    return op(dx_RD, inverse_NK, rows, unused_weights, False, out_dtype)
+    return _run(_tokens._combine_op, _tokens._combine_impl, dx_RD, inverse_NK, rows,
+                unused_weights, False, out_dtype)  # fmt: skip
 
 
 class _ExpertMLP(torch.autograd.Function):
@@ -177,5 +181,6 @@ def expert_mlp(
         h_RX = _mm(x_ND, w_in_EXD, offsets, row_indices, "none" if gated else "silu")
         a_RH = _activation(h_RX, True) if gated else h_RX
     else:
-        a_RH = _activation(_mm(_gather(x_ND, row_indices), w_in_EXD, offsets, None), gated)
+        h_RX = _mm(_gather(x_ND, row_indices), w_in_EXD, offsets, None)
+        a_RH = _activation(h_RX, gated)
     return _mm(a_RH, w_out_EDH, offsets, None)

@@ -48,9 +48,10 @@ def _activation_backward_kernel(
     go = go.to(tl.float32)
     g_ptrs = h_ptr + r64 * stride_hm + cols[None, :] * stride_hh
     g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-    s = 1.0 / (1.0 + tl.exp(-g))
+    denom = 1.0 + tl.exp(-g)
+    s = 1.0 / denom
     dsilu = s * (1.0 + g * (1.0 - s))
-    silu = g / (1.0 + tl.exp(-g))  # the forward's formula, bit for bit
+    silu = g / denom  # the forward's formula, bit for bit
     width = 2 * H if GATED else H
     dg_ptrs = dh_ptr + r64 * width + cols[None, :]
     out_ptrs = out_ptr + r64 * H + cols[None, :]

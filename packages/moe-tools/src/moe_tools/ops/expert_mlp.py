@@ -49,7 +49,7 @@ def _make(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem:
     return Problem(label, s, args, {"gated": gated})
 
 
-def _activation64(h: torch.Tensor, gated: bool) -> torch.Tensor:
+def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
     if not gated:
         return F.silu(h)
     g, u = h.chunk(2, dim=-1)
@@ -74,7 +74,7 @@ def _oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
         xs = torch.where(live, x64[src.clamp(0, max(x.shape[0] - 1, 0))], 0.0)
         h = xs @ wi[e].T
         dh = ulp * h.abs() + 1e-5 * (xs.abs() @ wi[e].abs().T)
-        a = _activation64(h, gated)
+        a = _activation(h, gated)
         if gated:
             (g, u), (dg, du) = h.chunk(2, dim=-1), dh.chunk(2, dim=-1)
             da = ulp * a.abs() + 1.1 * u.abs() * dg + F.silu(g).abs() * du
@@ -98,7 +98,7 @@ def _native(p: Problem):
 
         def grouped() -> torch.Tensor:
             h = torch._grouped_mm(x.index_select(0, src), w_in.mT, offs=ends)
-            return torch._grouped_mm(_activation64(h, gated), w_out.mT, offs=ends)
+            return torch._grouped_mm(_activation(h, gated), w_out.mT, offs=ends)
 
         return grouped
     bounds = offsets.tolist()
@@ -108,7 +108,7 @@ def _native(p: Problem):
         out = xs.new_zeros(xs.shape[0], w_out.shape[1])
         for e in range(w_in.shape[0]):
             h = xs[bounds[e] : bounds[e + 1]] @ w_in[e].T
-            out[bounds[e] : bounds[e + 1]] = _activation64(h, gated) @ w_out[e].T
+            out[bounds[e] : bounds[e + 1]] = _activation(h, gated) @ w_out[e].T
         return out
 
     return loop
