@@ -24,6 +24,7 @@ from moe_kernels.mxfp8 import (
 )
 from moe_kernels.padded_tokens import scatter_add_padded_tokens
 from moe_kernels.rope import qk_norm_rope
+from moe_kernels.routed_experts import routed_experts
 from moe_kernels.router import router_scores
 from moe_kernels.routing import RoutingPlan, ShuffledIndices, index_shuffling, route
 from moe_kernels.selection import TopkChoices, topk_choices
@@ -57,6 +58,7 @@ __all__ = [
     "mxfp8_grouped_mm",
     "qk_norm_rope",
     "route",
+    "routed_experts",
     "router_scores",
     "scatter_add_dense_tokens",
     "scatter_add_padded_tokens",

@@ -107,6 +107,38 @@ def activation_grad_and_out(
     return op(grad_MH, h_MX, gated)
 
 
+def _grad_weighted_impl(
+    grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, tok: torch.Tensor, gated: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not use_triton(h.device):
+        return _ref.activation_backward_weighted(grad, h, w, tok, gated)
+    return _triton().activation_backward_weighted(
+        grad.contiguous(), h.contiguous(), w.contiguous(), tok.contiguous(), gated
+    )
+
+
+def _grad_weighted_fake(grad, h, w, tok, gated):
+    return torch.empty_like(h), h.new_empty(grad.shape), w.new_empty(h.shape[0], dtype=torch.float32)
+
+
+_grad_weighted_op = register_op(
+    "expert_activation_grad_weighted", _grad_weighted_impl, _grad_weighted_fake
+)
+
+
+def activation_grad_weighted(
+    grad_MH: torch.Tensor, h_MX: torch.Tensor, w_M: torch.Tensor, tok_M: torch.Tensor, gated: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of ``w[m] * expert_activation(h)[m]`` (rows weighted after the activation, as
+    a weighted combine does after the next GEMM) from its unweighted gradient grad_MH (M, H), in
+    one pass over h: (dh (M, X) in h's dtype, ``w * act(h)`` (M, H) in h's dtype, dw (M,) fp32 =
+    ``sum_j grad[m, j] * act(h)[m, j]``, summed in a fixed order). w_M (M,) float, tok_M (M,)
+    int: rows with tok < 0 count as weight 0 and get dw 0. fp32 math, one cast per output.
+    Inputs are trusted (a backward formula calls it)."""
+    op = _grad_weighted_impl if eager_direct(grad_MH, h_MX) else _grad_weighted_op
+    return op(grad_MH, h_MX, w_M, tok_M, gated)
+
+
 def expert_activation(h_MX: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """SiLU of h_MX (M, H), or with ``gated`` SwiGLU of h_MX (M, 2H): ``silu(h[:, :H]) *
     h[:, H:]`` (gate first, then up). float32/bf16/fp16, any strides; returns (M, H) in h's dtype,

@@ -94,7 +94,7 @@ class _ExpertMLP(torch.autograd.Function):
         dy_RD = dy_RD.to(h_RX.dtype)
         want_x, want_in, want_out = ctx.needs_input_grad[:3]
         da_RH = _mm(dy_RD, w_out.mT, offsets, None)
-        grad_x = grad_in = grad_out = None
+        grad_out = None
         if want_out:
             dh_RX, a_RH = _act.activation_grad_and_out(da_RH, h_RX, ctx.gated)
             grad_out = _gmm.grouped_weight_grad(dy_RD, a_RH, offsets, out_dtype=w_out.dtype)
@@ -102,13 +102,59 @@ class _ExpertMLP(torch.autograd.Function):
         else:
             dh_RX = _act.expert_activation_backward(da_RH, h_RX, ctx.gated)
         del da_RH
-        if want_in:
-            src, rows = (xs_RD, None) if xs_RD is not None else (x_ND, rows_R)
-            grad_in = _gmm.grouped_weight_grad(dh_RX, src, offsets, rows, out_dtype=w_in.dtype)
-        if want_x:
-            dx_RD = _mm(dh_RX, w_in.mT, offsets, None)
-            grad_x = _sum_choices(dx_RD, inverse_NK, rows_R, h_RX.dtype)
+        grad_x, grad_in = input_grads(dh_RX, x_ND, xs_RD, w_in, offsets, rows_R, inverse_NK,
+                                      want_x, want_in)  # fmt: skip
         return grad_x, grad_in, grad_out, None, None, None, None, None
+
+
+def input_grads(dh_RX, x_ND, xs_RD, w_in, offsets, rows_R, inverse_NK, want_x, want_in):
+    """(dx (N, D), dw_in (E, X, D)) from the up-projection's output gradient dh_RX (None where
+    not wanted): ``dw_in[e] = dh_e.T @ xs_e`` (xs gathered from x_ND again when ``xs_RD`` is
+    None), ``dx[n] = sum over j of (dh @ w_in[e])[inverse[n, j]]`` in j order, fp32."""
+    grad_x = grad_in = None
+    if want_in:
+        src, rows = (xs_RD, None) if xs_RD is not None else (x_ND, rows_R)
+        grad_in = _gmm.grouped_weight_grad(dh_RX, src, offsets, rows, out_dtype=w_in.dtype)
+    if want_x:
+        dx_RD = _mm(dh_RX, w_in.mT, offsets, None)
+        grad_x = _sum_choices(dx_RD, inverse_NK, rows_R, dh_RX.dtype)
+    return grad_x, grad_in
+
+
+def check_args(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, save_rows):
+    """TypeError / ValueError naming the argument unless ``expert_mlp`` can take these."""
+    V.float_2d("x_ND", x_ND)
+    for name, w in (("w_in_EXD", w_in_EXD), ("w_out_EDH", w_out_EDH)):
+        w = V.tensor(name, w)
+        V.rank(name, w, 3)
+        if w.dtype != x_ND.dtype:
+            raise TypeError(f"{name} must have x_ND's dtype {x_ND.dtype}, got {w.dtype}")
+        V.same_device("x_ND", x_ND, **{name: w})
+    if not isinstance(gated, bool) or not isinstance(save_rows, bool):
+        raise TypeError(f"gated and save_rows must be bools, got {gated!r}, {save_rows!r}")
+    E, X, D = w_in_EXD.shape
+    H = X // 2 if gated else X
+    if gated and X % 2:
+        raise ValueError(f"gated w_in_EXD needs an even X = 2H, got shape {tuple(w_in_EXD.shape)}")
+    V.dim_size("w_in_EXD", w_in_EXD, 2, x_ND.shape[1], "D, the columns of x_ND")
+    want = (E, D, H)
+    if tuple(w_out_EDH.shape) != want:
+        got = tuple(w_out_EDH.shape)
+        raise ValueError(f"w_out_EDH must have shape (E, D, H) = {want}, got {got}")
+    V.tensor("offsets", offsets)
+    V.dtype("offsets", offsets, V.INDEX_DTYPES)
+    V.rank("offsets", offsets, 1)
+    V.same_device("x_ND", x_ND, offsets=offsets)
+    V.dim_size("offsets", offsets, 0, E + 1, "E+1, one more than the weights' experts")
+    V.tensor("row_indices", row_indices)
+    V.dtype("row_indices", row_indices, V.INDEX_DTYPES)
+    V.rank("row_indices", row_indices, 1)
+    V.same_device("x_ND", x_ND, row_indices=row_indices)
+    V.tensor("inverse_NK", inverse_NK)
+    V.dtype("inverse_NK", inverse_NK, V.INDEX_DTYPES)
+    V.rank("inverse_NK", inverse_NK, 2)
+    V.same_device("x_ND", x_ND, inverse_NK=inverse_NK)
+    V.dim_size("inverse_NK", inverse_NK, 0, x_ND.shape[0], "N, the rows of x_ND")
 
 
 def expert_mlp(
@@ -140,38 +186,8 @@ def expert_mlp(
     them again there (one more copy pass). Without gradients the SiLU runs in the first GEMM's
     epilogue (one rounding fewer than with gradients, where h is rounded before the SiLU).
     """
-    x_ND = V.float_2d("x_ND", x_ND)
-    for name, w in (("w_in_EXD", w_in_EXD), ("w_out_EDH", w_out_EDH)):
-        w = V.tensor(name, w)
-        V.rank(name, w, 3)
-        if w.dtype != x_ND.dtype:
-            raise TypeError(f"{name} must have x_ND's dtype {x_ND.dtype}, got {w.dtype}")
-        V.same_device("x_ND", x_ND, **{name: w})
-    if not isinstance(gated, bool) or not isinstance(save_rows, bool):
-        raise TypeError(f"gated and save_rows must be bools, got {gated!r}, {save_rows!r}")
+    check_args(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, save_rows)
     E, X, D = w_in_EXD.shape
-    H = X // 2 if gated else X
-    if gated and X % 2:
-        raise ValueError(f"gated w_in_EXD needs an even X = 2H, got shape {tuple(w_in_EXD.shape)}")
-    V.dim_size("w_in_EXD", w_in_EXD, 2, x_ND.shape[1], "D, the columns of x_ND")
-    want = (E, D, H)
-    if tuple(w_out_EDH.shape) != want:
-        got = tuple(w_out_EDH.shape)
-        raise ValueError(f"w_out_EDH must have shape (E, D, H) = {want}, got {got}")
-    offsets = V.tensor("offsets", offsets)
-    V.dtype("offsets", offsets, V.INDEX_DTYPES)
-    V.rank("offsets", offsets, 1)
-    V.same_device("x_ND", x_ND, offsets=offsets)
-    V.dim_size("offsets", offsets, 0, E + 1, "E+1, one more than the weights' experts")
-    row_indices = V.tensor("row_indices", row_indices)
-    V.dtype("row_indices", row_indices, V.INDEX_DTYPES)
-    V.rank("row_indices", row_indices, 1)
-    V.same_device("x_ND", x_ND, row_indices=row_indices)
-    inverse_NK = V.tensor("inverse_NK", inverse_NK)
-    V.dtype("inverse_NK", inverse_NK, V.INDEX_DTYPES)
-    V.rank("inverse_NK", inverse_NK, 2)
-    V.same_device("x_ND", x_ND, inverse_NK=inverse_NK)
-    V.dim_size("inverse_NK", inverse_NK, 0, x_ND.shape[0], "N, the rows of x_ND")
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (x_ND, w_in_EXD, w_out_EDH))
     if grads:
         return _ExpertMLP.apply(

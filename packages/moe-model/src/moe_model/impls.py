@@ -121,6 +121,20 @@ class MoEImpl:
     def combine(self, ys_PD: torch.Tensor, plan: RoutingPlan, x_TD: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def experts_combine(
+        self,
+        rows: ExpertRows,
+        plan: RoutingPlan,
+        in_proj: torch.Tensor,
+        out_proj: torch.Tensor,
+        gated: bool,
+        x_TD: torch.Tensor,
+        record: bool,
+    ) -> torch.Tensor:
+        """``combine(experts(rows, ...), plan, x_TD)`` where nothing travels between them (the
+        local exchange); an implementation may fuse the two."""
+        return self.combine(self.experts(rows, in_proj, out_proj, gated, record), plan, x_TD)
+
     def __repr__(self) -> str:
         return f"<MoE impl {self.name!r}>"
 
@@ -204,6 +218,15 @@ class TritonImpl(MoEImpl):
             gated=gated,
         )
 
+    def experts_combine(self, rows, plan, in_proj, out_proj, gated, x_TD, record):
+        """``moe_kernels.routed_experts``: the experts and the weighted combine as one autograd
+        node whose backward keeps no expert outputs (the router weights' gradient from the
+        activation's backward pass)."""
+        dtype = rows.source.dtype
+        y_TD = mk.routed_experts(rows.source, in_proj.to(dtype), out_proj.to(dtype), plan,
+                                 gated=gated, out_dtype=self.out_dtype)  # fmt: skip
+        return y_TD.to(x_TD.dtype)
+
     def unfused(self, rows, in_proj, out_proj, gated):
         xs_RD = move_rows(rows.source, rows.source_indices, rows.inverse)
         h_RH = self.expert_mm(xs_RD, in_proj, rows.offsets)
@@ -221,6 +244,8 @@ class TritonImpl(MoEImpl):
 class Mxfp8Impl(TritonImpl):
     """The kernel chain with ``mxfp8_grouped_mm`` GEMMs (unfused, with or without autograd);
     ``combine`` in fp32."""
+
+    experts_combine = MoEImpl.experts_combine
 
     k_multiple = 32  # MXFP8 scales blocks of 32 along K
 

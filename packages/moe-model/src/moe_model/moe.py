@@ -4,7 +4,9 @@ of the objects of ``moe_model.impls``.
 One forward (``MoELayer.run``), the same for every implementation:
 ``scores = router(x)`` -> ``plan = impl.route(scores)`` -> ``exchange.to_experts`` (here the
 local exchange: the experts read the tokens through the plan) -> ``impl.experts(rows)`` ->
-``exchange.from_experts`` -> ``y = impl.combine(outputs, plan)``, plus the shared experts.
+``exchange.from_experts`` -> ``y = impl.combine(outputs, plan)``, plus the shared experts. With
+the local exchange nothing travels between the experts and the combine, so the two run as
+``impl.experts_combine`` (one autograd node for the kernel implementations).
 ``ExpertParallelMoE`` runs the same walk with its all-to-all exchange and this rank's experts.
 
 Routing options (expert bias, expert groups, weight scale, renormalisation) reach every
@@ -59,7 +61,10 @@ class LocalSent(NamedTuple):
 class LocalExchange:
     """MoELayer's exchange: every expert is local, so the experts read the tokens through the
     plan (the gather runs inside the experts step, fused into the first GEMM where the impl
-    can) and their outputs come out in the plan's pair order."""
+    can) and their outputs come out in the plan's pair order; being ``local``, the layer lets
+    the implementation run the experts and the combine as one step (``experts_combine``)."""
+
+    local = True
 
     def to_experts(self, x_TD: torch.Tensor, plan: RoutingPlan, record: bool) -> LocalSent:
         rows = ExpertRows(
@@ -341,9 +346,14 @@ class MoELayer(nn.Module):
         rows_TD = x_TD.to(impl.rows_dtype(x_TD.dtype, in_proj.dtype))
         sent = exchange.to_experts(rows_TD, plan, record)
         self.last_counts.copy_(sent.counts)  # in place: a mutation torch.compile traces
-        ys = impl.experts(sent.rows, in_proj, out_proj, self.gated, record)
-        ys_PD, kept = exchange.from_experts(ys, sent, record)
-        y_TD = impl.combine(ys_PD, kept, x_TD)
+        if getattr(exchange, "local", False):  # nothing travels: the impl may fuse the two
+            y_TD = impl.experts_combine(
+                sent.rows, sent.plan, in_proj, out_proj, self.gated, x_TD, record
+            )
+        else:
+            ys = impl.experts(sent.rows, in_proj, out_proj, self.gated, record)
+            ys_PD, kept = exchange.from_experts(ys, sent, record)
+            y_TD = impl.combine(ys_PD, kept, x_TD)
         shared_TD = self.shared_output(x_TD)
         if shared_TD is not None:
             y_TD = y_TD + shared_TD

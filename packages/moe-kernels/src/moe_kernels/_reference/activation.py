@@ -29,3 +29,19 @@ def activation_backward(grad_MH: torch.Tensor, h_MX: torch.Tensor, gated: bool) 
     if not gated:
         return (go * dsilu).to(h_MX.dtype)
     return torch.cat([go * u * dsilu, go * _silu(g)], dim=-1).to(h_MX.dtype)
+
+
+def activation_backward_weighted(
+    grad_MH: torch.Tensor, h_MX: torch.Tensor, w_M: torch.Tensor, tok_M: torch.Tensor, gated: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh, aw, dw): with w' = w where tok >= 0 else 0, dh = the activation's backward of
+    w' grad, aw = w' act(h) in h's dtype, dw = sum over H of grad * act(h) (fp32; 0 where
+    tok < 0). fp32 math."""
+    live = tok_M >= 0
+    w = torch.where(live, w_M.float(), 0.0)[:, None]
+    h = h_MX.float()
+    g, u = h.chunk(2, dim=-1) if gated else (h, None)
+    a = _silu(g) if u is None else _silu(g) * u
+    go = grad_MH.float()
+    dw = torch.where(live, (go * a).sum(dim=-1), 0.0)
+    return activation_backward(go * w, h_MX, gated), (a * w).to(h_MX.dtype), dw

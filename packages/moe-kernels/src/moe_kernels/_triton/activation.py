@@ -67,8 +67,51 @@ def _activation_backward_kernel(
             tl.store(out_ptrs, silu.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _weighted_backward_kernel(
+    go_ptr, h_ptr, w_ptr, tok_ptr, dh_ptr, aw_ptr, dw_ptr, M, H, stride_gm, stride_hm,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Whole rows per program (the dot over H in BLOCK_H chunks, in order): with go = d(act)
+    unweighted, dw = sum(go * act(h)), dh = act'(h) (w go), aw = w act(h); rows whose token is
+    -1 count with weight 0 and dw 0."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_m = rows < M
+    tok = tl.load(tok_ptr + rows, mask=in_m, other=-1)
+    live = in_m & (tok >= 0)
+    w = tl.load(w_ptr + rows, mask=live, other=0.0).to(tl.float32)[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    width = 2 * H if GATED else H
+    dot = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for c in range(0, H, BLOCK_H):
+        cols = c + tl.arange(0, BLOCK_H)
+        mask = in_m[:, None] & (cols < H)[None, :]
+        go = tl.load(go_ptr + r64 * stride_gm + cols[None, :], mask=mask, other=0.0)
+        go = go.to(tl.float32)
+        g_ptrs = h_ptr + r64 * stride_hm + cols[None, :]
+        g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        denom = 1.0 + tl.exp(-g)
+        s = 1.0 / denom
+        dsilu = s * (1.0 + g * (1.0 - s))
+        silu = g / denom
+        dg_ptrs = dh_ptr + r64 * width + cols[None, :]
+        gw = go * w
+        if GATED:
+            u = tl.load(g_ptrs + H, mask=mask, other=0.0).to(tl.float32)
+            a = silu * u
+            tl.store(dg_ptrs, (gw * u * dsilu).to(dh_ptr.dtype.element_ty), mask=mask)
+            tl.store(dg_ptrs + H, (gw * silu).to(dh_ptr.dtype.element_ty), mask=mask)
+        else:
+            a = silu
+            tl.store(dg_ptrs, (gw * dsilu).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(aw_ptr + r64 * H + cols[None, :], (a * w).to(aw_ptr.dtype.element_ty), mask=mask)
+        dot += tl.sum(go * a, axis=1)
+    tl.store(dw_ptr + rows, tl.where(live, dot, 0.0), mask=in_m)
+
+
 _forward = FastKernel(_activation_kernel)
 _backward = FastKernel(_activation_backward_kernel)
+_weighted_backward = FastKernel(_weighted_backward_kernel)
 
 
 def _blocks(m: int, h: int) -> tuple[int, int]:
@@ -107,3 +150,24 @@ def activation_backward(
     meta = dict(GATED=gated, STORE_OUT=out_MH is not None, BLOCK_M=bm, BLOCK_H=bh)
     _backward.launch((cdiv(m, bm), cdiv(hidden, bh)), args, meta, num_warps=4)
     return dh
+
+
+def activation_backward_weighted(
+    grad_MH: torch.Tensor, h_MX: torch.Tensor, w_M: torch.Tensor, tok_M: torch.Tensor, gated: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh (M, X), aw (M, H) in h's dtype, dw (M,) fp32); see
+    ``moe_kernels.activation.activation_grad_weighted``. grad and h contiguous in their last dim."""
+    m, width = h_MX.shape
+    hidden = width // 2 if gated else width
+    dh = torch.empty((m, width), dtype=h_MX.dtype, device=h_MX.device)
+    aw = torch.empty((m, hidden), dtype=h_MX.dtype, device=h_MX.device)
+    dw = torch.empty((m,), dtype=torch.float32, device=h_MX.device)
+    if m == 0:
+        return dh, aw, dw
+    bm, bh = _blocks(m, hidden)
+    if not INTERPRET:
+        bm = 4
+    args = (grad_MH, h_MX, w_M, tok_M, dh, aw, dw, m, hidden, grad_MH.stride(0), h_MX.stride(0))
+    meta = dict(GATED=gated, BLOCK_M=bm, BLOCK_H=bh)
+    _weighted_backward.launch((cdiv(m, bm),), args, meta, num_warps=4)
+    return dh, aw, dw

@@ -1,0 +1,120 @@
+"""The routed experts of an MoE layer, from the tokens to their combined output, as one
+differentiable op: ``y = routed_experts(x, w_in, w_out, plan)`` is ``combine(expert_mlp(x, ...),
+plan)`` with a backward that never needs the experts' outputs.
+
+Forward with gradients: ``expert_mlp``'s forward (the row gather, the up-projection, the
+activation, the down-projection on sorted rows), then ``combine``'s weighted fp32 sum; it keeps
+what ``expert_mlp`` keeps (h, and the gathered rows with ``save_rows``), not the (R, D) expert
+outputs that a separate ``combine`` keeps for its weight gradient.
+
+Backward from dY (T, D), with o_r = a_r @ w_out[e].T the down-projection of the activation a_r
+and y[t] = sum_j s_r o_r over the rows r = inverse[t, j] (SonicMoE's identity for ds):
+
+* ``dyg_r = dY[tok_r]`` (a gather, unscaled), ``da'_r = dyg_r @ w_out[e]`` (CUTLASS);
+* one pass over h (``activation_grad_weighted``): ``ds_r = <da'_r, a_r>`` (= <dY[tok_r], o_r>),
+  ``dh_r = act'(h_r) (s_r da'_r)`` and ``s_r a_r``;
+* ``dw_out[e] = dyg_e.T @ (s a)_e``, then ``expert_mlp``'s input side (``dw_in``, ``dx``).
+
+Deterministic, no atomics; the same kernels eager and under ``torch.compile``. The forward is bit
+for bit ``combine(expert_mlp(...))``; the gradients are the same math with the router weight
+applied after the data-gradient GEMM instead of before it (other bf16 roundings, same size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_kernels import _validate as V
+from moe_kernels import activation as _act
+from moe_kernels import grouped_mm as _gmm
+from moe_kernels import tokens as _tokens
+from moe_kernels.expert_mlp import _activation, _gather, _mm, _run, check_args, expert_mlp
+from moe_kernels.expert_mlp import input_grads
+from moe_kernels.routing import RoutingPlan
+
+__all__ = ["routed_experts"]
+
+
+def _combine(o_RD, inverse_NK, rows_R, weights_R, out_dtype):
+    return _run(_tokens._combine_op, _tokens._combine_impl, o_RD, inverse_NK, rows_R, weights_R,
+                True, out_dtype)  # fmt: skip
+
+
+def _gather_rows(dy_ND, rows_R, dtype):
+    """dY[rows[r]] in ``dtype`` (zero for -1): the combine's backward, unscaled."""
+    return _run(_tokens._gather_dots_op, _tokens._gather_dots_impl, None, dy_ND, rows_R, None,
+                dtype)[0]  # fmt: skip
+
+
+class _RoutedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, w_in, w_out, weights_R, offsets, rows_R, inverse_NK, gated, save_rows,
+                out_dtype):  # fmt: skip
+        xs_RD = _gather(x_ND, rows_R)
+        h_RX = _mm(xs_RD, w_in, offsets, None)
+        o_RD = _mm(_activation(h_RX, gated), w_out, offsets, None)
+        y_ND = _combine(o_RD, inverse_NK, rows_R, weights_R, out_dtype)
+        ctx.save_for_backward(x_ND if not save_rows else None, xs_RD if save_rows else None,
+                              h_RX, w_in, w_out, weights_R, offsets, rows_R,
+                              inverse_NK)  # fmt: skip
+        ctx.gated = gated
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        x_ND, xs_RD, h_RX, w_in, w_out, weights_R, offsets, rows_R, inverse_NK = ctx.saved_tensors
+        want_x, want_in, want_out, want_s = ctx.needs_input_grad[:4]
+        dyg_RD = _gather_rows(dy_ND, rows_R, h_RX.dtype)
+        da_RH = _mm(dyg_RD, w_out.mT, offsets, None)
+        dh_RX, sa_RH, ds_R = _act.activation_grad_weighted(da_RH, h_RX, weights_R, rows_R,
+                                                           ctx.gated)  # fmt: skip
+        del da_RH
+        grad_out = None
+        if want_out:
+            grad_out = _gmm.grouped_weight_grad(dyg_RD, sa_RH, offsets, out_dtype=w_out.dtype)
+        del dyg_RD, sa_RH
+        grad_x, grad_in = input_grads(dh_RX, x_ND, xs_RD, w_in, offsets, rows_R, inverse_NK,
+                                      want_x, want_in)  # fmt: skip
+        grad_s = ds_R.to(weights_R.dtype) if want_s else None
+        return grad_x, grad_in, grad_out, grad_s, None, None, None, None, None, None
+
+
+def routed_experts(
+    x_TD: torch.Tensor,
+    w_in_EXD: torch.Tensor,
+    w_out_EDH: torch.Tensor,
+    plan: RoutingPlan,
+    *,
+    gated: bool = False,
+    out_dtype: torch.dtype | None = None,
+    save_rows: bool = True,
+) -> torch.Tensor:
+    """An MoE layer's routed experts: y_TD (T, D) in ``out_dtype`` (default x's dtype).
+
+    x_TD: (T, D) bf16/fp16/fp32 tokens; w_in_EXD (E, X, D), w_out_EDH (E, D, H) in x's dtype as
+    for ``expert_mlp`` (X = 2H with ``gated``: SwiGLU); plan: the ``RoutingPlan`` of x's tokens
+    (``route``). ``y[t] = sum_j s_r * o_r`` over the rows r = ``plan.inverse[t, j]`` in j order
+    (-1 skipped), accumulated in fp32 (``combine``), where s = ``plan.weights`` and
+    o = ``expert_mlp(x, w_in, w_out, plan.offsets, plan.token_indices, plan.inverse)``.
+
+    Differentiable in x, w_in, w_out and ``plan.weights`` with one backward that keeps no expert
+    outputs (module docstring); ``save_rows`` as for ``expert_mlp``.
+    """
+    if not isinstance(plan, RoutingPlan):
+        raise TypeError(f"plan must be a RoutingPlan, got {type(plan).__name__}")
+    rows_R, inverse_NK, weights_R = plan.token_indices, plan.inverse, plan.weights
+    check_args(x_TD, w_in_EXD, w_out_EDH, plan.offsets, rows_R, inverse_NK, gated, save_rows)
+    V.dtype("plan.weights", weights_R, V.FLOAT_DTYPES)
+    V.rank("plan.weights", weights_R, 1)
+    V.same_device("x_TD", x_TD, **{"plan.weights": weights_R})
+    V.dim_size("plan.weights", weights_R, 0, rows_R.shape[0], "len(plan.token_indices)")
+    if out_dtype is None:
+        out_dtype = x_TD.dtype
+    if out_dtype not in V.FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be one of float32, bfloat16, float16, got {out_dtype!r}")
+    tensors = (x_TD, w_in_EXD, w_out_EDH, weights_R)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _RoutedExperts.apply(x_TD, w_in_EXD, w_out_EDH, weights_R, plan.offsets, rows_R,
+                                    inverse_NK, gated, save_rows, out_dtype)  # fmt: skip
+    o_RD = expert_mlp(x_TD, w_in_EXD, w_out_EDH, plan.offsets, rows_R, inverse_NK, gated=gated)
+    return _combine(o_RD, inverse_NK, rows_R, weights_R, out_dtype)
