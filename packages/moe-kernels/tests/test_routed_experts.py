@@ -160,8 +160,8 @@ def test_weighted_activation_pass(gated):
     torch.testing.assert_close(aw.double(), ww[:, None].detach() * a.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dw.double(), torch.where(tok >= 0, ww.grad, 0), atol=1e-5, rtol=1e-5)
     assert dw[4] == 0 and aw[4].abs().sum() == 0 and dh[4].abs().sum() == 0
-    torch.library.opcheck(torch.ops.moe_kernels.expert_activation_grad_weighted.default,
-                          (go, h, w, tok, gated), test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+    op = torch.ops.moe_kernels.expert_activation_grad_weighted.default
+    torch.library.opcheck(op, (go, h, w, tok, gated), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_bad_input():

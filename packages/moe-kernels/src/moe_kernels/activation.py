@@ -118,7 +118,8 @@ def _grad_weighted_impl(
 
 
 def _grad_weighted_fake(grad, h, w, tok, gated):
-    return torch.empty_like(h), h.new_empty(grad.shape), w.new_empty(h.shape[0], dtype=torch.float32)
+    dw = w.new_empty(h.shape[0], dtype=torch.float32)
+    return torch.empty_like(h), h.new_empty(grad.shape), dw
 
 
 _grad_weighted_op = register_op(

@@ -28,8 +28,15 @@ from moe_kernels import _validate as V
 from moe_kernels import activation as _act
 from moe_kernels import grouped_mm as _gmm
 from moe_kernels import tokens as _tokens
-from moe_kernels.expert_mlp import _activation, _gather, _mm, _run, check_args, expert_mlp
-from moe_kernels.expert_mlp import input_grads
+from moe_kernels.expert_mlp import (
+    _activation,
+    _gather,
+    _mm,
+    _run,
+    check_args,
+    expert_mlp,
+    input_grads,
+)
 from moe_kernels.routing import RoutingPlan
 
 __all__ = ["routed_experts"]
