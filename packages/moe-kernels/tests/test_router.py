@@ -243,3 +243,52 @@ def test_compile_fullgraph_matches_eager():
 
     compiled = torch.compile(step, fullgraph=True, backend="inductor")(x, w)
     torch.testing.assert_close(compiled, step(x, w), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# variants
+
+
+def test_router_variant_rule():
+    from moe_kernels.router import FMA_MAX_E, router_variant
+
+    assert router_variant(FMA_MAX_E, torch.bfloat16) == "fma"
+    assert router_variant(FMA_MAX_E + 1, torch.bfloat16) == "split"
+    assert router_variant(128, torch.float16) == router_variant(128, torch.float32) == "fp32"
+
+
+def test_split_pieces_are_exact():
+    from moe_kernels._router_split import split3
+
+    w = torch.cat([rand((64, 96), torch.float32, 40), torch.tensor([[3e-30, -1e30, 1.0, 0.0]])
+                   .expand(64, 4)], dim=1)  # fmt: skip
+    pieces = split3(w)
+    assert pieces.dtype == torch.bfloat16
+    assert torch.equal((pieces[0].float() + pieces[1].float()) + pieces[2].float(), w)
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_split_variant_forward_and_backward(score_fn):
+    """The split GEMMs (their CPU form: fp32 math of the exact pieces) against the float64 oracle
+    and the fp32 formula's gradients, at 64 experts (what CUDA runs for bf16 x past FMA_MAX_E)."""
+    from moe_kernels import _router_split as split
+
+    x0, w0 = make(37, 64, 200, seed=41)
+    logits = split.logits(x0, w0)
+    exact, bound = oracle64(x0, w0, "softmax")
+    l64 = x0.double() @ w0.double().T
+    assert bool(((logits.double() - l64).abs() <= bound + 4 * U * l64.abs()).all())
+    dl = rand((37, 64), torch.float32, 42)
+    dx, dw = split.logits_backward(dl, x0, w0)
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    torch.testing.assert_close(dx.double(), (dl.double() @ w0.double()), rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(dw.double(), dl.double().T @ x0.double(), rtol=1e-5, atol=1e-6)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    g = rand((37, 64), torch.float32, 43)
+    scores = router_scores(x, w, score_fn=score_fn)
+    assert_close_to_oracle(scores, x0, w0, score_fn)
+    (scores * g).sum().backward()
+    xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    (ref.router_scores(xr, wr, score_fn) * g).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-6)

@@ -1,18 +1,26 @@
 """The MoE router in one op: ``scores = router_scores(x, w)``, the first arrow of a MoE forward.
 
-``router_scores`` replaces ``softmax(F.linear(x.float(), w.float()), -1)`` (or the sigmoid) with
-one kernel that reads x once in its own dtype, accumulates the logits in fp32 registers and
-applies the score function before writing (T, E) fp32 scores, instead of writing an fp32 copy of
-x, running an fp32 GEMM and a separate softmax. It is a ``torch.library`` custom op
-(``moe_kernels::router_scores``) with a fake implementation: no host syncs on CUDA, safe under
-``torch.compile(fullgraph=True)`` and CUDA-graph capture, deterministic (no split-K, no atomics).
-Differentiable in x and weight (a torch backward from the saved scores: two small fp32 GEMMs).
+``router_scores`` replaces ``softmax(F.linear(x.float(), w.float()), -1)`` (or the sigmoid), the
+fp32 formula that writes and keeps an fp32 copy of x and runs fp32 GEMMs, by one of
+(``router_variant``, CUDA and the interpreter; the CPU runs the formula):
+
+* ``"fma"`` (E <= ``FMA_MAX_E``): one Triton kernel that reads x once in its own dtype,
+  accumulates the logits with fp32 multiply-adds in registers and applies the score function
+  before writing (T, E) fp32 scores; backward: the fp32 formula's two GEMMs;
+* ``"split"`` (more experts, bf16 x): the fp32 logits from bf16 tensor-core GEMMs against the
+  weight's three exact bf16 pieces, and the backward the same way (``_router_split``);
+* ``"fp32"`` (more experts, fp16 / fp32 x): the fp32 formula.
+
+A ``torch.library`` custom op (``moe_kernels::router_scores``) with a fake implementation: no host
+syncs on CUDA, safe under ``torch.compile(fullgraph=True)`` and CUDA-graph capture, deterministic
+(no split-K, no atomics). Differentiable in x and weight (from the saved scores).
 """
 
 from __future__ import annotations
 
 import torch
 
+from moe_kernels import _router_split as _split
 from moe_kernels import _validate as V
 from moe_kernels._dispatch import pick, register_autograd, register_op, triton_kernels, use_triton
 from moe_kernels._reference import router as _ref
@@ -21,15 +29,36 @@ __all__ = ["SCORE_FNS", "router_scores"]
 
 SCORE_FNS = ("softmax", "sigmoid")
 
+# The "fma" kernel's reach, from the H200 (benchmarks/gpu/router_sweep.py, D=2048): 11.2 vs
+# 24.1 us for the fp32 formula at E=16, 2048 tokens; at E=128 cuBLAS was faster (44 vs 58 us).
+FMA_MAX_E = 32
+
+
+def router_variant(num_experts: int, x_dtype: torch.dtype) -> str:
+    """Which router runs on CUDA (and in the interpreter): ``"fma"``, ``"split"`` or ``"fp32"``
+    (module docstring)."""
+    if num_experts <= FMA_MAX_E:
+        return "fma"
+    return "split" if x_dtype == torch.bfloat16 else "fp32"
+
+
+def _score(logits_TE: torch.Tensor, score_fn: str) -> torch.Tensor:
+    if score_fn == "softmax":
+        return torch.softmax(logits_TE, dim=-1)
+    return torch.sigmoid(logits_TE)
+
 
 def _triton():
     return triton_kernels("router")  # imported on first use: triton only when a kernel runs
 
 
 def _router_impl(x: torch.Tensor, weight: torch.Tensor, score_fn: str) -> torch.Tensor:
-    if not use_triton(x.device):
-        return _ref.router_scores(x, weight, score_fn)
-    return _triton().router_scores(x, weight, score_fn == "sigmoid")
+    variant = router_variant(weight.shape[0], x.dtype) if use_triton(x.device) else "fp32"
+    if variant == "fma":
+        return _triton().router_scores(x, weight, score_fn == "sigmoid")
+    if variant == "split":
+        return _score(_split.logits(x, weight), score_fn)
+    return _ref.router_scores(x, weight, score_fn)
 
 
 def _router_fake(x, weight, score_fn):
@@ -53,12 +82,16 @@ def _backward_impl(
     score_fn: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch backward of score_fn(x @ w.T) in fp32, from the saved scores s:
-    dlogits = s * (g - sum_e g s) (softmax) or g * s * (1 - s) (sigmoid); then (dx, dw)."""
+    dlogits = s * (g - sum_e g s) (softmax) or g * s * (1 - s) (sigmoid); then (dx, dw) by the
+    forward's variant: the split GEMMs, else fp32 GEMMs."""
     g_TE = grad_TE.float()
     if score_fn == "softmax":
         dl_TE = s_TE * (g_TE - (g_TE * s_TE).sum(dim=-1, keepdim=True))
     else:
         dl_TE = g_TE * s_TE * (1.0 - s_TE)
+    if use_triton(x_TD.device) and router_variant(weight_ED.shape[0], x_TD.dtype) == "split":
+        grad_x, grad_w = _split.logits_backward(dl_TE, x_TD, weight_ED)
+        return grad_x, grad_w.to(weight_ED.dtype)
     grad_x = (dl_TE @ weight_ED.float()).to(x_TD.dtype)
     grad_w = (dl_TE.T @ x_TD.float()).to(weight_ED.dtype)
     return grad_x, grad_w
@@ -92,10 +125,10 @@ def router_scores(
     (max-subtracted, exp, sum, divide, all fp32) or ``"sigmoid"`` elementwise.
 
     Matches the reference ``torch.softmax(F.linear(x.float(), w.float()), -1)`` (or
-    ``torch.sigmoid``) to fp32 rounding, not bit for bit: the kernel sums D in a different order
-    than the fp32 GEMM, and the GPU's exp (ex2.approx) is within a few ulps (divides are IEEE).
-    Bitwise reproducible run to run on a given device and launch config. Differentiable in x_TD
-    and weight_ED.
+    ``torch.sigmoid``) to fp32 rounding, not bit for bit: the variants (``router_variant``) sum
+    D in other orders than the fp32 GEMM, and the "fma" kernel's exp (ex2.approx) is within a
+    few ulps (divides are IEEE). Bitwise reproducible run to run on a given device. Differentiable
+    in x_TD and weight_ED (x's gradient in x's dtype, the weight's in its dtype).
     """
     x_TD = V.tensor("x_TD", x_TD)
     V.dtype("x_TD", x_TD, V.FLOAT_DTYPES)

@@ -32,11 +32,6 @@ from moe_model.expert_ops import (
 )
 
 KERNEL_DTYPES = FLOAT_DTYPES[:3]  # float16, bfloat16, float32: what the moe_kernels ops read
-# Where ``moe_kernels.router_scores`` replaces the torch formula (x cast to fp32, fp32 GEMM,
-# softmax). H200, D=2048, E=16: 11.2 vs 24.1 us alone at 2048 tokens, 7.0 vs 14.4 us at 512
-# (with prefetched D chunks; benchmarks/gpu/router_sweep.py); for E=128 cuBLAS stays faster
-# (58 vs 44 us).
-KERNEL_ROUTER_MAX_E = 32
 
 
 class MoEImpl:
@@ -44,7 +39,7 @@ class MoEImpl:
 
     x_dtypes: the activation dtypes it takes. k_multiple: d_model and hidden (the K dims of its
     two grouped GEMMs) must be multiples of it. kernel_router: it scores with
-    ``moe_kernels.router_scores`` (E <= ``KERNEL_ROUTER_MAX_E``). refuses_options /
+    ``moe_kernels.router_scores`` (which picks its variant by E and x's dtype). refuses_options /
     refuses_autograd / refuses_expert_parallel: None, or why it cannot route with a bias, groups,
     a scale or renormalisation / backpropagate / run under ``ExpertParallelMoE``. shared_dtype:
     the shared experts' GEMM dtype (None: their weights'). needs_module: a package it imports

@@ -38,7 +38,6 @@ from moe_model._moe_options import (
 from moe_model.expert_ops import ExpertRows
 from moe_model.impls import (
     IMPLS,
-    KERNEL_ROUTER_MAX_E,
     check_dtype,
     check_impl,
     check_impl_dims,
@@ -297,13 +296,14 @@ class MoELayer(nn.Module):
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Router scores (..., E) fp32 of x (..., d_model): softmax over all E logits, or sigmoid
         (without the expert bias). Implementations with ``kernel_router`` use
-        ``moe_kernels.router_scores`` for E <= ``KERNEL_ROUTER_MAX_E`` (one kernel, the same fp32
-        math summed in another order); the others, the torch formula."""
+        ``moe_kernels.router_scores`` (the same fp32 math summed in other orders: one Triton
+        kernel for up to 32 experts, bf16 tensor-core GEMMs on the weight's exact bf16 pieces
+        for more with bf16 x); the others, the torch formula."""
         scores_TE = self._scores(self.check_x(x))
         return scores_TE.view(*x.shape[:-1], self.n_experts)
 
     def _scores(self, x_TD: torch.Tensor) -> torch.Tensor:
-        if IMPLS[self._impl].kernel_router and self.n_experts <= KERNEL_ROUTER_MAX_E:
+        if IMPLS[self._impl].kernel_router:
             from moe_kernels import router_scores
 
             return router_scores(x_TD, self.router.weight, score_fn=self.score_fn)
