@@ -151,8 +151,11 @@ def _case(checks: Checks, world: int, rank: int, name: str, kw: dict, mode: str,
     ref = copy.deepcopy(full)
     y_ref, dx_ref, g_ref = _run(ref, xs[rank], dys[rank], replicated)
     one_shape = world == 1 and mode == "dropless"
-    tol = 0.0 if one_shape else (TOL_BF16 if kw["impl"] == "triton_bf16" else TOL)
-    checks.close(f"{name}: y", y, y_ref, tol)
+    tol = TOL_BF16 if kw["impl"] == "triton_bf16" else TOL
+    # One rank, dropless: the same forward bit for bit. The gradients reaching x and the router
+    # differ by rounding: the layer's local walk runs its experts and combine as one node
+    # (router weight applied after the data-gradient GEMM), the exchange keeps them apart.
+    checks.close(f"{name}: y", y, y_ref, 0.0 if one_shape else tol)
     checks.close(f"{name}: dx", dx, dx_ref, tol)
     for n in replicated:
         checks.close(f"{name}: d {n}", g[n], g_ref[n], tol)
@@ -165,7 +168,7 @@ def _case(checks: Checks, world: int, rank: int, name: str, kw: dict, mode: str,
     _, _, g_all = _run(whole, torch.cat(xs), torch.cat(dys), ["in_proj", "out_proj"])
     lo, hi = ep.expert_start, ep.expert_end
     for n in ("in_proj", "out_proj"):  # (the aux loss reaches the router only)
-        checks.close(f"{name}: d {n}", g[n], g_all[n][lo:hi], tol if tol else TOL)
+        checks.close(f"{name}: d {n}", g[n], g_all[n][lo:hi], tol)
     checks.close(f"{name}: last_counts", ep.last_counts, whole.last_counts, 0.0)
     checks.close(f"{name}: layer.last_counts", ep.layer.last_counts, whole.last_counts, 0.0)
     # Same inputs, same bits.

@@ -1,6 +1,8 @@
-"""Registry entry of ``expert_mlp``: the routed experts (gather, up-projection, activation,
-down-projection) as one op. Its forward is what ``verify`` and ``kernels`` call; its backward is
-tested in ``packages/moe-kernels/tests/test_expert_mlp.py`` and timed by ``moe-bench train``."""
+"""Registry entries of ``expert_mlp`` (the routed experts: gather, up-projection, activation,
+down-projection) and ``routed_experts`` (the same, then the weighted combine). Their forwards
+are what ``verify`` and ``kernels`` call; their backwards are tested in
+``packages/moe-kernels/tests/test_expert_mlp.py`` / ``test_routed_experts.py`` and timed by
+``moe-bench train``."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def _make(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem:
     act = "SwiGLU" if gated else "SiLU"
     label = f"T={T} E={E} k={k} D={D} H={H} {act} {str(dtype).removeprefix('torch.')}"
     args = (x, w_in, w_out, plan.offsets, plan.token_indices, plan.inverse)
-    return Problem(label, s, args, {"gated": gated})
+    return Problem(label, s, args, {"gated": gated}, aux={"plan": plan})
 
 
 def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
@@ -56,15 +58,15 @@ def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def _oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
-    """y[r] = act(x[rows[r]] @ w_in[e].T) @ w_out[e].T in float64, row block by expert; rows
-    past offsets[E] or reading no token are zero. Bound: one rounding of y, plus the roundings
-    of h and of the activation (one step of the dtype each, as the interpreter truncates) carried
-    through the activation's slope and |w_out|, plus fp32 accumulation."""
-    x, w_in, w_out, offsets, rows, _ = p.args
-    gated, ulp = p.kwargs["gated"], ULP[x.dtype]
+def _rows_oracle(x, w_in, w_out, offsets, rows, gated) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact, bound) per grouped row in float64: y[r] = act(x[rows[r]] @ w_in[e].T) @
+    w_out[e].T, row block by expert, rows past offsets[E] or reading no token zero; the bound:
+    one rounding of y, plus the roundings of h and of the activation (one step of the dtype
+    each, as the interpreter truncates) carried through the activation's slope and |w_out|,
+    plus fp32 accumulation."""
+    ulp = ULP[x.dtype]
     x64, wi, wo = x.double().cpu(), w_in.double().cpu(), w_out.double().cpu()
-    exact = torch.zeros(out[0].shape, dtype=torch.float64)
+    exact = torch.zeros(rows.shape[0], w_out.shape[1], dtype=torch.float64)
     bound = torch.zeros_like(exact)
     bounds, src_all = offsets.tolist(), rows.long().cpu()
     for e in range(len(bounds) - 1):
@@ -84,6 +86,13 @@ def _oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
         exact[start:end] = y
         carried = (1.5 * da) @ wo[e].abs().T + 1e-5 * (a.abs() @ wo[e].abs().T)
         bound[start:end] = (ulp + 1e-6) * y.abs() + carried + 1e-30
+    return exact, bound
+
+
+def _oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
+    """Each grouped row against float64 (``_rows_oracle``)."""
+    x, w_in, w_out, offsets, rows, _ = p.args
+    exact, bound = _rows_oracle(x, w_in, w_out, offsets, rows, p.kwargs["gated"])
     return expect_within("vs oracle", out[0], exact, bound)
 
 
@@ -153,4 +162,68 @@ EXPERT_MLP = OpSpec(
     reference_tol=(2.0**-6, 1e-5),  # the fp32 sums' order, and h rounded once more on CUDA
 )
 
-ENTRIES = (EXPERT_MLP,)
+
+def _make_routed(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem:
+    p = _make(s, gen, device)
+    x, w_in, w_out = p.args[:3]
+    plan = p.aux["plan"]
+    return Problem(p.label, s, (x, w_in, w_out, plan), dict(p.kwargs))
+
+
+def _routed_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
+    """y[t] = sum_j s_r y_r over r = inverse[t, j] in float64 from the rows' oracle; bound: the
+    rows' bounds times |s|, one rounding of y, fp32 accumulation over the k choices."""
+    x, w_in, w_out, plan = p.args
+    rows_y, rows_b = _rows_oracle(x, w_in, w_out, plan.offsets, plan.token_indices,
+                                  p.kwargs["gated"])  # fmt: skip
+    inv = plan.inverse.long().cpu()
+    ok = (inv >= 0)[..., None]
+    safe = inv.clamp(min=0)
+    s = plan.weights.double().cpu()[safe][..., None]
+    exact = torch.where(ok, s * rows_y[safe], 0.0).sum(1)
+    mass = torch.where(ok, (s * rows_y[safe]).abs(), 0.0).sum(1)
+    carried = torch.where(ok, s.abs() * rows_b[safe], 0.0).sum(1)
+    bound = ULP[x.dtype] * exact.abs() + carried + 1e-6 * mass + 1e-30
+    return expect_within("vs oracle", out[0], exact, bound)
+
+
+def _routed_native(p: Problem):
+    """The expert MLP's native form, then the weighted sum over each token's choices."""
+    x, w_in, w_out, plan = p.args
+    mlp = _native(Problem(p.label, p.sizes, (x, w_in, w_out, plan.offsets, plan.token_indices,
+                                             plan.inverse), p.kwargs))  # fmt: skip
+    inv = plan.inverse.long()
+    ok, safe = (inv >= 0)[..., None], inv.clamp(min=0)
+
+    def run() -> torch.Tensor:
+        y = mlp().float()[safe] * plan.weights.float()[safe][..., None]
+        return torch.where(ok, y, 0.0).sum(1).to(x.dtype)
+
+    return run
+
+
+def _routed_reference(x, w_in, w_out, plan, gated=False, out_dtype=None, save_rows=True):
+    """expert_mlp's reference, then combine's."""
+    from moe_kernels._reference.tokens import combine
+
+    y = _reference(x, w_in, w_out, plan.offsets, plan.token_indices, plan.inverse, gated)
+    return combine(y, plan.inverse, plan.weights, True, out_dtype or x.dtype)
+
+
+ROUTED_EXPERTS = OpSpec(
+    name="routed_experts",
+    sizes=EXPERT_MLP.sizes,
+    draw=_draw,
+    make=_make_routed,
+    reference=_routed_reference,
+    oracle=_routed_oracle,
+    bytes_moved=lambda p: (
+        p.sizes["T"] * (p.sizes["k"] + 1) * p.sizes["D"] * p.args[0].element_size()
+        + (p.args[1].numel() + p.args[2].numel()) * p.args[1].element_size()
+    ),
+    flops=_flops,
+    native=_routed_native,
+    reference_tol=(2.0**-6, 1e-5),
+)
+
+ENTRIES = (EXPERT_MLP, ROUTED_EXPERTS)
