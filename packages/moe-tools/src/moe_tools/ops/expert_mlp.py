@@ -223,7 +223,9 @@ ROUTED_EXPERTS = OpSpec(
     ),
     flops=_flops,
     native=_routed_native,
-    reference_tol=(2.0**-6, 1e-5),
+    # the rows' roundings (truncations in the interpreter) carried into a weighted sum that may
+    # cancel: absolute, at the rows' scale (O(1) here), not relative to y
+    reference_tol=(2.0**-6, 2.0**-5),
 )
 
 ENTRIES = (EXPERT_MLP, ROUTED_EXPERTS)
