@@ -40,6 +40,9 @@ PUBLISHED=(
   "train --preset seed-moe --impls torch,triton_bf16 --steps 0"
   "train --tokens 8192 --experts 128 --hidden 768 --gated --impls torch,triton_bf16 --steps 0"
   "train --tokens 32768 --d-model 4096 --experts 128 --hidden 1024 --gated --impls torch,triton_bf16 --steps 0"
+  "train --tokens 24576 --d-model 1536 --experts 128 --hidden 256 --gated --impls torch,triton_bf16 --steps 0"
+  "train --sweep --gated --no-compile --sweep-axes tokens,hidden"
+  "train --sweep --gated --no-compile --sweep-axes n_experts,top_k"
 )
 
 has_plot() { [[ " $1 " =~ \ (rollout|kernels|train)\  ]]; }
