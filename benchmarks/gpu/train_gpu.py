@@ -186,7 +186,13 @@ def six_gemms(xs, w1, w2, offs, dy):
 
 
 def layer_rows(
-    dev: str, shapes: list[str], dry: bool, profile: bool, impls: list[str], compiled: bool
+    dev: str,
+    shapes: list[str],
+    dry: bool,
+    profile: bool,
+    impls: list[str],
+    compiled: bool,
+    py_profile: bool = False,
 ) -> None:
     print("\n## MoE layer forward + backward (bf16 params and activations, fp32 router)")
     print(f"{'shape':<14}{'impl':<13}{'eager ms':>10}{'compiled ms':>13}{'graph ms':>10}"
@@ -223,6 +229,8 @@ def layer_rows(
                 eager = bench_us(step, dry=dry) / 1e3
                 if profile and impl in ("torch", "triton_bf16") and not dry:
                     profile_step(step, f"{tag} {impl} eager", "self_cpu_time_total")
+                if py_profile and impl == "triton_bf16":
+                    py_profile_step(step, f"{tag} {impl} eager")
                 comp_ms, graph_ms, same = float("nan"), float("nan"), "-"
                 if impl != "baseline" and compiled:
                     torch._dynamo.reset()  # one compiled layer at a time: no recompile limit
@@ -289,10 +297,28 @@ def profile_step(fn, title: str, sort_by: str = "self_cuda_time_total") -> None:
     print(table)
 
 
+def py_profile_step(fn, title: str, steps: int = 20) -> None:
+    """The Python functions of ``steps`` eager steps of ``fn`` by their own time (cProfile):
+    where an eager step's host time goes below the op level."""
+    import cProfile
+    import pstats
+
+    for _ in range(3):
+        fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    print(f"\n### Python profile: {title} ({steps} steps), by own time")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="seed,train")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--py-profile", action="store_true", help="cProfile of triton_bf16 eager")
     ap.add_argument("--impls", default="baseline,torch,triton_bf16,mxfp8")
     ap.add_argument("--no-compile", action="store_true", help="eager rows only")
     ap.add_argument("--skip", default="", help="comma list of: ops, wgrad, layer")
@@ -310,7 +336,7 @@ def main() -> None:
     if "layer" not in skip:
         impls = args.impls.split(",")
         layer_rows(dev, args.shapes.split(","), args.dry_run, args.profile, impls,
-                   not args.no_compile)  # fmt: skip
+                   not args.no_compile, args.py_profile)  # fmt: skip
     print(f"\n{len(FAILS)} failed checks" + (": " + "; ".join(FAILS) if FAILS else ""))
 
 
