@@ -72,8 +72,9 @@ def _grads(layer, x, dy):
 @pytest.mark.parametrize("n_experts", [8, 64])  # the router's "fma" and "split" variants
 def test_moe_layer_training_on_cuda(n_experts):
     """triton_bf16's forward + backward (routed_experts, router_scores): free of host syncs,
-    bitwise repeatable, compiled == eager bit for bit, and as close to the fp32 baseline as the
-    torch impl (within 1.5x its error, bf16 weights and activations)."""
+    bitwise repeatable, as close to the fp32 baseline as the torch impl (within 1.5x its error,
+    bf16 weights and activations); traced (aot_eager) == eager bit for bit, and compiled with
+    Inductor (which re-derives the torch ops around ours) within bf16 rounding of eager."""
     torch.manual_seed(0)
     base = MoELayer(256, n_experts, 4, 128, gated=True, impl="baseline").cuda()
     base.in_proj.data = base.in_proj.data.bfloat16()
@@ -93,7 +94,12 @@ def test_moe_layer_training_on_cuda(n_experts):
     first = _grads(layer, x, dy)
     _no_sync(lambda: _grads(layer, x, dy))
     assert all(torch.equal(a, b) for a, b in zip(first, _grads(layer, x, dy), strict=True))
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True)
-    got = _grads(compiled, x, dy)
-    assert all(torch.equal(a, b) for a, b in zip(first, got, strict=True))
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        got = _grads(torch.compile(layer, fullgraph=True, backend=backend), x, dy)
+        for name, a, b in zip(("x", "router", "in", "out"), got, first, strict=True):
+            if backend == "aot_eager":
+                assert torch.equal(a, b), (backend, name)
+            else:
+                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2,
+                                           atol=2e-2 * float(b.float().abs().max()))  # fmt: skip

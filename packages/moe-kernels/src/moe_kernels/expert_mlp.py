@@ -193,7 +193,10 @@ def expert_mlp(
         return _ExpertMLP.apply(
             x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, save_rows
         )
-    if gather_in_gemm(X, _gmm._cutlass_forward(x_ND, w_in_EXD)):
+    # (the chain's GEMM reads the gathered rows, contiguous: CUTLASS runs where it takes the
+    # dtype and sizes; no stride or storage-offset test, which torch.compile cannot trace)
+    cutlass = _gmm._cutlass_bf16(x_ND, w_in_EXD[0]) and X % 16 == 0
+    if gather_in_gemm(X, cutlass):
         h_RX = _mm(x_ND, w_in_EXD, offsets, row_indices, "none" if gated else "silu")
         a_RH = _activation(h_RX, True) if gated else h_RX
     else:
