@@ -72,7 +72,13 @@ def _router_fake(x, weight, score_fn):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
-_router_op = register_op("router_scores", _router_impl, _router_fake)
+def _traceable(x, weight, score_fn) -> bool:
+    """Only the "fma" kernel is traced into a compiled graph; the other variants are torch math
+    that Inductor would re-derive with other roundings (opaque: compiled scores equal eager)."""
+    return router_variant(weight.shape[0], x.dtype) == "fma"
+
+
+_router_op = register_op("router_scores", _router_impl, _router_fake, traced=_traceable)
 
 
 def _setup_context(ctx, inputs, output):
