@@ -70,7 +70,7 @@ def _activation_backward_kernel(
 @triton.jit
 def _weighted_backward_kernel(
     go_ptr, h_ptr, w_ptr, tok_ptr, dh_ptr, aw_ptr, dw_ptr, M, H, stride_gm, stride_hm,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, N_CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """Whole rows per program (the dot over H in BLOCK_H chunks, in order): with go = d(act)
     unweighted, dw = sum(go * act(h)), dh = act'(h) (w go), aw = w act(h); rows whose token is
@@ -83,8 +83,8 @@ def _weighted_backward_kernel(
     r64 = rows.to(tl.int64)[:, None]
     width = 2 * H if GATED else H
     dot = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for c in range(0, H, BLOCK_H):
-        cols = c + tl.arange(0, BLOCK_H)
+    for c in range(N_CHUNKS):  # (a constexpr count: Triton 3.5's interpreter cannot range over H)
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = in_m[:, None] & (cols < H)[None, :]
         go = tl.load(go_ptr + r64 * stride_gm + cols[None, :], mask=mask, other=0.0)
         go = go.to(tl.float32)
@@ -168,6 +168,6 @@ def activation_backward_weighted(
     if not INTERPRET:
         bm = 4
     args = (grad_MH, h_MX, w_M, tok_M, dh, aw, dw, m, hidden, grad_MH.stride(0), h_MX.stride(0))
-    meta = dict(GATED=gated, BLOCK_M=bm, BLOCK_H=bh)
+    meta = dict(GATED=gated, BLOCK_M=bm, BLOCK_H=bh, N_CHUNKS=cdiv(hidden, bh))
     _weighted_backward.launch((cdiv(m, bm),), args, meta, num_warps=4)
     return dh, aw, dw
