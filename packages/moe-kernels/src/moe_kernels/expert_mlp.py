@@ -31,8 +31,7 @@ import torch
 from moe_kernels import _validate as V
 from moe_kernels import activation as _act
 from moe_kernels import grouped_mm as _gmm
-from moe_kernels import tokens as _tokens
-from moe_kernels._dispatch import plain_eager
+from moe_kernels._expert_steps import activation, gather, input_grads, sorted_mm
 
 __all__ = ["expert_mlp"]
 
@@ -49,40 +48,12 @@ def gather_in_gemm(width: int, cutlass: bool) -> bool:
     return not cutlass or width <= FUSED_GATHER_MAX_X
 
 
-def _run(op, impl, *args):
-    """``impl`` directly in plain eager mode (no dispatcher round trip per launch), else the
-    registered op (what torch.compile traces)."""
-    return (impl if plain_eager() else op)(*args)
-
-
-def _mm(x, w, offsets, rows, activation="none"):
-    return _run(_gmm._op, _gmm._impl, x, w, offsets, rows, activation)
-
-
-def _activation(h, gated):
-    return _run(_act._op, _act._impl, h, gated)
-
-
-def _gather(x_ND, rows_R):
-    """xs[r] = x[rows[r]] (zero for -1): ``dispatch``'s copy kernel."""
-    unused_weights = x_ND.new_empty(0, dtype=torch.float32)
-    return _run(_tokens._dispatch_op, _tokens._dispatch_impl, x_ND, rows_R, unused_weights,
-                rows_R, False)  # fmt: skip
-
-
-def _sum_choices(dx_RD, inverse_NK, rows, out_dtype):
-    """dx[n] = sum over j of dx_R[inverse[n, j]] in fp32, j order (``combine``, unweighted)."""
-    unused_weights = dx_RD.new_empty(0, dtype=torch.float32)
-    return _run(_tokens._combine_op, _tokens._combine_impl, dx_RD, inverse_NK, rows,
-                unused_weights, False, out_dtype)  # fmt: skip
-
-
 class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, w_in, w_out, offsets, rows_R, inverse_NK, gated, save_rows):
-        xs_RD = _gather(x_ND, rows_R)
-        h_RX = _mm(xs_RD, w_in, offsets, None)
-        y_RD = _mm(_activation(h_RX, gated), w_out, offsets, None)
+        xs_RD = gather(x_ND, rows_R)
+        h_RX = sorted_mm(xs_RD, w_in, offsets, None)
+        y_RD = sorted_mm(activation(h_RX, gated), w_out, offsets, None)
         ctx.save_for_backward(x_ND if not save_rows else None, xs_RD if save_rows else None,
                               h_RX, w_in, w_out, offsets, rows_R, inverse_NK)  # fmt: skip
         ctx.gated = gated
@@ -93,7 +64,7 @@ class _ExpertMLP(torch.autograd.Function):
         x_ND, xs_RD, h_RX, w_in, w_out, offsets, rows_R, inverse_NK = ctx.saved_tensors
         dy_RD = dy_RD.to(h_RX.dtype)
         want_x, want_in, want_out = ctx.needs_input_grad[:3]
-        da_RH = _mm(dy_RD, w_out.mT, offsets, None)
+        da_RH = sorted_mm(dy_RD, w_out.mT, offsets, None)
         grad_out = None
         if want_out:
             dh_RX, a_RH = _act.activation_grad_and_out(da_RH, h_RX, ctx.gated)
@@ -105,20 +76,6 @@ class _ExpertMLP(torch.autograd.Function):
         grad_x, grad_in = input_grads(dh_RX, x_ND, xs_RD, w_in, offsets, rows_R, inverse_NK,
                                       want_x, want_in)  # fmt: skip
         return grad_x, grad_in, grad_out, None, None, None, None, None
-
-
-def input_grads(dh_RX, x_ND, xs_RD, w_in, offsets, rows_R, inverse_NK, want_x, want_in):
-    """(dx (N, D), dw_in (E, X, D)) from the up-projection's output gradient dh_RX (None where
-    not wanted): ``dw_in[e] = dh_e.T @ xs_e`` (xs gathered from x_ND again when ``xs_RD`` is
-    None), ``dx[n] = sum over j of (dh @ w_in[e])[inverse[n, j]]`` in j order, fp32."""
-    grad_x = grad_in = None
-    if want_in:
-        src, rows = (xs_RD, None) if xs_RD is not None else (x_ND, rows_R)
-        grad_in = _gmm.grouped_weight_grad(dh_RX, src, offsets, rows, out_dtype=w_in.dtype)
-    if want_x:
-        dx_RD = _mm(dh_RX, w_in.mT, offsets, None)
-        grad_x = _sum_choices(dx_RD, inverse_NK, rows_R, dh_RX.dtype)
-    return grad_x, grad_in
 
 
 def check_args(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, save_rows):
@@ -197,9 +154,9 @@ def expert_mlp(
     # dtype and sizes; no stride or storage-offset test, which torch.compile cannot trace)
     cutlass = _gmm._cutlass_bf16(x_ND, w_in_EXD[0]) and X % 16 == 0
     if gather_in_gemm(X, cutlass):
-        h_RX = _mm(x_ND, w_in_EXD, offsets, row_indices, "none" if gated else "silu")
-        a_RH = _activation(h_RX, True) if gated else h_RX
+        h_RX = sorted_mm(x_ND, w_in_EXD, offsets, row_indices, "none" if gated else "silu")
+        a_RH = activation(h_RX, True) if gated else h_RX
     else:
-        h_RX = _mm(_gather(x_ND, row_indices), w_in_EXD, offsets, None)
-        a_RH = _activation(h_RX, gated)
-    return _mm(a_RH, w_out_EDH, offsets, None)
+        h_RX = sorted_mm(gather(x_ND, row_indices), w_in_EXD, offsets, None)
+        a_RH = activation(h_RX, gated)
+    return sorted_mm(a_RH, w_out_EDH, offsets, None)

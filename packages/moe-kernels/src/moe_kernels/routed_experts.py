@@ -27,40 +27,28 @@ import torch
 from moe_kernels import _validate as V
 from moe_kernels import activation as _act
 from moe_kernels import grouped_mm as _gmm
-from moe_kernels import tokens as _tokens
-from moe_kernels.expert_mlp import (
-    _activation,
-    _gather,
-    _mm,
-    _run,
-    check_args,
-    expert_mlp,
+from moe_kernels._expert_steps import (
+    activation,
+    combine_rows,
+    gather,
+    gather_grad_rows,
     input_grads,
+    sorted_mm,
 )
+from moe_kernels.expert_mlp import check_args, expert_mlp
 from moe_kernels.routing import RoutingPlan
 
 __all__ = ["routed_experts"]
-
-
-def _combine(o_RD, inverse_NK, rows_R, weights_R, out_dtype):
-    return _run(_tokens._combine_op, _tokens._combine_impl, o_RD, inverse_NK, rows_R, weights_R,
-                True, out_dtype)  # fmt: skip
-
-
-def _gather_rows(dy_ND, rows_R, dtype):
-    """dY[rows[r]] in ``dtype`` (zero for -1): the combine's backward, unscaled."""
-    return _run(_tokens._gather_dots_op, _tokens._gather_dots_impl, None, dy_ND, rows_R, None,
-                dtype)[0]  # fmt: skip
 
 
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, w_in, w_out, weights_R, offsets, rows_R, inverse_NK, gated, save_rows,
                 out_dtype):  # fmt: skip
-        xs_RD = _gather(x_ND, rows_R)
-        h_RX = _mm(xs_RD, w_in, offsets, None)
-        o_RD = _mm(_activation(h_RX, gated), w_out, offsets, None)
-        y_ND = _combine(o_RD, inverse_NK, rows_R, weights_R, out_dtype)
+        xs_RD = gather(x_ND, rows_R)
+        h_RX = sorted_mm(xs_RD, w_in, offsets, None)
+        o_RD = sorted_mm(activation(h_RX, gated), w_out, offsets, None)
+        y_ND = combine_rows(o_RD, inverse_NK, rows_R, weights_R, out_dtype)
         ctx.save_for_backward(x_ND if not save_rows else None, xs_RD if save_rows else None,
                               h_RX, w_in, w_out, weights_R, offsets, rows_R,
                               inverse_NK)  # fmt: skip
@@ -71,8 +59,8 @@ class _RoutedExperts(torch.autograd.Function):
     def backward(ctx, dy_ND):
         x_ND, xs_RD, h_RX, w_in, w_out, weights_R, offsets, rows_R, inverse_NK = ctx.saved_tensors
         want_x, want_in, want_out, want_s = ctx.needs_input_grad[:4]
-        dyg_RD = _gather_rows(dy_ND, rows_R, h_RX.dtype)
-        da_RH = _mm(dyg_RD, w_out.mT, offsets, None)
+        dyg_RD = gather_grad_rows(dy_ND, rows_R, h_RX.dtype)
+        da_RH = sorted_mm(dyg_RD, w_out.mT, offsets, None)
         dh_RX, sa_RH, ds_R = _act.activation_grad_weighted(da_RH, h_RX, weights_R, rows_R,
                                                            ctx.gated)  # fmt: skip
         del da_RH
@@ -124,4 +112,4 @@ def routed_experts(
         return _RoutedExperts.apply(x_TD, w_in_EXD, w_out_EDH, weights_R, plan.offsets, rows_R,
                                     inverse_NK, gated, save_rows, out_dtype)  # fmt: skip
     o_RD = expert_mlp(x_TD, w_in_EXD, w_out_EDH, plan.offsets, rows_R, inverse_NK, gated=gated)
-    return _combine(o_RD, inverse_NK, rows_R, weights_R, out_dtype)
+    return combine_rows(o_RD, inverse_NK, rows_R, weights_R, out_dtype)

@@ -1,0 +1,69 @@
+"""The launches the routed experts' autograd nodes (``expert_mlp``, ``routed_experts``) are built
+from, each the op's implementation called directly in plain eager mode (no dispatcher round trip
+a launch) and the registered op otherwise (what torch.compile traces)."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_kernels import activation as _act
+from moe_kernels import grouped_mm as _gmm
+from moe_kernels import tokens as _tokens
+from moe_kernels._dispatch import plain_eager
+
+
+def direct_or_op(op, impl, *args):
+    """``impl`` directly in plain eager mode (no dispatcher round trip per launch), else the
+    registered op (what torch.compile traces)."""
+    return (impl if plain_eager() else op)(*args)
+
+
+def sorted_mm(x, w, offsets, rows, act="none"):
+    """``gather_grouped_mm``'s launch (rows: None for sorted rows, else the gather; act: "none"
+    or "silu" on the accumulator): CUTLASS on sorted rows where it runs, else Triton."""
+    return direct_or_op(_gmm._op, _gmm._impl, x, w, offsets, rows, act)
+
+
+def activation(h, gated):
+    """``expert_activation``'s launch (no autograd)."""
+    return direct_or_op(_act._op, _act._impl, h, gated)
+
+
+def gather(x_ND, rows_R):
+    """xs[r] = x[rows[r]] (zero for -1): ``dispatch``'s copy kernel."""
+    unused_weights = x_ND.new_empty(0, dtype=torch.float32)
+    return direct_or_op(_tokens._dispatch_op, _tokens._dispatch_impl, x_ND, rows_R,
+                        unused_weights, rows_R, False)  # fmt: skip
+
+
+def _sum_choices(dx_RD, inverse_NK, rows, out_dtype):
+    """dx[n] = sum over j of dx_R[inverse[n, j]] in fp32, j order (``combine``, unweighted)."""
+    unused_weights = dx_RD.new_empty(0, dtype=torch.float32)
+    return direct_or_op(_tokens._combine_op, _tokens._combine_impl, dx_RD, inverse_NK, rows,
+                        unused_weights, False, out_dtype)  # fmt: skip
+
+
+def combine_rows(o_RD, inverse_NK, rows_R, weights_R, out_dtype):
+    """y[n] = sum over j of weights[r] o[r], r = inverse[n, j], in fp32, j order (``combine``)."""
+    return direct_or_op(_tokens._combine_op, _tokens._combine_impl, o_RD, inverse_NK, rows_R,
+                        weights_R, True, out_dtype)  # fmt: skip
+
+
+def gather_grad_rows(dy_ND, rows_R, dtype):
+    """dY[rows[r]] in ``dtype`` (zero for -1): ``combine``'s backward, unscaled."""
+    return direct_or_op(_tokens._gather_dots_op, _tokens._gather_dots_impl, None, dy_ND, rows_R,
+                        None, dtype)[0]  # fmt: skip
+
+
+def input_grads(dh_RX, x_ND, xs_RD, w_in, offsets, rows_R, inverse_NK, want_x, want_in):
+    """(dx (N, D), dw_in (E, X, D)) from the up-projection's output gradient dh_RX (None where
+    not wanted): ``dw_in[e] = dh_e.T @ xs_e`` (xs gathered from x_ND again when ``xs_RD`` is
+    None), ``dx[n] = sum over j of (dh @ w_in[e])[inverse[n, j]]`` in j order, fp32."""
+    grad_x = grad_in = None
+    if want_in:
+        src, rows = (xs_RD, None) if xs_RD is not None else (x_ND, rows_R)
+        grad_in = _gmm.grouped_weight_grad(dh_RX, src, offsets, rows, out_dtype=w_in.dtype)
+    if want_x:
+        dx_RD = sorted_mm(dh_RX, w_in.mT, offsets, None)
+        grad_x = _sum_choices(dx_RD, inverse_NK, rows_R, dh_RX.dtype)
+    return grad_x, grad_in
