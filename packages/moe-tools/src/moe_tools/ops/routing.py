@@ -235,7 +235,10 @@ ROUTER_SCORES = OpSpec(
     ),
     flops=lambda p: 2 * p.args[0].shape[0] * p.args[0].shape[1] * p.args[1].shape[0],
     native=_router_native,
-    reference_tol=(1e-5, 1e-6),  # summation order and exp: fp32 rounding, not bitwise
+    # summation order and exp: fp32 rounding, not bitwise; the "split" variant (E > 32, bf16 x)
+    # accumulates on tensor cores: 6e-6 to 3e-5 of the largest value from float64 on the H200
+    # at training sizes (benchmarks/gpu/router_train_gpu.py), the fp32 formula 5e-7 to 5e-6
+    reference_tol=(1e-5, 3e-5),
 )
 
 # ----------------------------------------------------------------------------------------------
