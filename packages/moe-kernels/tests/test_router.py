@@ -234,15 +234,25 @@ def test_backward_matches_torch(score_fn, x_dtype):
     assert w2.grad is not None and bool(torch.isfinite(w2.grad).all())
 
 
-def test_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("num_experts", [6, 40])  # the "fma" and "split" variants
+def test_compile_fullgraph_matches_eager(num_experts):
+    """Scores and both gradients bit for bit (the interpreter runs the variants on CPU)."""
     torch._dynamo.reset()
-    x, w = make(7, 6, 48, seed=23)
+    x0, w0 = make(7, num_experts, 48, seed=23)
+    g = rand((7, num_experts), torch.float32, 24)
 
     def step(x, w):
         return router_scores(x, w) + router_scores(x, w, score_fn="sigmoid")
 
-    compiled = torch.compile(step, fullgraph=True, backend="inductor")(x, w)
-    torch.testing.assert_close(compiled, step(x, w), rtol=0, atol=0)
+    def run(fn):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fn(x, w)
+        (y * g).sum().backward()
+        return y.detach(), x.grad, w.grad
+
+    got = run(torch.compile(step, fullgraph=True, backend="inductor"))
+    for a, b in zip(got, run(step), strict=True):
+        assert torch.equal(a, b)
 
 
 # --------------------------------------------------------------------------------------------
