@@ -78,6 +78,30 @@ def six_gemms(plan, x, w_in, w_out, dy, gated):
     return run, forward
 
 
+def grad_step(fn, params, dy):
+    """One forward + backward of ``fn(*params)`` against dy (the gradients cleared first): returns
+    the parameters' gradients."""
+
+    def step():
+        for p in params:
+            p.grad = None
+        fn(*params).backward(dy)
+        return [p.grad for p in params]
+
+    return step
+
+
+def peak_and_graph_ms(step) -> tuple[float, float]:
+    """(GiB one ``step()`` adds above what is allocated now, its CUDA-graph device time ms)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return peak, bench_us(capture(step, warmup=2)[0].replay) / 1e3
+
+
 def run_shape(name: str, shape: tuple, dev: str, dtype: torch.dtype, dry: bool) -> None:
     plan, x, w_in, w_out, dy = problem(shape, dev, dtype)
     gated = shape[5]
@@ -90,13 +114,7 @@ def run_shape(name: str, shape: tuple, dev: str, dtype: torch.dtype, dry: bool) 
     params = [t.detach().requires_grad_() for t in (x, w_in, w_out)]
     ref = None
     for vname, fn in variants(plan, gated).items():
-
-        def step(fn=fn):
-            for p in params:
-                p.grad = None
-            fn(*params).backward(dy)
-            return [p.grad for p in params]
-
+        step = grad_step(fn, params, dy)
         first = [g.clone() for g in step()]
         rep = all(same_bits(a, b) for a, b in zip(first, step(), strict=True))
         ref = ref or first
@@ -104,13 +122,7 @@ def run_shape(name: str, shape: tuple, dev: str, dtype: torch.dtype, dry: bool) 
         check(f"{name} {vname} repeatable", rep)
         graph_ms, peak = float("nan"), float("nan")
         if not dry:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-            graph_ms = bench_us(capture(step, warmup=2)[0].replay) / 1e3
+            peak, graph_ms = peak_and_graph_ms(step)
         eager_ms = bench_us(step, dry=dry) / 1e3
         print(f"{name:<10}{vname:<18}{graph_ms:>10.3f}{eager_ms:>10.3f}{peak:>10.3f}"
               f"{'yes' if rep else 'no':>8}{'yes' if same else 'no':>9}"

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 from common import FAILS, bench_us, capture, check, same_bits
-from expert_mlp_gpu import SHAPES, TINY, six_gemms
+from expert_mlp_gpu import SHAPES, TINY, grad_step, peak_and_graph_ms, six_gemms
 
 import moe_kernels as mk
 
@@ -56,28 +56,16 @@ def run_shape(name, shape, dev, dtype, dry):
     params = [t.detach().requires_grad_() for t in (x, w_in, w_out, plan.weights)]
     grads = {}
     for vname, fn in variants(plan, gated).items():
-
-        def step(fn=fn):
-            for p in params:
-                p.grad = None
-            fn(*params).backward(dy)
-            return [p.grad for p in params]
-
+        step = grad_step(fn, params, dy)
         first = [g.clone() for g in step()]
         rep = all(same_bits(a, b) for a, b in zip(first, step(), strict=True))
         check(f"{name} {vname} repeatable", rep)
         grads[vname] = first
         graph_ms, peak = float("nan"), float("nan")
         if not dry:
-            for p in params:
+            for p in params:  # (the gradients count in the peak)
                 p.grad = None
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-            graph_ms = bench_us(capture(step, warmup=2)[0].replay) / 1e3
+            peak, graph_ms = peak_and_graph_ms(step)
         eager_ms = bench_us(step, dry=dry) / 1e3
         print(f"{name:<10}{vname:<20}{graph_ms:>10.3f}{eager_ms:>10.3f}{peak:>10.3f}"
               f"{'yes' if rep else 'no':>8}{graph_ms / gemm_ms:>9.2f}")  # fmt: skip

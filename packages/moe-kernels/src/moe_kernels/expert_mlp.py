@@ -144,12 +144,18 @@ def expert_mlp(
     epilogue (one rounding fewer than with gradients, where h is rounded before the SiLU).
     """
     check_args(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, save_rows)
-    E, X, D = w_in_EXD.shape
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (x_ND, w_in_EXD, w_out_EDH))
     if grads:
         return _ExpertMLP.apply(
             x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, save_rows
         )
+    return forward_no_grad(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, gated)
+
+
+def forward_no_grad(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, gated):
+    """``expert_mlp``'s forward without autograd, arguments checked: the first GEMM gathers its
+    rows (``gather_in_gemm``) or reads them gathered by a copy kernel."""
+    X = w_in_EXD.shape[1]
     # (the chain's GEMM reads the gathered rows, contiguous: CUTLASS runs where it takes the
     # dtype and sizes; no stride or storage-offset test, which torch.compile cannot trace)
     cutlass = _gmm._cutlass_bf16(x_ND, w_in_EXD[0]) and X % 16 == 0

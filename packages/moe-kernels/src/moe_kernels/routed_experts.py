@@ -35,7 +35,7 @@ from moe_kernels._expert_steps import (
     input_grads,
     sorted_mm,
 )
-from moe_kernels.expert_mlp import check_args, expert_mlp
+from moe_kernels.expert_mlp import check_args, forward_no_grad
 from moe_kernels.routing import RoutingPlan
 
 __all__ = ["routed_experts"]
@@ -111,5 +111,5 @@ def routed_experts(
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _RoutedExperts.apply(x_TD, w_in_EXD, w_out_EDH, weights_R, plan.offsets, rows_R,
                                     inverse_NK, gated, save_rows, out_dtype)  # fmt: skip
-    o_RD = expert_mlp(x_TD, w_in_EXD, w_out_EDH, plan.offsets, rows_R, inverse_NK, gated=gated)
+    o_RD = forward_no_grad(x_TD, w_in_EXD, w_out_EDH, plan.offsets, rows_R, gated)
     return combine_rows(o_RD, inverse_NK, rows_R, weights_R, out_dtype)
