@@ -26,9 +26,10 @@ from moe_model import MoELayer
 
 SHAPES = {  # name: (tokens, experts, top_k, d_model, hidden)
     "seed": (2048, 16, 8, 2048, 1024),
+    "qwen3": (8192, 128, 8, 2048, 768),
     "train": (16384, 128, 8, 2048, 768),
 }
-TINY = {"seed": (64, 8, 2, 64, 32), "train": (96, 8, 2, 64, 48)}
+TINY = {"seed": (64, 8, 2, 64, 32), "train": (96, 8, 2, 64, 48), "qwen3": (64, 40, 4, 64, 32)}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -193,6 +194,7 @@ def layer_rows(
     impls: list[str],
     compiled: bool,
     py_profile: bool = False,
+    profile_sort: str = "self_cpu_time_total",
 ) -> None:
     print("\n## MoE layer forward + backward (bf16 params and activations, fp32 router)")
     print(f"{'shape':<14}{'impl':<13}{'eager ms':>10}{'compiled ms':>13}{'graph ms':>10}"
@@ -228,7 +230,7 @@ def layer_rows(
                 err = (rel_err(first[0], ref[0]), rel_err(first[2], ref[2])) if ref else (0, 0)
                 eager = bench_us(step, dry=dry) / 1e3
                 if profile and impl in ("torch", "triton_bf16") and not dry:
-                    profile_step(step, f"{tag} {impl} eager", "self_cpu_time_total")
+                    profile_step(step, f"{tag} {impl} eager", profile_sort)
                 if py_profile and impl == "triton_bf16":
                     py_profile_step(step, f"{tag} {impl} eager")
                 comp_ms, graph_ms, same = float("nan"), float("nan"), "-"
@@ -311,7 +313,9 @@ def py_profile_step(fn, title: str, steps: int = 20) -> None:
         fn()
     prof.disable()
     print(f"\n### Python profile: {title} ({steps} steps), by own time")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    print(f"\n### Python profile: {title} ({steps} steps), by cumulative time")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
 
 
 def main() -> None:
@@ -319,6 +323,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="seed,train")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--py-profile", action="store_true", help="cProfile of triton_bf16 eager")
+    ap.add_argument(
+        "--profile-sort",
+        default="self_cpu_time_total",
+        help="the eager profile's order (self_cuda_time_total: kernels)",
+    )
     ap.add_argument("--impls", default="baseline,torch,triton_bf16,mxfp8")
     ap.add_argument("--no-compile", action="store_true", help="eager rows only")
     ap.add_argument("--skip", default="", help="comma list of: ops, wgrad, layer")
@@ -336,7 +345,7 @@ def main() -> None:
     if "layer" not in skip:
         impls = args.impls.split(",")
         layer_rows(dev, args.shapes.split(","), args.dry_run, args.profile, impls,
-                   not args.no_compile, args.py_profile)  # fmt: skip
+                   not args.no_compile, args.py_profile, args.profile_sort)  # fmt: skip
     print(f"\n{len(FAILS)} failed checks" + (": " + "; ".join(FAILS) if FAILS else ""))
 
 
