@@ -52,7 +52,7 @@ class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, w_in, w_out, offsets, rows_R, inverse_NK, gated, save_rows):
         xs_RD = gather(x_ND, rows_R)
-        h_RX = sorted_mm(xs_RD, w_in, offsets, None)
+        h_RX = sorted_mm(xs_RD, w_in, offsets, None, zero_tail=False)
         y_RD = sorted_mm(activation(h_RX, gated), w_out, offsets, None)
         ctx.save_for_backward(x_ND if not save_rows else None, xs_RD if save_rows else None,
                               h_RX, w_in, w_out, offsets, rows_R, inverse_NK)  # fmt: skip
@@ -64,7 +64,7 @@ class _ExpertMLP(torch.autograd.Function):
         x_ND, xs_RD, h_RX, w_in, w_out, offsets, rows_R, inverse_NK = ctx.saved_tensors
         dy_RD = dy_RD.to(h_RX.dtype)
         want_x, want_in, want_out = ctx.needs_input_grad[:3]
-        da_RH = sorted_mm(dy_RD, w_out.mT, offsets, None)
+        da_RH = sorted_mm(dy_RD, w_out.mT, offsets, None, zero_tail=False)
         grad_out = None
         if want_out:
             dh_RX, a_RH = _act.activation_grad_and_out(da_RH, h_RX, ctx.gated)
@@ -152,9 +152,10 @@ def expert_mlp(
     return forward_no_grad(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, gated)
 
 
-def forward_no_grad(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, gated):
+def forward_no_grad(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, gated, zero_tail=True):
     """``expert_mlp``'s forward without autograd, arguments checked: the first GEMM gathers its
-    rows (``gather_in_gemm``) or reads them gathered by a copy kernel."""
+    rows (``gather_in_gemm``) or reads them gathered by a copy kernel. ``zero_tail=False``: the
+    output's rows past the groups are left unwritten (a caller that never reads them)."""
     X = w_in_EXD.shape[1]
     # (the chain's GEMM reads the gathered rows, contiguous: CUTLASS runs where it takes the
     # dtype and sizes; no stride or storage-offset test, which torch.compile cannot trace)
@@ -163,6 +164,6 @@ def forward_no_grad(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, gated):
         h_RX = sorted_mm(x_ND, w_in_EXD, offsets, row_indices, "none" if gated else "silu")
         a_RH = activation(h_RX, True) if gated else h_RX
     else:
-        h_RX = sorted_mm(gather(x_ND, row_indices), w_in_EXD, offsets, None)
+        h_RX = sorted_mm(gather(x_ND, row_indices), w_in_EXD, offsets, None, zero_tail=False)
         a_RH = activation(h_RX, gated)
-    return sorted_mm(a_RH, w_out_EDH, offsets, None)
+    return sorted_mm(a_RH, w_out_EDH, offsets, None, zero_tail=zero_tail)

@@ -43,14 +43,18 @@ def _impl(
     offsets: torch.Tensor,
     row_indices: torch.Tensor | None,
     activation: str,
+    zero_tail: bool = True,
 ) -> torch.Tensor:
+    """``zero_tail=False`` (callers that never read rows past the groups): CUTLASS leaves those
+    rows unwritten instead of a launch zeroing them."""
     act = None if activation == "none" else activation
     if not use_triton(x.device):
         return _ref.gather_grouped_mm(x, w, offsets, row_indices, act)
     tri = _triton()
     if row_indices is None and act is None and _cutlass_forward(x, w):
         y = torch._grouped_mm(x, w.mT, offs=offsets[1:].to(torch.int32))
-        tri.zero_tail(y, offsets)
+        if zero_tail:
+            tri.zero_tail(y, offsets)
         return y
     return tri.gather_grouped_mm(
         x,
@@ -61,7 +65,7 @@ def _impl(
     )
 
 
-def _fake(x, w, offsets, row_indices, activation):
+def _fake(x, w, offsets, row_indices, activation, zero_tail=True):
     num_rows = x.shape[0] if row_indices is None else row_indices.shape[0]
     return x.new_empty((num_rows, w.shape[1]))
 
@@ -70,7 +74,7 @@ _op = register_op("gather_grouped_mm", _impl, _fake)
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, offsets, row_indices, activation = inputs
+    x, w, offsets, row_indices, activation = inputs[:5]
     ctx.save_for_backward(x, w, offsets, row_indices)
     ctx.activation = activation
 
@@ -98,7 +102,7 @@ def _backward(ctx, grad_PN):
             grad_x = grad_x.to(x.dtype)
     if ctx.needs_input_grad[1]:
         grad_w = grouped_weight_grad(grad_PN, x, offsets, rows, out_dtype=w.dtype)
-    return grad_x, grad_w, None, None, None
+    return grad_x, grad_w, None, None, None, None
 
 
 _eager = register_autograd(_op, _impl, _backward, _setup_context)

@@ -46,8 +46,8 @@ class _RoutedExperts(torch.autograd.Function):
     def forward(ctx, x_ND, w_in, w_out, weights_R, offsets, rows_R, inverse_NK, gated, save_rows,
                 out_dtype):  # fmt: skip
         xs_RD = gather(x_ND, rows_R)
-        h_RX = sorted_mm(xs_RD, w_in, offsets, None)
-        o_RD = sorted_mm(activation(h_RX, gated), w_out, offsets, None)
+        h_RX = sorted_mm(xs_RD, w_in, offsets, None, zero_tail=False)
+        o_RD = sorted_mm(activation(h_RX, gated), w_out, offsets, None, zero_tail=False)
         y_ND = combine_rows(o_RD, inverse_NK, rows_R, weights_R, out_dtype)
         ctx.save_for_backward(x_ND if not save_rows else None, xs_RD if save_rows else None,
                               h_RX, w_in, w_out, weights_R, offsets, rows_R,
@@ -60,7 +60,7 @@ class _RoutedExperts(torch.autograd.Function):
         x_ND, xs_RD, h_RX, w_in, w_out, weights_R, offsets, rows_R, inverse_NK = ctx.saved_tensors
         want_x, want_in, want_out, want_s = ctx.needs_input_grad[:4]
         dyg_RD = gather_grad_rows(dy_ND, rows_R, h_RX.dtype)
-        da_RH = sorted_mm(dyg_RD, w_out.mT, offsets, None)
+        da_RH = sorted_mm(dyg_RD, w_out.mT, offsets, None, zero_tail=False)
         dh_RX, sa_RH, ds_R = _act.activation_grad_weighted(da_RH, h_RX, weights_R, rows_R,
                                                            ctx.gated)  # fmt: skip
         del da_RH
@@ -111,5 +111,6 @@ def routed_experts(
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _RoutedExperts.apply(x_TD, w_in_EXD, w_out_EDH, weights_R, plan.offsets, rows_R,
                                     inverse_NK, gated, save_rows, out_dtype)  # fmt: skip
-    o_RD = forward_no_grad(x_TD, w_in_EXD, w_out_EDH, plan.offsets, rows_R, gated)
+    o_RD = forward_no_grad(x_TD, w_in_EXD, w_out_EDH, plan.offsets, rows_R, gated,
+                           zero_tail=False)  # fmt: skip
     return combine_rows(o_RD, inverse_NK, rows_R, weights_R, out_dtype)
