@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import moe_kernels as mk
+from moe_kernels._dispatch import use_triton
 
 T, E, K, D, H = 13, 8, 3, 24, 16
 
@@ -38,22 +39,23 @@ def _choices(s, k):
 
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("span", [(0, E), (2, 6)])
-def test_route_weights(renormalize, span):
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_route_weights(renormalize, span, scale):
     s = torch.rand(T, E, generator=_g(0))
     vtc = torch.tensor([T - 2])
-    plan = mk.route(s, K, renormalize=renormalize, valid_token_count=vtc,
-                    expert_index_start=span[0], expert_index_end=span[1])  # fmt: skip
+    opts = dict(renormalize=renormalize, valid_token_count=vtc, expert_index_start=span[0],
+                expert_index_end=span[1], scale=scale)  # fmt: skip
+    plan = mk.route(s, K, **opts)
     gw = torch.randn(T * K, generator=_g(1))
 
     def ours(s):
-        p = mk.route(s, K, renormalize=renormalize, valid_token_count=vtc,
-                     expert_index_start=span[0], expert_index_end=span[1])  # fmt: skip
-        return (p.weights * gw).sum()
+        return (mk.route(s, K, **opts).weights * gw).sum()
 
     def formula(s):
         w = s.gather(1, _choices(s.detach(), K))
         if renormalize:
             w = w / w.sum(1, keepdim=True)
+        w = w * scale
         inv = plan.inverse.long()
         return torch.where(inv >= 0, w * gw[inv.clamp(min=0)], 0.0).sum()
 
@@ -61,6 +63,32 @@ def test_route_weights(renormalize, span):
     (g1,) = torch.autograd.grad(ours(x1), x1)
     (g2,) = torch.autograd.grad(formula(x2), x2)
     torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not use_triton(torch.device("cpu")), reason="the kernel: interpreter")
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_backward_kernel_equals_reference(renormalize, dtype):
+    """The Triton kernel (interpreter: numpy fp32, no FMA contraction) bit for bit against the
+    torch formula in fp32, on a plan with unrouted tokens, a scale and 40 experts (two column
+    blocks)."""
+    from moe_kernels._reference.routing import route_backward_reference
+    from moe_kernels._triton.routing.backward import route_backward
+
+    n_tok, n_exp, k = 37, 40, 5
+    s = torch.rand(n_tok, n_exp, generator=_g(5)).to(dtype)
+    plan = mk.route(s, k, renormalize=renormalize, valid_token_count=torch.tensor([n_tok - 4]))
+    g = torch.randn(n_tok * k, generator=_g(6))
+    got = route_backward(g, plan.inverse, plan.expert_indices, s, 0, 1.5, renormalize)
+    want = route_backward_reference(g, plan.inverse, plan.expert_indices, s, 0, n_exp, 1.5,
+                                    renormalize)  # fmt: skip
+    assert got.dtype == dtype
+    assert torch.equal(got != 0, want != 0)
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:  # the interpreter truncates bf16 stores (docs: triton-on-cpu): one ulp apart at most
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
+    assert got[n_tok - 4 :].abs().sum() == 0  # unrouted tokens: no gradient
 
 
 @pytest.mark.parametrize("scale", [False, True])
@@ -210,6 +238,9 @@ def test_opcheck_autograd():
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(ops.route.default, (s.requires_grad_(), K, None, 0, E, True, None, 1, 1,
                           1.0), test_utils=checks)  # fmt: skip
+    args = (torch.randn(T * K, generator=_g(5)), plan.inverse, plan.expert_indices, s.detach(), 0,
+            E, 2.0, True, None, 1, 1)  # fmt: skip
+    torch.library.opcheck(ops.route_backward.default, args, test_utils=checks)
     args = (x, plan.token_indices, plan.weights, plan.inverse, False)
     torch.library.opcheck(ops.dispatch.default, args, test_utils=checks)
     y = torch.randn(T * K, D, generator=_g(2), requires_grad=True)

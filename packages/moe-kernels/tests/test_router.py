@@ -275,6 +275,19 @@ def test_split_pieces_are_exact():
     pieces = split3(w)
     assert pieces.dtype == torch.bfloat16
     assert torch.equal((pieces[0].float() + pieces[1].float()) + pieces[2].float(), w)
+    if use_triton(w.device):  # the kernel's pieces (the interpreter truncates its casts: other
+        # pieces than split3's round-to-nearest ones, also exact)
+        from moe_kernels._triton.router_split import split_grad, split_weight
+
+        w4 = split_weight(w).view(4, *w.shape).float()
+        assert torch.equal(w4[0], w4[1]) and torch.equal((w4[1] + w4[2]) + w4[3], w)
+        s = torch.softmax(rand((5, 100), torch.float32, 45), dim=-1)
+        g = rand((5, 100), torch.float32, 46)
+        a, b = (t.float().view(5, 3, 100) for t in split_grad(g, s, True))
+        dl = s * (g - (g * s).sum(-1, keepdim=True))
+        torch.testing.assert_close((b[:, 0] + b[:, 1]) + b[:, 2], dl, rtol=1e-6, atol=1e-8)
+        assert torch.equal(a[:, 0], b[:, 1]) and torch.equal(a[:, 1], b[:, 0])
+        assert torch.equal(a[:, 2], b[:, 0])
 
 
 @pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
@@ -288,11 +301,15 @@ def test_split_variant_forward_and_backward(score_fn):
     exact, bound = oracle64(x0, w0, "softmax")
     l64 = x0.double() @ w0.double().T
     assert bool(((logits.double() - l64).abs() <= bound + 4 * U * l64.abs()).all())
-    dl = rand((37, 64), torch.float32, 42)
-    dx, dw = split.logits_backward(dl, x0, w0)
-    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
-    torch.testing.assert_close(dx.double(), (dl.double() @ w0.double()), rtol=8e-3, atol=1e-5)
-    torch.testing.assert_close(dw.double(), dl.double().T @ x0.double(), rtol=1e-5, atol=1e-6)
+    g0 = rand((37, 64), torch.float32, 42)
+    s0 = torch.softmax(rand((37, 64), torch.float32, 44), dim=-1)
+    for fn in ("softmax", "sigmoid"):
+        dx, dw = split.scores_backward(g0, s0, fn, x0, w0)
+        assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+        g, s = g0.double(), s0.double()
+        dl = s * (g - (g * s).sum(-1, keepdim=True)) if fn == "softmax" else g * s * (1 - s)
+        torch.testing.assert_close(dx.double(), dl @ w0.double(), rtol=8e-3, atol=1e-5)
+        torch.testing.assert_close(dw.double(), dl.T @ x0.double(), rtol=1e-5, atol=1e-6)
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     g = rand((37, 64), torch.float32, 43)
     scores = router_scores(x, w, score_fn=score_fn)

@@ -7,9 +7,10 @@ fp32 formula that writes and keeps an fp32 copy of x and runs fp32 GEMMs, by one
 * ``"fma"`` (E <= ``FMA_MAX_E``): one Triton kernel that reads x once in its own dtype,
   accumulates the logits with fp32 multiply-adds in registers and applies the score function
   before writing (T, E) fp32 scores; backward: the fp32 formula's two GEMMs;
-* ``"split"`` (more experts, bf16 x): the fp32 logits from bf16 tensor-core GEMMs against the
-  weight's three exact bf16 pieces, and the backward the same way (``_router_split``);
-* ``"fp32"`` (more experts, fp16 / fp32 x): the fp32 formula.
+* ``"split"`` (more experts, up to ``SPLIT_MAX_E``, bf16 x): the fp32 logits from bf16
+  tensor-core GEMMs against the weight's three exact bf16 pieces, and the backward the same way
+  (``_router_split``);
+* ``"fp32"`` (fp16 / fp32 x, or more experts): the fp32 formula.
 
 A ``torch.library`` custom op (``moe_kernels::router_scores``) with a fake implementation: no host
 syncs on CUDA, safe under ``torch.compile(fullgraph=True)`` and CUDA-graph capture, deterministic
@@ -39,6 +40,8 @@ SCORE_FNS = ("softmax", "sigmoid")
 # The "fma" kernel's reach, from the H200 (benchmarks/gpu/router_sweep.py, D=2048): 11.2 vs
 # 24.1 us for the fp32 formula at E=16, 2048 tokens; at E=128 cuBLAS was faster (44 vs 58 us).
 FMA_MAX_E = 32
+# The "split" variant's backward kernel holds a row of E scores in one program.
+SPLIT_MAX_E = 1024
 
 
 def router_variant(num_experts: int, x_dtype: torch.dtype) -> str:
@@ -46,7 +49,7 @@ def router_variant(num_experts: int, x_dtype: torch.dtype) -> str:
     (module docstring)."""
     if num_experts <= FMA_MAX_E:
         return "fma"
-    return "split" if x_dtype == torch.bfloat16 else "fp32"
+    return "split" if x_dtype == torch.bfloat16 and num_experts <= SPLIT_MAX_E else "fp32"
 
 
 def _score(logits_TE: torch.Tensor, score_fn: str) -> torch.Tensor:
@@ -94,17 +97,13 @@ def _backward_impl(
     s_TE: torch.Tensor,
     score_fn: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch backward of score_fn(x @ w.T) in fp32, from the saved scores s:
-    dlogits = s * (g - sum_e g s) (softmax) or g * s * (1 - s) (sigmoid); then (dx, dw) by the
-    forward's variant: the split GEMMs, else fp32 GEMMs."""
-    g_TE = grad_TE.float()
-    if score_fn == "softmax":
-        dl_TE = s_TE * (g_TE - (g_TE * s_TE).sum(dim=-1, keepdim=True))
-    else:
-        dl_TE = g_TE * s_TE * (1.0 - s_TE)
+    """Backward of score_fn(x @ w.T) in fp32, from the saved scores s: dlogits = s * (g - sum_e
+    g s) (softmax) or g * s * (1 - s) (sigmoid), then (dx, dw) by the forward's variant: the
+    split variant's kernels and GEMMs, else fp32 GEMMs."""
     if use_triton(x_TD.device) and router_variant(weight_ED.shape[0], x_TD.dtype) == "split":
-        grad_x, grad_w = _split.logits_backward(dl_TE, x_TD, weight_ED)
+        grad_x, grad_w = _split.scores_backward(grad_TE, s_TE, score_fn, x_TD, weight_ED)
         return grad_x, grad_w.to(weight_ED.dtype)
+    dl_TE = _split.logits_grad(grad_TE, s_TE, score_fn)
     grad_x = (dl_TE @ weight_ED.float()).to(x_TD.dtype)
     grad_w = (dl_TE.T @ x_TD.float()).to(weight_ED.dtype)
     return grad_x, grad_w

@@ -27,9 +27,12 @@ from ._dispatch import (
     triton_kernels,
     use_triton,
 )
-from ._reference.routing import index_shuffling_reference, route_reference
+from ._reference.routing import (
+    index_shuffling_reference,
+    route_backward_reference,
+    route_reference,
+)
 from ._routing_outputs import RoutingPlan, Selection, ShuffledIndices
-from .selection import topk_choices
 
 __all__ = ["RoutingPlan", "ShuffledIndices", "index_shuffling", "route"]
 
@@ -312,41 +315,51 @@ def _route_setup_context(ctx, inputs, output):
     ctx.n_groups, ctx.topk_groups, ctx.scale = n_groups, tg, scale
 
 
+def _route_backward_impl(
+    grad_P: torch.Tensor,
+    inverse_TK: torch.Tensor,
+    expert_indices_P: torch.Tensor,
+    scores_TE: torch.Tensor,
+    start: int,
+    end: int,
+    scale: float,
+    renormalize: bool,
+    bias_E: torch.Tensor | None,
+    n_groups: int,
+    topk_groups: int,
+) -> torch.Tensor:
+    E = scores_TE.shape[1]
+    partial = start != 0 or end != E  # then renormalize recomputes the unrouted choices
+    if use_triton(scores_TE.device) and not (renormalize and partial):
+        return triton_kernels("routing.backward").route_backward(
+            grad_P, inverse_TK, expert_indices_P, scores_TE, start, scale, renormalize
+        )
+    return route_backward_reference(
+        grad_P, inverse_TK, expert_indices_P, scores_TE, start, end, scale, renormalize, bias_E,
+        n_groups, topk_groups,
+    )  # fmt: skip
+
+
+def _route_backward_fake(grad_P, inverse_TK, expert_indices_P, scores_TE, start, end, scale,
+                         renormalize, bias_E, n_groups, topk_groups):  # fmt: skip
+    return torch.empty_like(scores_TE, memory_format=torch.contiguous_format)
+
+
+_route_backward_op = register_op("route_backward", _route_backward_impl, _route_backward_fake)
+
+
 def _route_backward(ctx, *grads):
-    """d scores[t, e] = ``scale`` times the weight gradient of the pair (t, e) (zero where no
-    pair), with ``renormalize`` the quotient rule over the token's k choices:
-    ``(g_j - sum_i g_i w_i) / S`` for w_j = s_j / S. The bias only selects: no gradient.
-    Sync-free, no atomics: each token's choices are distinct experts, written by one scatter
-    (unrouted choices go to spare columns)."""
+    """d scores (``route_backward_reference``; one Triton kernel on CUDA and in the interpreter).
+    The bias only selects: no gradient."""
     scores, expert_indices, inverse, bias = ctx.saved_tensors
     grad_P = grads[4]
     if grad_P is None or not ctx.needs_input_grad[0]:
         return (None,) * 10
-    T, E = scores.shape
-    k = ctx.top_k
-    ok_TK = inverse >= 0
-    safe_TK = torch.where(ok_TK, inverse, 0).long()
-    g_TK = torch.where(ok_TK, grad_P.float()[safe_TK], 0.0)
-    if ctx.scale != 1.0:
-        g_TK = g_TK * ctx.scale
-    spare_TK = torch.arange(E, E + k, device=scores.device).expand(T, k)
-    e_TK = torch.where(ok_TK, expert_indices.long()[safe_TK] + ctx.start, spare_TK)
-    if ctx.renormalize:
-        if ctx.start != 0 or ctx.end != E:  # unrouted choices count in the sum: recompute them
-            e_TK = topk_choices(
-                scores, k, bias=bias, n_groups=ctx.n_groups, topk_groups=ctx.topk_groups
-            ).experts
-        s_TK = scores.float().gather(1, e_TK.clamp(max=E - 1))
-        sum_T = s_TK[:, 0]
-        for j in range(1, k):  # the forward's sequential order
-            sum_T = sum_T + s_TK[:, j]
-        w_TK = s_TK / sum_T[:, None]
-        d_TK = (g_TK - (g_TK * w_TK).sum(dim=1, keepdim=True)) / sum_T[:, None]
-        d_TK = torch.where(ok_TK.any(dim=1, keepdim=True), d_TK, 0.0)
-    else:
-        d_TK = g_TK
-    grad = scores.new_zeros((T, E + k), dtype=torch.float32).scatter(1, e_TK, d_TK)
-    return (grad[:, :E].to(scores.dtype),) + (None,) * 9
+    # plain eager: the launch directly (no dispatcher round trip); else the op (compile traces it)
+    op = _route_backward_impl if plain_eager() else _route_backward_op
+    grad = op(grad_P, inverse, expert_indices, scores, ctx.start, ctx.end, ctx.scale,
+              ctx.renormalize, bias, ctx.n_groups, ctx.topk_groups)  # fmt: skip
+    return (grad,) + (None,) * 9
 
 
 _route_eager = register_autograd(_route_op, _route_impl, _route_backward, _route_setup_context)

@@ -90,6 +90,56 @@ def route_reference(
     )
 
 
+def route_backward_reference(
+    grad_P: torch.Tensor,
+    inverse_TK: torch.Tensor,
+    expert_indices_P: torch.Tensor,
+    scores_TE: torch.Tensor,
+    start: int,
+    end: int,
+    scale: float,
+    renormalize: bool,
+    bias_E: torch.Tensor | None = None,
+    n_groups: int = 1,
+    topk_groups: int | None = None,
+) -> torch.Tensor:
+    """``route``'s backward: d scores (T, E) in the scores' dtype from the gradient of the plan's
+    weights grad_P (P,). d scores[t, e] = ``scale`` times the gradient of the pair (t, e) (zero
+    where no pair); with ``renormalize`` the quotient rule over the token's k choices,
+    ``(g_j - sum_i g_i w_i) / S`` for w_j = s_j / S, S and the sum in choice order (the forward's
+    order). The bias only selects: no gradient. Sync-free, no atomics: a token's choices are
+    distinct experts, written by one scatter (unrouted choices go to spare columns)."""
+    T, E = scores_TE.shape
+    k = inverse_TK.shape[1]
+    ok_TK = inverse_TK >= 0
+    safe_TK = torch.where(ok_TK, inverse_TK, 0).long()
+    g_TK = torch.where(ok_TK, grad_P.float()[safe_TK], 0.0)
+    if scale != 1.0:
+        g_TK = g_TK * scale
+    spare_TK = torch.arange(E, E + k, device=scores_TE.device).expand(T, k)
+    e_TK = torch.where(ok_TK, expert_indices_P.long()[safe_TK] + start, spare_TK)
+    if renormalize:
+        if start != 0 or end != E:  # unrouted choices count in the sum: recompute them
+            e_TK = topk_choices(
+                scores_TE, k, bias=bias_E, n_groups=n_groups, topk_groups=topk_groups
+            ).experts
+        s_TK = scores_TE.float().gather(1, e_TK.clamp(max=E - 1))
+        sum_T = s_TK[:, 0]
+        for j in range(1, k):  # the forward's sequential order
+            sum_T = sum_T + s_TK[:, j]
+        w_TK = s_TK / sum_T[:, None]
+        gw_TK = g_TK * w_TK
+        dot_T = gw_TK[:, 0]
+        for j in range(1, k):
+            dot_T = dot_T + gw_TK[:, j]
+        d_TK = (g_TK - dot_T[:, None]) / sum_T[:, None]
+        d_TK = torch.where(ok_TK.any(dim=1, keepdim=True), d_TK, 0.0)
+    else:
+        d_TK = g_TK
+    grad = scores_TE.new_zeros((T, E + k), dtype=torch.float32).scatter(1, e_TK, d_TK)
+    return grad[:, :E].to(scores_TE.dtype).contiguous()
+
+
 def index_shuffling_reference(
     scores_TE: torch.Tensor,
     start: int,
