@@ -91,6 +91,46 @@ def test_route_backward_kernel_equals_reference(renormalize, dtype):
     assert got[n_tok - 4 :].abs().sum() == 0  # unrouted tokens: no gradient
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_route_backward_and_router_split_kernels_on_cuda():
+    """On the GPU (compiled kernels: FMA contraction, round-to-nearest casts), over expert counts,
+    top-k and score dtypes: route's backward kernel against its torch formula (bit for bit
+    without renormalize), the split router's pieces bit for bit against ``split3`` and its
+    dlogits within fp32 rounding of the formula."""
+    from moe_kernels._reference.routing import route_backward_reference
+    from moe_kernels._router_split import logits_grad, split3
+    from moe_kernels._triton.router_split import split_grad, split_weight
+    from moe_kernels._triton.routing.backward import route_backward
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(dev).manual_seed(0)
+    for n_tok, n_exp, k in [(1, 8, 1), (300, 16, 8), (1000, 128, 8), (77, 256, 6), (64, 1024, 4)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            s = torch.rand(n_tok, n_exp, device=dev, generator=gen).to(dtype)
+            vtc = torch.tensor([n_tok - n_tok // 5], device=dev)
+            for renorm in (False, True):
+                plan = mk.route(s, k, renormalize=renorm, valid_token_count=vtc)
+                g = torch.randn(n_tok * k, device=dev, generator=gen)
+                got = route_backward(g, plan.inverse, plan.expert_indices, s, 0, 0.5, renorm)
+                want = route_backward_reference(g, plan.inverse, plan.expert_indices, s, 0,
+                                                n_exp, 0.5, renorm)  # fmt: skip
+                if renorm:
+                    torch.testing.assert_close(got.float(), want.float(), rtol=2e-6, atol=1e-7)
+                else:
+                    assert torch.equal(got, want)
+        w = torch.randn(n_exp, 96, device=dev, generator=gen) / 10
+        assert torch.equal(split_weight(w).view(4, n_exp, 96)[1:], split3(w))
+        sc = torch.softmax(torch.randn(n_tok, n_exp, device=dev, generator=gen), dim=-1)
+        g = torch.randn(n_tok, n_exp, device=dev, generator=gen)
+        for fn in ("softmax", "sigmoid"):
+            a, b = (t.float().view(n_tok, 3, n_exp) for t in split_grad(g, sc, fn == "softmax"))
+            dl = logits_grad(g, sc, fn)
+            if fn == "sigmoid":  # the same elementwise math: the same pieces
+                assert torch.equal(b, split3(dl).float().permute(1, 0, 2))
+            torch.testing.assert_close((b[:, 0] + b[:, 1]) + b[:, 2], dl, rtol=1e-6, atol=1e-8)
+            assert torch.equal(a[:, 1], b[:, 0]) and torch.equal(a[:, 0], b[:, 1])
+
+
 @pytest.mark.parametrize("scale", [False, True])
 def test_dispatch(scale):
     s = torch.rand(T, E, generator=_g(0))
