@@ -95,8 +95,9 @@ def test_route_backward_kernel_equals_reference(renormalize, dtype):
 def test_route_backward_and_router_split_kernels_on_cuda():
     """On the GPU (compiled kernels: FMA contraction, round-to-nearest casts), over expert counts,
     top-k and score dtypes: route's backward kernel against its torch formula (bit for bit
-    without renormalize), the split router's pieces bit for bit against ``split3`` and its
-    dlogits within fp32 rounding of the formula."""
+    without renormalize), the split router's weight pieces bit for bit against ``split3`` and its
+    dlogits' pieces summing to the formula within fp32 rounding (the compiled elementwise math
+    differs from torch's in the last bit on some elements, seen on the H200)."""
     from moe_kernels._reference.routing import route_backward_reference
     from moe_kernels._router_split import logits_grad, split3
     from moe_kernels._triton.router_split import split_grad, split_weight
@@ -125,8 +126,6 @@ def test_route_backward_and_router_split_kernels_on_cuda():
         for fn in ("softmax", "sigmoid"):
             a, b = (t.float().view(n_tok, 3, n_exp) for t in split_grad(g, sc, fn == "softmax"))
             dl = logits_grad(g, sc, fn)
-            if fn == "sigmoid":  # the same elementwise math: the same pieces
-                assert torch.equal(b, split3(dl).float().permute(1, 0, 2))
             torch.testing.assert_close((b[:, 0] + b[:, 1]) + b[:, 2], dl, rtol=1e-6, atol=1e-8)
             assert torch.equal(a[:, 1], b[:, 0]) and torch.equal(a[:, 0], b[:, 1])
 
