@@ -177,3 +177,45 @@ def test_bad_input():
         mk.routed_experts(x, w_in, w_out, plan._replace(weights=plan.weights[:-1]))
     with pytest.raises(TypeError, match="out_dtype"):
         mk.routed_experts(x, w_in, w_out, plan, out_dtype=torch.int32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("fn", ["routed_experts", "expert_mlp"])
+def test_rows_past_the_groups_never_reach_a_result_on_cuda(gated, fn):
+    """On CUDA the CUTLASS GEMMs leave the intermediates' rows past the groups unwritten
+    (``zero_tail=False``). With the allocator's free blocks full of NaN first, a plan with such
+    rows (a valid token count and a partial expert range) gives finite results, the same bits as
+    over zero-filled blocks, and the CPU reference's values within bf16 rounding."""
+    n_tok, n_exp, k, d, h = 300, 16, 4, 128, 64
+    gen = torch.Generator().manual_seed(3)
+    s = torch.rand(n_tok, n_exp, generator=gen) + 0.1
+    x = torch.randn(n_tok, d, generator=gen).bfloat16()
+    w_in = (torch.randn(11, 2 * h if gated else h, d, generator=gen) / d**0.5).bfloat16()
+    w_out = (torch.randn(11, d, h, generator=gen) / h**0.5).bfloat16()
+    dy = torch.randn(n_tok, d, generator=gen).bfloat16()
+
+    def run(dev, fill):
+        ins = [t.to(dev).requires_grad_() for t in (x, w_in, w_out, s)]
+        vtc = torch.tensor([n_tok - 37], device=dev)
+        if dev == "cuda":  # the sizes the node allocates, filled and freed for it to reuse
+            junk = [torch.full((n_tok * k, c), fill, dtype=torch.bfloat16, device=dev)
+                    for c in (d, h, 2 * h, d, h, 2 * h, d)]  # fmt: skip
+            del junk
+        plan = mk.route(ins[3], k, valid_token_count=vtc, expert_index_start=2,
+                        expert_index_end=13)  # fmt: skip
+        if fn == "routed_experts":
+            y = mk.routed_experts(ins[0], ins[1], ins[2], plan, gated=gated)
+        else:
+            o = mk.expert_mlp(ins[0], ins[1], ins[2], plan.offsets, plan.token_indices,
+                              plan.inverse, gated=gated)  # fmt: skip
+            y = mk.combine(o, plan, out_dtype=torch.bfloat16)
+        y.backward(dy.to(dev))
+        return [t.detach().float().cpu() for t in (y, *(i.grad for i in ins))]
+
+    nan_run, zero_run = run("cuda", float("nan")), run("cuda", 0.0)
+    ref = run("cpu", 0.0)
+    for a, b, r in zip(nan_run, zero_run, ref, strict=True):
+        assert bool(torch.isfinite(a).all())
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-2 * float(r.abs().max()))
