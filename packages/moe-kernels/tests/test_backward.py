@@ -126,7 +126,10 @@ def test_route_backward_and_router_split_kernels_on_cuda():
         for fn in ("softmax", "sigmoid"):
             a, b = (t.float().view(n_tok, 3, n_exp) for t in split_grad(g, sc, fn == "softmax"))
             dl = logits_grad(g, sc, fn)
-            torch.testing.assert_close((b[:, 0] + b[:, 1]) + b[:, 2], dl, rtol=1e-6, atol=1e-8)
+            scale = float(dl.abs().max())  # cancellation: a few fp32 ulps of the largest
+            torch.testing.assert_close(
+                (b[:, 0] + b[:, 1]) + b[:, 2], dl, rtol=1e-6, atol=1e-6 * scale
+            )
             assert torch.equal(a[:, 1], b[:, 0]) and torch.equal(a[:, 0], b[:, 1])
 
 

@@ -285,7 +285,8 @@ def test_split_pieces_are_exact():
         g = rand((5, 100), torch.float32, 46)
         a, b = (t.float().view(5, 3, 100) for t in split_grad(g, s, True))
         dl = s * (g - (g * s).sum(-1, keepdim=True))
-        torch.testing.assert_close((b[:, 0] + b[:, 1]) + b[:, 2], dl, rtol=1e-6, atol=1e-8)
+        scale = float(dl.abs().max())  # cancellation: a few fp32 ulps of the largest
+        torch.testing.assert_close((b[:, 0] + b[:, 1]) + b[:, 2], dl, rtol=1e-6, atol=1e-6 * scale)
         assert torch.equal(a[:, 0], b[:, 1]) and torch.equal(a[:, 1], b[:, 0])
         assert torch.equal(a[:, 2], b[:, 0])
 
