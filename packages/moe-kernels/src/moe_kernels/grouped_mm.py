@@ -14,8 +14,11 @@ CUDA no host syncs (static grids, groups found on the device), safe under
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from moe_kernels import _grouped_mm_rules as _rules
 from moe_kernels import _validate as V
 from moe_kernels._dispatch import (
     eager_direct,
@@ -51,11 +54,21 @@ def _impl(
     if not use_triton(x.device):
         return _ref.gather_grouped_mm(x, w, offsets, row_indices, act)
     tri = _triton()
-    if row_indices is None and act is None and _cutlass_forward(x, w):
-        y = torch._grouped_mm(x, w.mT, offs=offsets[1:].to(torch.int32))
-        if zero_tail:
-            tri.zero_tail(y, offsets)
-        return y
+    if row_indices is None and act is None:
+        persistent = _persistent_operands(x, w)
+        if persistent is not None:
+            w_sorted, layout = persistent
+            y = triton_kernels("persistent_grouped_mm").persistent_grouped_mm(
+                x, w_sorted, offsets.contiguous(), layout
+            )
+        elif _cutlass_forward(x, w):
+            y = torch._grouped_mm(x, w.mT, offs=offsets[1:].to(torch.int32))
+        else:
+            y = None
+        if y is not None:
+            if zero_tail:
+                tri.zero_tail(y, offsets)
+            return y
     return tri.gather_grouped_mm(
         x,
         w,
@@ -164,6 +177,29 @@ def gather_grouped_mm(
 
 # --------------------------------------------------------------------------------------------
 # grouped_weight_grad
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_major(index: int) -> int:
+    return torch.cuda.get_device_properties(index).major
+
+
+def _persistent_operands(x_PD: torch.Tensor, w_END: torch.Tensor) -> tuple | None:
+    """(w in the persistent kernel's layout, "nk" or "kn") where the persistent Triton grouped
+    GEMM runs this sorted-row GEMM (``_grouped_mm_rules.use_persistent``), else None: w
+    contiguous as (E, N, D) ("nk"), or the ``.mT`` view of a contiguous (E, D, N) ("kn")."""
+    if not x_PD.is_cuda or x_PD.dtype != torch.bfloat16:
+        return None
+    if w_END.is_contiguous():
+        w, layout = w_END, "nk"
+    elif w_END.mT.is_contiguous():
+        w, layout = w_END.mT, "kn"
+    else:
+        return None
+    tma = triton_kernels("persistent_grouped_mm").tma_ok
+    ok = _rules.use_persistent(x_PD.shape[0], w_END.shape[0], True, _sm_major(x_PD.get_device()),
+                               tma(x_PD) and tma(w))  # fmt: skip
+    return (w, layout) if ok else None
 
 
 def _cutlass_forward(x_TD: torch.Tensor, w_END: torch.Tensor) -> bool:

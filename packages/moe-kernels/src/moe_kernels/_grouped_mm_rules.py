@@ -1,0 +1,73 @@
+"""Which kernel runs a grouped GEMM over expert-sorted rows, and the persistent kernel's config.
+
+Plain Python (no Triton import), so the rule has one test and the CPU path needs no Triton.
+
+From the H200 (``benchmarks/gpu/expert_gemm_gpu.py``, torch 2.11, triton 3.6, bf16): the
+flattened persistent Triton kernel (``_triton/persistent_grouped_mm.py``, 128 x 256 x 64 tiles,
+8 warps, 3 stages, TMA) against ``torch._grouped_mm`` (CUTLASS), per GEMM of the layer's step:
+0.73-0.82x CUTLASS's time at 128 rows per expert (8192 x top-2 or 2048 x top-8 tokens, 128
+experts), 0.88-0.97x at 256, 0.94-0.97x at 512 (the Qwen3-30B-A3B layer), 0.97-0.98x at 1024
+(seed), and 0.99-1.05x at 1536-2048 (SonicMoE's shapes), where CUTLASS stays. Its output bits
+equal CUTLASS's on every GEMM measured (both accumulate K in order in fp32, no split-K).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# Mean rows per expert up to which the persistent kernel runs (above it CUTLASS was as fast).
+PERSISTENT_MAX_ROWS_PER_EXPERT = 1024
+
+
+class PersistentConfig(NamedTuple):
+    """Tile shape and launch parameters of one persistent grouped-GEMM launch. ``tma``: A and B
+    through TMA descriptors where the tensors allow; ``programs_per_sm``: the persistent grid is
+    that many programs per multiprocessor; ``flatten``: the tile loop and the K loop as one
+    software-pipelined loop (the next tile's loads in flight during a tile's store)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: bool = True
+    programs_per_sm: int = 1
+    flatten: bool = True
+
+
+def use_persistent(
+    num_rows: int, num_experts: int, bf16: bool, sm_major: int, tma: bool
+) -> bool:
+    """Whether a grouped GEMM over ``num_rows`` sorted rows in ``num_experts`` groups runs the
+    persistent Triton kernel rather than CUTLASS: bf16 on sm90 (the chip it was measured on),
+    operands TMA can read (``tma``: eager, contiguous, aligned), and at most
+    ``PERSISTENT_MAX_ROWS_PER_EXPERT`` rows per expert on average (a static bound: no host read
+    of the group sizes)."""
+    if not (bf16 and sm_major == 9 and tma and num_experts > 0):
+        return False
+    return num_rows <= PERSISTENT_MAX_ROWS_PER_EXPERT * num_experts
+
+
+def _pow2_clamp(value: int, lo: int, hi: int) -> int:
+    p = 1 << max(0, (max(int(value), 1) - 1).bit_length())
+    return max(lo, min(hi, p))
+
+
+def persistent_config(
+    num_rows: int, n: int, k: int, num_experts: int, interpret: bool
+) -> PersistentConfig:
+    """The launch config for ``num_rows`` x ``n`` outputs over ``k`` in ``num_experts`` groups.
+    GPU: 128 x 256 x 64, 8 warps, 3 stages, flattened, TMA (the fastest of the H200 sweep at every
+    shape measured); BN and BK shrink to small n and k. Interpreter: 16-32 row tiles, one stage,
+    pointer loads, few programs (each costs ~0.4 ms of numpy overhead)."""
+    if interpret:
+        return PersistentConfig(
+            block_m=_pow2_clamp(num_rows, 16, 32),
+            block_n=_pow2_clamp(n, 16, 64),
+            block_k=_pow2_clamp(k, 16, 64),
+            num_warps=4,
+            num_stages=1,
+            tma=False,
+            flatten=False,
+        )
+    return PersistentConfig(block_n=_pow2_clamp(n, 16, 256), block_k=_pow2_clamp(k, 16, 64))
