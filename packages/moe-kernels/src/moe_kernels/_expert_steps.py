@@ -20,9 +20,10 @@ def direct_or_op(op, impl, *args):
 
 def sorted_mm(x, w, offsets, rows, act="none", zero_tail=True):
     """``gather_grouped_mm``'s launch (rows: None for sorted rows, else the gather; act: "none"
-    or "silu" on the accumulator): CUTLASS on sorted rows where it runs, else Triton.
+    or "silu" on the accumulator): on sorted rows the persistent Triton GEMM or CUTLASS where
+    they run (``_grouped_mm_rules``), else the gathering Triton GEMM.
     ``zero_tail=False`` for intermediates whose rows past the groups nothing reads (the grouped
-    GEMMs read group rows only, the k-sums and combines skip unrouted rows): CUTLASS then leaves
+    GEMMs read group rows only, the k-sums and combines skip unrouted rows): the GEMM then leaves
     them unwritten."""
     return direct_or_op(_gmm._op, _gmm._impl, x, w, offsets, rows, act, zero_tail)
 

@@ -35,9 +35,7 @@ class PersistentConfig(NamedTuple):
     flatten: bool = True
 
 
-def use_persistent(
-    num_rows: int, num_experts: int, bf16: bool, sm_major: int, tma: bool
-) -> bool:
+def use_persistent(num_rows: int, num_experts: int, bf16: bool, sm_major: int, tma: bool) -> bool:
     """Whether a grouped GEMM over ``num_rows`` sorted rows in ``num_experts`` groups runs the
     persistent Triton kernel rather than CUTLASS: bf16 on sm90 (the chip it was measured on),
     operands TMA can read (``tma``: eager, contiguous, aligned), and at most

@@ -6,8 +6,9 @@ experts compute between its routing and its combine, as one autograd node (torch
 ``GroupedExperts``, with the token gather folded in).
 
 With gradients, forward gathers the rows (xs = x[rows], a copy kernel) and runs both GEMMs on
-sorted rows (``torch._grouped_mm``'s CUTLASS kernels where they run: bf16, sm90+, 16-aligned;
-the Triton grouped GEMM elsewhere), because on the H200 that beat the Triton GEMM that gathers
+sorted rows (``gather_grouped_mm``'s sorted-row kernels: on sm90 bf16 the persistent Triton GEMM
+up to 1024 rows per expert and CUTLASS above, the Triton grouped GEMM elsewhere;
+``_grouped_mm_rules``), because on the H200 that beat the Triton GEMM that gathers
 in its loads at training sizes (``benchmarks/gpu/expert_mlp_gpu.py``, docs/training.md). It
 keeps the pre-activation h (R, X) and, with ``save_rows`` (the default), xs (R, D); the
 activation's output is not kept: backward recomputes it in the pass that computes its gradient.

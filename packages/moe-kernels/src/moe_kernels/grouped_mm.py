@@ -48,7 +48,9 @@ def _impl(
     activation: str,
     zero_tail: bool = True,
 ) -> torch.Tensor:
-    """``zero_tail=False`` (callers that never read rows past the groups): CUTLASS leaves those
+    """Sorted rows without activation run the persistent Triton GEMM or CUTLASS
+    (``_grouped_mm_rules.use_persistent``), everything else the gathering Triton GEMM.
+    ``zero_tail=False`` (callers that never read rows past the groups): those two leave the
     rows unwritten instead of a launch zeroing them."""
     act = None if activation == "none" else activation
     if not use_triton(x.device):

@@ -10,7 +10,7 @@ outputs that a separate ``combine`` keeps for its weight gradient.
 Backward from dY (T, D), with o_r = a_r @ w_out[e].T the down-projection of the activation a_r
 and y[t] = sum_j s_r o_r over the rows r = inverse[t, j] (SonicMoE's identity for ds):
 
-* ``dyg_r = dY[tok_r]`` (a gather, unscaled), ``da'_r = dyg_r @ w_out[e]`` (CUTLASS);
+* ``dyg_r = dY[tok_r]`` (a gather, unscaled), ``da'_r = dyg_r @ w_out[e]`` (a sorted-row GEMM);
 * one pass over h (``activation_grad_weighted``): ``ds_r = <da'_r, a_r>`` (= <dY[tok_r], o_r>),
   ``dh_r = act'(h_r) (s_r da'_r)`` and ``s_r a_r``;
 * ``dw_out[e] = dyg_e.T @ (s a)_e``, then ``expert_mlp``'s input side (``dw_in``, ``dx``).

@@ -188,10 +188,10 @@ class BaselineImpl(TorchImpl):
 
 class TritonImpl(MoEImpl):
     """moe-kernels ``route``; the experts as ``moe_kernels.expert_mlp`` (with autograd one node:
-    the row gather, CUTLASS grouped GEMMs on sorted rows where they run, its own deterministic
-    backward; without, up to 1024 first-GEMM columns the Triton GEMM that gathers in its loads
-    with SiLU in its epilogue); ``combine`` accumulated in fp32, returned in ``out_dtype``, then
-    cast to x's dtype."""
+    the row gather, grouped GEMMs on sorted rows (persistent Triton or CUTLASS), its own
+    deterministic backward; without, up to 1024 first-GEMM columns the Triton GEMM that gathers
+    in its loads with SiLU in its epilogue); ``combine`` accumulated in fp32, returned in
+    ``out_dtype``, then cast to x's dtype."""
 
     kernel_router = True
 
@@ -228,7 +228,7 @@ class TritonImpl(MoEImpl):
         return self.expert_mm(mk.expert_activation(h_RH, gated), out_proj, rows.offsets)
 
     def expert_mm(self, a_RK: torch.Tensor, w_ENK: torch.Tensor, offsets: torch.Tensor):
-        """``moe_kernels.gather_grouped_mm`` (CUTLASS where it runs, else Triton):
+        """``moe_kernels.gather_grouped_mm`` (its sorted-row kernels: persistent Triton or CUTLASS):
         differentiable, weight gradients in the parameters' own layout."""
         return mk.gather_grouped_mm(a_RK, w_ENK.to(a_RK.dtype), offsets)
 
