@@ -2,13 +2,14 @@
 
 Plain Python (no Triton import), so the rule has one test and the CPU path needs no Triton.
 
-From the H200 (``benchmarks/gpu/expert_gemm_gpu.py``, torch 2.11, triton 3.6, bf16): the
-flattened persistent Triton kernel (``_triton/persistent_grouped_mm.py``, 128 x 256 x 64 tiles,
-8 warps, 3 stages, TMA) against ``torch._grouped_mm`` (CUTLASS), per GEMM of the layer's step:
-0.73-0.82x CUTLASS's time at 128 rows per expert (8192 x top-2 or 2048 x top-8 tokens, 128
-experts), 0.88-0.97x at 256, 0.94-0.97x at 512 (the Qwen3-30B-A3B layer), 0.97-0.98x at 1024
-(seed), and 0.99-1.05x at 1536-2048 (SonicMoE's shapes), where CUTLASS stays. Its output bits
-equal CUTLASS's on every GEMM measured (both accumulate K in order in fp32, no split-K).
+From the H200 (``benchmarks/gpu/persistent_grouped_mm_gpu.py``, torch 2.11, triton 3.6, bf16,
+two runs on two machines): the flattened persistent Triton kernel
+(``_triton/persistent_grouped_mm.py``, 128 x 256 x 64 tiles, 8 warps, 3 stages, TMA) against
+``torch._grouped_mm`` (CUTLASS), per row-grouped GEMM of the layer's step, took 0.71-0.81x
+CUTLASS's time at 128 rows per expert, 0.88-0.97x at 256, 0.84-0.97x at 512 (the Qwen3-30B-A3B
+layer) and 0.94-0.98x at 1024 (seed); above, 0.91-1.04x in one run and 0.99-1.05x in the other,
+so CUTLASS stays there. Its output bits equal CUTLASS's on every GEMM measured (both accumulate K
+in order in fp32, no split-K). docs/training.md has the tables.
 """
 
 from __future__ import annotations
