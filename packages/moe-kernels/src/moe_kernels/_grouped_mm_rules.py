@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from moe_kernels._triton.blocks import pow2_clamp  # plain Python: no Triton import
+
 # Mean rows per expert up to which the persistent kernel runs (above it CUTLASS was as fast).
 PERSISTENT_MAX_ROWS_PER_EXPERT = 1024
 
@@ -47,11 +49,6 @@ def use_persistent(num_rows: int, num_experts: int, bf16: bool, sm_major: int, t
     return num_rows <= PERSISTENT_MAX_ROWS_PER_EXPERT * num_experts
 
 
-def _pow2_clamp(value: int, lo: int, hi: int) -> int:
-    p = 1 << max(0, (max(int(value), 1) - 1).bit_length())
-    return max(lo, min(hi, p))
-
-
 def persistent_config(
     num_rows: int, n: int, k: int, num_experts: int, interpret: bool
 ) -> PersistentConfig:
@@ -61,12 +58,12 @@ def persistent_config(
     pointer loads, few programs (each costs ~0.4 ms of numpy overhead)."""
     if interpret:
         return PersistentConfig(
-            block_m=_pow2_clamp(num_rows, 16, 32),
-            block_n=_pow2_clamp(n, 16, 64),
-            block_k=_pow2_clamp(k, 16, 64),
+            block_m=pow2_clamp(num_rows, 16, 32),
+            block_n=pow2_clamp(n, 16, 64),
+            block_k=pow2_clamp(k, 16, 64),
             num_warps=4,
             num_stages=1,
             tma=False,
             flatten=False,
         )
-    return PersistentConfig(block_n=_pow2_clamp(n, 16, 256), block_k=_pow2_clamp(k, 16, 64))
+    return PersistentConfig(block_n=pow2_clamp(n, 16, 256), block_k=pow2_clamp(k, 16, 64))

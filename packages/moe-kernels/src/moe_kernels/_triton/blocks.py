@@ -16,3 +16,9 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def pow2_clamp(value: int, lo: int, hi: int) -> int:
+    """The smallest power of two >= value (1 for value <= 1), clamped into [lo, hi]: a block
+    size for a dimension of ``value``."""
+    return max(lo, min(hi, next_pow2(max(value, 1))))

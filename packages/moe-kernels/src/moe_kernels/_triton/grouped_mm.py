@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET, tracing
-from moe_kernels._triton.blocks import cdiv, next_pow2
+from moe_kernels._triton.blocks import cdiv, next_pow2, pow2_clamp
 from moe_kernels._triton.launch import FastKernel, aligned
 
 try:  # host-side TMA descriptors (triton >= 3.4); without them ``tma=True`` configs use pointers
@@ -40,16 +40,22 @@ ACT_NONE, ACT_SILU = 0, 1
 
 
 @triton.jit
-def _find_tile(start, end, idx, P, t, BM: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """(segment, first row, end row) of m-tile t from the segments' (BLOCK_E,) start and end
-    rows (segment E is the tail; E+1 means no work). Takes values, not the offsets pointer: a
-    helper's results derived from a pointer argument make Inductor's mutation analysis count
-    that pointer as written (and copy it before every launch)."""
-    # Clamp for memory safety (offsets are trusted to be a non-decreasing prefix sum <= P).
+def group_tiles(start, end, P, BM: tl.constexpr):
+    """(start, end, m-tiles, their inclusive cumulative sum) of the segments' (BLOCK_E,) start
+    and end rows, clamped for memory safety (offsets are trusted to be a non-decreasing prefix
+    sum <= P). Takes values, not the offsets pointer: a helper's results derived from a pointer
+    argument make Inductor's mutation analysis count that pointer as written (and copy it before
+    every launch)."""
     start = tl.minimum(tl.maximum(start, 0), P)
     end = tl.minimum(tl.maximum(end, start), P)
     tiles = (end - start + BM - 1) // BM
-    cum = tl.cumsum(tiles, axis=0)  # inclusive
+    return start, end, tiles, tl.cumsum(tiles, axis=0)
+
+
+@triton.jit
+def find_tile(start, end, tiles, cum, idx, t, BM: tl.constexpr):
+    """(segment, first row, end row) of m-tile t, from ``group_tiles``' results (a t past the
+    last tile gives a segment past the last one)."""
     seg = tl.sum((cum <= t).to(tl.int32), axis=0)
     here = idx == seg
     first_tile = tl.sum(tl.where(here, cum - tiles, 0), axis=0)
@@ -147,7 +153,8 @@ def _gather_grouped_mm_kernel(
     idx = tl.arange(0, BLOCK_E)
     start = tl.load(offs_ptr + idx, mask=idx <= E, other=P).to(tl.int32)
     end = tl.load(offs_ptr + idx + 1, mask=idx < E, other=P).to(tl.int32)
-    seg, row0, row_end = _find_tile(start, end, idx, P, pid_m, BM)
+    start, end, tiles, cum = group_tiles(start, end, P, BM)  # segment E: the tail rows
+    seg, row0, row_end = find_tile(start, end, tiles, cum, idx, pid_m, BM)
     rows = row0 + tl.arange(0, BM)
     row_in = rows < row_end
     cols = pid_n * BN + tl.arange(0, BN)
@@ -239,10 +246,6 @@ class GemmConfig(NamedTuple):
     tma: bool = False  # B (and A when rows are sorted) through TMA descriptors where possible
 
 
-def _pow2_clamp(value: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, next_pow2(max(value, 1))))
-
-
 def pick_config(
     num_rows: int,
     n: int,
@@ -263,16 +266,16 @@ def pick_config(
     """
     if INTERPRET:
         return GemmConfig(
-            block_m=_pow2_clamp(num_rows, 16, 32),
-            block_n=_pow2_clamp(n, 16, 128),
-            block_k=_pow2_clamp(d, 16, 128),
+            block_m=pow2_clamp(num_rows, 16, 32),
+            block_n=pow2_clamp(n, 16, 128),
+            block_k=pow2_clamp(d, 16, 128),
             group_m=4,
             num_warps=4,
             num_stages=1,
         )
     block_m = 64
-    block_n = _pow2_clamp(n, 16, 256)
-    block_k = _pow2_clamp(d, 16, 64)
+    block_n = pow2_clamp(n, 16, 256)
+    block_k = pow2_clamp(d, 16, 64)
     num_warps = 8 if block_m * block_n >= 64 * 256 else 4
     stages = 4
     while stages > 2 and stages * (block_m + block_n) * block_k * elem_bytes > smem - 8192:

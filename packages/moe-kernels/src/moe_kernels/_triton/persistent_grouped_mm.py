@@ -34,24 +34,13 @@ import triton.language as tl
 from moe_kernels._dispatch import INTERPRET, tracing
 from moe_kernels._grouped_mm_rules import PersistentConfig, persistent_config
 from moe_kernels._triton.blocks import cdiv, next_pow2
+from moe_kernels._triton.grouped_mm import find_tile, group_tiles
 from moe_kernels._triton.launch import FastKernel, aligned
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
-
-
-@triton.jit
-def _find(starts, ends, cum, tiles, idx, m_t, BM: tl.constexpr):
-    """(group, first row, end row) of m-tile ``m_t``, from the groups' (BLOCK_E,) start and end
-    rows, m-tile counts and their inclusive cumulative sum."""
-    seg = tl.sum((cum <= m_t).to(tl.int32), axis=0)
-    here = idx == seg
-    first = tl.sum(tl.where(here, cum - tiles, 0), axis=0)
-    row0 = tl.sum(tl.where(here, starts, 0), axis=0) + (m_t - first) * BM
-    row_end = tl.sum(tl.where(here, ends, 0), axis=0)
-    return seg, row0, row_end
 
 
 @triton.jit
@@ -152,26 +141,22 @@ def _persistent_grouped_mm_kernel(
 ):
     pid = tl.program_id(0)
     idx = tl.arange(0, BLOCK_E)
-    # Offsets are trusted to be a non-decreasing prefix sum <= P; clamped to stay memory-safe.
     starts = tl.load(offs_ptr + idx, mask=idx < E, other=0).to(tl.int32)
-    starts = tl.minimum(tl.maximum(starts, 0), P)
     ends = tl.load(offs_ptr + idx + 1, mask=idx < E, other=0).to(tl.int32)
-    ends = tl.minimum(tl.maximum(ends, starts), P)
-    tiles = (ends - starts + BM - 1) // BM
-    cum = tl.cumsum(tiles, axis=0)  # inclusive
+    starts, ends, tiles, cum = group_tiles(starts, ends, P, BM)
     num_n = tl.cdiv(N, BN)
     num_tiles = tl.sum(tiles, axis=0) * num_n
     if WHILE_LOOPS:
         tile = pid
         while tile < num_tiles:
-            seg, row0, row_end = _find(starts, ends, cum, tiles, idx, tile // num_n, BM)
+            seg, row0, row_end = find_tile(starts, ends, tiles, cum, idx, tile // num_n, BM)
             _tile(a_ptr, b_ptr, c_ptr, a_desc, b_desc, N, K, stride_am, stride_be, stride_bn,
                   stride_bk, seg, row0, row_end, tile % num_n, B_KN, BM, BN, BK, EVEN_K, A_TMA,
                   B_TMA, UPCAST, IEEE, WHILE_LOOPS)  # fmt: skip
             tile += NUM_PROGS
     else:
         for tile in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
-            seg, row0, row_end = _find(starts, ends, cum, tiles, idx, tile // num_n, BM)
+            seg, row0, row_end = find_tile(starts, ends, tiles, cum, idx, tile // num_n, BM)
             _tile(a_ptr, b_ptr, c_ptr, a_desc, b_desc, N, K, stride_am, stride_be, stride_bn,
                   stride_bk, seg, row0, row_end, tile % num_n, B_KN, BM, BN, BK, EVEN_K, A_TMA,
                   B_TMA, UPCAST, IEEE, WHILE_LOOPS)  # fmt: skip
