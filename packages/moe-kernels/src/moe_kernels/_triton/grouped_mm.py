@@ -65,39 +65,28 @@ def find_tile(start, end, tiles, cum, idx, t, BM: tl.constexpr):
 
 
 @triton.jit
-def _k_step(
-    acc,
-    k,
-    a_ptrs,
-    b_ptrs,
-    a_desc,
-    b_desc,
-    a_row,
-    b_row,
-    ks,
-    D,
-    stride_xd,
-    stride_wd,
-    BK: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    A_TMA: tl.constexpr,
-    B_TMA: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """acc + A[:, kBK:(k+1)BK] @ B[kBK:(k+1)BK, :] (columns past D read as zero)."""
+def k_step(acc, k0, a_ptrs, b_ptrs, a_desc, b_desc, a_row, b_row, n0, ks, K, stride_ak, stride_bk,
+           B_KN: tl.constexpr, EVEN_K: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+           UPCAST: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """acc + A[:, k0:k0+BK] @ B[k0:k0+BK, :] (columns past K read as zero). A: (BM, BK) tiles at
+    ``a_ptrs`` (K stride ``stride_ak``) or from ``a_desc`` at row ``a_row``; B: (BK, BN) at
+    ``b_ptrs`` (K stride ``stride_bk``), or from ``b_desc``: w viewed (E*N, K) at row ``b_row``
+    (transposed), or with ``B_KN`` w viewed (E*K, N) at (b_row + k0, n0)."""
     if A_TMA:
-        a = a_desc.load([a_row, k * BK])  # rows past P and columns past D read as 0
+        a = a_desc.load([a_row, k0])  # rows past P and columns past K read as 0
     elif EVEN_K:
-        a = tl.load(a_ptrs + k * BK * stride_xd)
+        a = tl.load(a_ptrs + k0 * stride_ak)
     else:
-        a = tl.load(a_ptrs + k * BK * stride_xd, mask=(ks < D - k * BK)[None, :], other=0.0)
+        a = tl.load(a_ptrs + k0 * stride_ak, mask=((k0 + ks) < K)[None, :], other=0.0)
     if B_TMA:
-        b = b_desc.load([b_row, k * BK]).T
+        if B_KN:
+            b = b_desc.load([b_row + k0, n0])
+        else:
+            b = b_desc.load([b_row, k0]).T
     elif EVEN_K:
-        b = tl.load(b_ptrs + k * BK * stride_wd)
+        b = tl.load(b_ptrs + k0 * stride_bk)
     else:
-        b = tl.load(b_ptrs + k * BK * stride_wd, mask=(ks < D - k * BK)[:, None], other=0.0)
+        b = tl.load(b_ptrs + k0 * stride_bk, mask=((k0 + ks) < K)[:, None], other=0.0)
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -187,16 +176,16 @@ def _gather_grouped_mm_kernel(
         if WHILE_LOOPS:
             k = num_k * 0
             while k < num_k:
-                acc = _k_step(
-                    acc, k, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, ks, D,
-                    stride_xd, stride_wd, BK, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE,
+                acc = k_step(
+                    acc, k * BK, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, 0, ks, D,
+                    stride_xd, stride_wd, False, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE,
                 )  # fmt: skip
                 k += 1
         else:
             for k in range(0, num_k):
-                acc = _k_step(
-                    acc, k, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, ks, D,
-                    stride_xd, stride_wd, BK, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE,
+                acc = k_step(
+                    acc, k * BK, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, 0, ks, D,
+                    stride_xd, stride_wd, False, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE,
                 )  # fmt: skip
         if ACTIVATION == 1:
             acc = acc / (1.0 + tl.exp(-acc))  # silu in fp32

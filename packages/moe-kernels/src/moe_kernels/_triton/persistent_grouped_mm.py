@@ -34,41 +34,13 @@ import triton.language as tl
 from moe_kernels._dispatch import INTERPRET, tracing
 from moe_kernels._grouped_mm_rules import PersistentConfig, persistent_config
 from moe_kernels._triton.blocks import cdiv, next_pow2
-from moe_kernels._triton.grouped_mm import find_tile, group_tiles
+from moe_kernels._triton.grouped_mm import find_tile, group_tiles, k_step
 from moe_kernels._triton.launch import FastKernel, aligned
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
-
-
-@triton.jit
-def _k_step(acc, k0, a_desc, a_ptrs, row0, b_desc, b_ptrs, b_row, n0, ks, K, stride_bk,
-            B_KN: tl.constexpr, EVEN_K: tl.constexpr, A_TMA: tl.constexpr,
-            B_TMA: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """acc + A[:, k0:k0+BK] @ B[k0:k0+BK, :] (columns past K read as zero)."""
-    if A_TMA:
-        a = a_desc.load([row0, k0])  # rows past P and columns past K read as 0
-    elif EVEN_K:
-        a = tl.load(a_ptrs + k0)
-    else:
-        a = tl.load(a_ptrs + k0, mask=((k0 + ks) < K)[None, :], other=0.0)
-    if B_TMA:
-        if B_KN:
-            b = b_desc.load([b_row + k0, n0])
-        else:
-            b = b_desc.load([b_row, k0]).T
-    elif EVEN_K:
-        b = tl.load(b_ptrs + k0 * stride_bk)
-    else:
-        b = tl.load(b_ptrs + k0 * stride_bk, mask=((k0 + ks) < K)[:, None], other=0.0)
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -98,13 +70,13 @@ def _tile(a_ptr, b_ptr, c_ptr, a_desc, b_desc, N, K, stride_am, stride_be, strid
     if WHILE_LOOPS:  # the interpreter of triton 3.5 cannot range() over a runtime bound
         k = num_k * 0
         while k < num_k:
-            acc = _k_step(acc, k * BK, a_desc, a_ptrs, row0, b_desc, b_ptrs, b_row, n0, ks, K,
-                          stride_bk, B_KN, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE)  # fmt: skip
+            acc = k_step(acc, k * BK, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, n0, ks, K, 1,
+                         stride_bk, B_KN, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE)  # fmt: skip
             k += 1
     else:
         for k in range(0, num_k):
-            acc = _k_step(acc, k * BK, a_desc, a_ptrs, row0, b_desc, b_ptrs, b_row, n0, ks, K,
-                          stride_bk, B_KN, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE)  # fmt: skip
+            acc = k_step(acc, k * BK, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, n0, ks, K, 1,
+                         stride_bk, B_KN, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE)  # fmt: skip
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
