@@ -1,10 +1,10 @@
-"""Training on the GPU (issue 22): each op's backward against the CPU reference's autograd, the
-weight-gradient GEMM (Triton against CUTLASS), and the MoE layer's forward + backward per impl
-(eager, compiled) beside its six grouped GEMMs alone, with bitwise repeatability.
+"""Training on the GPU (issue 22): each op's backward against the CPU reference's autograd, and
+the MoE layer's forward + backward per impl (eager, compiled) beside its six grouped GEMMs alone,
+with bitwise repeatability (the weight-gradient GEMM: ``grouped_weight_grad_gpu.py``).
 
     PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \\
         python3 benchmarks/gpu/train_gpu.py [--shapes=seed,train] [--profile] [--dry-run]
-        python3 benchmarks/gpu/train_gpu.py --skip=ops,wgrad --impls=torch,triton_bf16 \
+        python3 benchmarks/gpu/train_gpu.py --skip=ops --impls=torch,triton_bf16 \
             --no-compile --profile     # eager rows, each profiled by host (self CPU) time
 
 ``--dry-run``: tiny shapes on the CPU (run it under ``TRITON_INTERPRET=1`` for the kernels).
@@ -21,7 +21,6 @@ import torch
 from common import FAILS, bench_us, capture, check, same_bits
 
 import moe_kernels as mk
-from moe_kernels._triton import grouped_weight_grad as tri_wgrad
 from moe_model import MoELayer
 
 SHAPES = {  # name: (tokens, experts, top_k, d_model, hidden)
@@ -115,53 +114,6 @@ def op_checks(dev: str) -> None:
         return mk.gather_grouped_mm(a, w, plan.offsets.to(a.device))
 
     compare("gather_grouped_mm sorted rows (bf16)", gmm, xs, w.bfloat16(), tol=2e-2)
-
-
-def wgrad_checks(dev: str, dry: bool, sweep: bool) -> None:
-    """grouped_weight_grad: the Triton kernel and torch._grouped_mm's K-grouped GEMM (CUTLASS)
-    against an fp32 reference, bitwise repeatability, times."""
-    print("\n## grouped_weight_grad (dW[e] = dy_e^T x_e): Triton vs CUTLASS")
-    g = torch.Generator().manual_seed(1)
-    cases = [(256, 64, 96, 8)] if dry else [
-        (16384, 1024, 2048, 16), (131072, 1536, 2048, 128), (131072, 2048, 768, 128),
-        (4096, 2048, 1024, 16),
-    ]  # fmt: skip
-    for P, N, D, E in cases:
-        counts = torch.randint(0, 2 * P // E, (E,), generator=g)
-        counts[1] = 0  # an empty group
-        counts = (counts * P / counts.sum()).floor().long()  # unaligned sizes, sum <= P
-        offs = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).int().to(dev)
-        dy = torch.randn(P, N, generator=g).to(dev, torch.bfloat16)
-        x = torch.randn(P, D, generator=g).to(dev, torch.bfloat16)
-        ref = mk._reference.grouped_mm.grouped_weight_grad(
-            dy.float(), x.float(), offs, None, torch.float32
-        )  # noqa: E501
-        tri = lambda: tri_wgrad.grouped_weight_grad(dy, x, offs, None, torch.bfloat16)  # noqa: E731
-        a, b = tri(), tri()
-        check(f"triton P={P} N={N} D={D} E={E}", rel_err(a, ref) < 1e-2 and same_bits(a, b),
-              f"err {rel_err(a, ref):.1e}")  # fmt: skip
-        line = f"    triton {bench_us(tri, dry=dry):9.1f} us"
-        if dev == "cuda" and hasattr(torch, "_grouped_mm"):
-            cut = lambda: torch._grouped_mm(dy.mT, x, offs=offs[1:])  # noqa: E731
-            try:
-                c, c2 = cut(), cut()
-                check(f"cutlass P={P}", rel_err(c, ref) < 1e-2 and same_bits(c, c2),
-                      f"err {rel_err(c, ref):.1e}")  # fmt: skip
-                line += f"   cutlass {bench_us(cut):9.1f} us"
-            except Exception as exc:  # noqa: BLE001
-                check(f"cutlass P={P}", False, f"{type(exc).__name__}: {exc}"[:200])
-        print(line)
-        if dev == "cuda" and not dry and sweep:
-            for cfg in WGRAD_CONFIGS:
-                c = tri_wgrad.WgradConfig(*cfg)
-                fn = lambda c=c: tri_wgrad.grouped_weight_grad(dy, x, offs, None, torch.bfloat16, c)  # noqa: E501,E731
-                ok = rel_err(fn(), ref) < 1e-2
-                print(f"      config {cfg}: {bench_us(fn):9.1f} us{'' if ok else '  WRONG'}")
-
-
-# (block_n, block_d, block_k, num_warps, num_stages) tried beside the default
-WGRAD_CONFIGS = [(128, 128, 32, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                 (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4)]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ layer
@@ -330,8 +282,7 @@ def main() -> None:
     )
     ap.add_argument("--impls", default="baseline,torch,triton_bf16,mxfp8")
     ap.add_argument("--no-compile", action="store_true", help="eager rows only")
-    ap.add_argument("--skip", default="", help="comma list of: ops, wgrad, layer")
-    ap.add_argument("--sweep", action="store_true", help="the weight-gradient launch configs")
+    ap.add_argument("--skip", default="", help="comma list of: ops, layer")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
     dev = "cpu" if args.dry_run else "cuda"
@@ -340,8 +291,6 @@ def main() -> None:
     print(f"torch {torch.__version__}, device {name}")
     if "ops" not in skip and dev == "cuda":
         op_checks(dev)
-    if "wgrad" not in skip:
-        wgrad_checks(dev, args.dry_run, args.sweep)
     if "layer" not in skip:
         impls = args.impls.split(",")
         layer_rows(dev, args.shapes.split(","), args.dry_run, args.profile, impls,

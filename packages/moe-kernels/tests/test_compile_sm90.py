@@ -330,3 +330,45 @@ def test_persistent_grouped_mm_default_config_compiles_to_wgmma_and_tma(can_comp
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     assert k.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("tma", ["none", "x", "both"])
+def test_weight_grad_default_config_compiles_to_pipelined_wgmma(can_compile, tma):
+    """The weight-gradient kernel's GPU config (128 x 256 x 64, 8 warps, 3 stages) compiles for
+    sm_90a to wgmma, its loads software-pipelined across the hand-flattened tile loop (bulk
+    tensor copies or cp.async into 3 buffers of each operand), within one multiprocessor's
+    shared memory (227 KiB)."""
+    from moe_kernels._grouped_mm_rules import WgradConfig, wgrad_config
+    from moe_kernels._triton.grouped_weight_grad import _grouped_weight_grad_kernel as kern
+
+    cfg = wgrad_config(1536, 2048, interpret=False)._replace(tma=tma)
+    assert cfg == WgradConfig(tma=tma)
+    dy_tma, x_tma = tma == "both", tma != "none"
+    sig = {
+        "dy_ptr": "*bf16", "x_ptr": "*bf16", "offs_ptr": "*i32", "ridx_ptr": "*i32",
+        "out_ptr": "*bf16",
+        "dy_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_n}]>" if dy_tma else "constexpr",
+        "x_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_d}]>" if x_tma else "constexpr",
+        **dict.fromkeys(("T", "P", "N", "D", "E", "NUM_PROGS", "stride_dyp", "stride_xt"), "i32"),
+    }  # fmt: skip
+    consts = dict(stride_dyn=1, stride_xd=1, HAS_RIDX=False, BN=cfg.block_n, BD=cfg.block_d,
+                  BK=cfg.block_k, BLOCK_E=128, TMA_DY=dy_tma, TMA_X=x_tma, UPCAST=False,
+                  IEEE=False, WHILE_LOOPS=False)  # fmt: skip
+    consts.update({name: None for name, t in sig.items() if t == "constexpr"})
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    attrs = {
+        (kern.arg_names.index(n),): [["tt.divisibility", 16]]
+        for n in ("dy_ptr", "x_ptr", "out_ptr", "N", "D", "stride_dyp", "stride_xt")
+    }
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert ("cp.async.bulk.tensor" in ptx) == x_tma and ("cp.async.cg" in ptx) == (tma != "both")
+    stage = cfg.block_k * (cfg.block_n + cfg.block_d) * 2
+    assert 3 * stage <= k.metadata.shared <= 227 * 1024

@@ -18,8 +18,10 @@ from typing import NamedTuple
 
 from moe_kernels._triton.blocks import pow2_clamp  # plain Python: no Triton import
 
-# Mean rows per expert up to which the persistent kernel runs (above it CUTLASS was as fast).
+# Mean rows per expert up to which the persistent kernels run (above it CUTLASS was as fast):
+# the row-grouped GEMM, and the K-grouped weight gradient.
 PERSISTENT_MAX_ROWS_PER_EXPERT = 1024
+WGRAD_MAX_ROWS_PER_EXPERT = 1024
 
 
 class PersistentConfig(NamedTuple):
@@ -38,15 +40,19 @@ class PersistentConfig(NamedTuple):
     flatten: bool = True
 
 
-def use_persistent(num_rows: int, num_experts: int, bf16: bool, sm_major: int, tma: bool) -> bool:
-    """Whether a grouped GEMM over ``num_rows`` sorted rows in ``num_experts`` groups runs the
-    persistent Triton kernel rather than CUTLASS: bf16 on sm90 (the chip it was measured on),
-    operands TMA can read (``tma``: eager, contiguous, aligned), and at most
-    ``PERSISTENT_MAX_ROWS_PER_EXPERT`` rows per expert on average (a static bound: no host read
-    of the group sizes)."""
+def use_persistent(
+    num_rows: int, num_experts: int, bf16: bool, sm_major: int, tma: bool, wgrad: bool = False
+) -> bool:
+    """Whether a grouped GEMM over ``num_rows`` sorted rows in ``num_experts`` groups (``wgrad``:
+    the K-grouped weight gradient over them) runs the persistent Triton kernel rather than
+    CUTLASS: bf16 on sm90 (the chip it was measured on), operands TMA can read (``tma``: eager,
+    contiguous, aligned), and at most ``PERSISTENT_MAX_ROWS_PER_EXPERT`` (``wgrad``:
+    ``WGRAD_MAX_ROWS_PER_EXPERT``) rows per expert on average (a static bound: no host read of
+    the group sizes)."""
     if not (bf16 and sm_major == 9 and tma and num_experts > 0):
         return False
-    return num_rows <= PERSISTENT_MAX_ROWS_PER_EXPERT * num_experts
+    bound = WGRAD_MAX_ROWS_PER_EXPERT if wgrad else PERSISTENT_MAX_ROWS_PER_EXPERT
+    return num_rows <= bound * num_experts
 
 
 def persistent_config(
@@ -67,3 +73,28 @@ def persistent_config(
             flatten=False,
         )
     return PersistentConfig(block_n=pow2_clamp(n, 16, 256), block_k=pow2_clamp(k, 16, 64))
+
+
+class WgradConfig(NamedTuple):
+    """Tile shape and launch parameters of one weight-gradient launch (``_triton/
+    grouped_weight_grad.py``): BN x BD output tiles over BK-row steps; ``tma``: which operands
+    come through TMA descriptors where they allow it (bf16, sorted rows, contiguous, aligned):
+    "none" (pointer loads), "x" or "both"; ``programs_per_sm``: the persistent grid is that many
+    programs per multiprocessor."""
+
+    block_n: int = 128
+    block_d: int = 256
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: str = "x"
+    programs_per_sm: int = 1
+
+
+def wgrad_config(n: int, d: int, interpret: bool) -> WgradConfig:
+    """The weight-gradient launch config for (E, n, d) outputs. GPU: 128 x 256 x 64, 8 warps,
+    3 stages, TMA; BN and BD shrink to small n and d. Interpreter: 16-64 tiles, one stage,
+    pointer loads."""
+    if interpret:
+        return WgradConfig(pow2_clamp(n, 16, 64), pow2_clamp(d, 16, 64), 16, 4, 1, tma="none")
+    return WgradConfig(block_n=pow2_clamp(n, 16, 128), block_d=pow2_clamp(d, 16, 256))

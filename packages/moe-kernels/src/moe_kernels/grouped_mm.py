@@ -204,6 +204,16 @@ def _persistent_operands(x_PD: torch.Tensor, w_END: torch.Tensor) -> tuple | Non
     return (w, layout) if ok else None
 
 
+def _persistent_wgrad(dy_PN: torch.Tensor, x_PD: torch.Tensor, num_experts: int) -> bool:
+    """Whether the persistent Triton kernel runs this weight gradient over sorted rows
+    (``_grouped_mm_rules.use_persistent(..., wgrad=True)``) rather than CUTLASS."""
+    if not dy_PN.is_cuda or dy_PN.dtype != torch.bfloat16:
+        return False
+    tma = triton_kernels("persistent_grouped_mm").tma_ok
+    return _rules.use_persistent(dy_PN.shape[0], num_experts, True, _sm_major(dy_PN.get_device()),
+                                 tma(dy_PN) and tma(x_PD), wgrad=True)  # fmt: skip
+
+
 def _cutlass_forward(x_TD: torch.Tensor, w_END: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` (CUTLASS) runs a plain grouped GEMM (sorted rows, no
     activation): sm90+, bf16, rows of x contiguous, 16-aligned sizes. Its weight gradient then
@@ -265,8 +275,10 @@ def grouped_weight_grad(
     Returns (E, N, D) in ``out_dtype`` (default dy's dtype) with
     ``out[e] = sum over offsets[e] <= p < offsets[e+1] of outer(dy[p], x[row_indices[p]])``
     accumulated in fp32; rows whose index is outside [0, T) add nothing; an empty group gives
-    zeros. Deterministic (the Triton kernel runs each group's rows in one fixed order; on sm90+
-    bf16 with 16-aligned N and D, ``torch._grouped_mm``'s K-grouped CUTLASS GEMM runs instead).
+    zeros. Deterministic (each group's rows summed in one fixed order, no split over rows): the
+    persistent Triton kernel, or on sm90+ bf16 with 16-aligned N and D, where
+    ``_grouped_mm_rules.use_persistent(..., wgrad=True)`` says no, ``torch._grouped_mm``'s
+    K-grouped CUTLASS GEMM.
     """
     dy_PN = V.tensor("dy_PN", dy_PN)
     V.dtype("dy_PN", dy_PN, V.FLOAT_DTYPES)
@@ -294,7 +306,8 @@ def grouped_weight_grad(
         out_dtype = dy_PN.dtype
     if not isinstance(out_dtype, torch.dtype) or out_dtype not in V.FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype!r}")
-    if _cutlass_bf16(dy_PN, x_TD) and dy_PN.shape[0] > 0:
+    persistent = row_indices is None and _persistent_wgrad(dy_PN, x_TD, offsets.shape[0] - 1)
+    if not persistent and _cutlass_bf16(dy_PN, x_TD) and dy_PN.shape[0] > 0:
         if row_indices is None:
             x_PD = x_TD
         else:  # the sorted rows CUTLASS reads (zero where the index is outside [0, T))

@@ -1,75 +1,59 @@
-"""Triton K-grouped GEMM: the weight gradient of a grouped GEMM, and its launcher.
+"""Persistent K-grouped GEMM: the weight gradient of a grouped GEMM, and its launcher.
 
 ``out[e] = dy[rows of e].T @ x[src of those rows]`` for the rows p of group e
 (``offsets[e] <= p < offsets[e+1]``; src = ``row_indices[p]``, or p without them).
 
-Grid: (n-tiles x d-tiles, E), static. Program (tile, e) loads its group's two boundaries and runs
-over the group's rows in BK-row steps, accumulating ``dy_tile.T @ x_tile`` in fp32 (no split over
-rows, no atomics: one fixed order, bitwise reproducible); an empty group stores zeros. Rows whose
-source is outside [0, T) contribute nothing. Nothing here checks arguments: the public module
-``moe_kernels.grouped_mm`` does that before any launch.
+Scheduling: the output tiles (E experts x ``ceil(N / BN)`` x ``ceil(D / BD)``, a static count)
+are walked expert-major by a persistent grid of ``NUM_PROGS`` programs, tiles ``pid, pid +
+NUM_PROGS, ...``, so the programs in flight read a few experts' rows while they are in L2. A
+tile's K loop runs over its group's rows in BK-row steps (``max(1, ceil(rows / BK))`` of them;
+an empty group's one step adds nothing and stores zeros). Since the steps differ per expert, the
+tile loop and the K loop are flattened by hand into one loop of the program's total step count
+(counted from ``offsets`` on the device: no host read), which Triton software-pipelines across
+tiles: the next tile's first loads are in flight while a tile stores.
+
+Each tile accumulates its rows in order in fp32 (no split over rows, no atomics): bitwise
+reproducible. Rows at or past the group's end, and rows whose source is outside [0, T), add
+nothing. With ``TMA`` (sorted rows, no ``row_indices``) both operands come through host-built
+TMA descriptors and the last step's rows past the group's end, which belong to the next group,
+are zeroed in dy's tile, in registers (dy is the MMA's A operand, which may live there); x's
+tile is not masked, so those rows reach the product as ``0 * x``: a non-finite x in the next
+group's first rows would reach this group's tile. Without ``TMA`` (pointer loads: the gather,
+strided operands, the interpreter) both tiles are masked.
+
+Nothing here checks arguments: ``moe_kernels.grouped_mm.grouped_weight_grad`` does that before
+any launch.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels._grouped_mm_rules import WgradConfig, wgrad_config
 from moe_kernels._triton.blocks import cdiv, next_pow2
 from moe_kernels._triton.launch import FastKernel
+from moe_kernels._triton.persistent_grouped_mm import num_sms, tma_ok
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer loads only
+    TensorDescriptor = None
 
 
 @triton.jit
-def _rows_step(
-    acc,
-    r0,
-    end,
-    dy_ptr,
-    x_ptr,
-    ridx_ptr,
-    T,
-    stride_dyp,
-    stride_dyn,
-    stride_xt,
-    stride_xd,
-    ns,
-    ds,
-    n_in,
-    d_in,
-    HAS_RIDX: tl.constexpr,
-    BK: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """acc + dy[r0:r0+BK, ns].T @ x[src[r0:r0+BK], ds], rows at or past ``end`` read as zero."""
-    rows = r0 + tl.arange(0, BK)
-    row_in = rows < end
-    if HAS_RIDX:
-        src = tl.load(ridx_ptr + rows, mask=row_in, other=-1).to(tl.int64)
-        live = row_in & (src >= 0) & (src < T)
-    else:
-        src = rows.to(tl.int64)
-        live = row_in
-    dy = tl.load(
-        dy_ptr + rows.to(tl.int64)[:, None] * stride_dyp + ns[None, :] * stride_dyn,
-        mask=live[:, None] & n_in[None, :],
-        other=0.0,
-    )
-    x = tl.load(
-        x_ptr + src[:, None] * stride_xt + ds[None, :] * stride_xd,
-        mask=live[:, None] & d_in[None, :],
-        other=0.0,
-    )
-    if UPCAST:
-        dy = dy.to(tl.float32)
-        x = x.to(tl.float32)
-    if IEEE:
-        return tl.dot(tl.trans(dy), x, acc, input_precision="ieee")
-    return tl.dot(tl.trans(dy), x, acc)
+def _pick(values, idx, e):
+    """values[e] of a (BLOCK_E,) vector in registers (a reduction: no memory access in the
+    loop, which would keep Triton from pipelining the loads)."""
+    return tl.sum(tl.where(idx == e, values, 0), axis=0)
+
+
+@triton.jit
+def _tiles_before(bound, pid, NUM_PROGS):
+    """How many of this program's tiles ``pid + i * NUM_PROGS`` (i >= 0) lie below ``bound``."""
+    return tl.maximum(bound - pid + NUM_PROGS - 1, 0) // NUM_PROGS
 
 
 @triton.jit
@@ -79,10 +63,14 @@ def _grouped_weight_grad_kernel(
     offs_ptr,  # (E+1,) int32/int64
     ridx_ptr,  # (P,) int32/int64 (HAS_RIDX only)
     out_ptr,  # (E, N, D), contiguous
+    dy_desc,  # TMA descriptor of dy (P, N), block (BK, BN) (TMA only)
+    x_desc,  # TMA descriptor of x (P, D), block (BK, BD) (TMA only)
     T,
     P,
     N,
     D,
+    E,
+    NUM_PROGS,
     stride_dyp,
     stride_dyn,
     stride_xt,
@@ -91,58 +79,126 @@ def _grouped_weight_grad_kernel(
     BN: tl.constexpr,
     BD: tl.constexpr,
     BK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    TMA_DY: tl.constexpr,  # dy's tiles through dy_desc
+    TMA_X: tl.constexpr,  # x's tiles through x_desc
     UPCAST: tl.constexpr,  # fp32 operands for tl.dot (the interpreter's bf16 dot is wrong)
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
     WHILE_LOOPS: tl.constexpr,  # interpreter: triton 3.5's cannot range() over a runtime bound
 ):
     pid = tl.program_id(0)
-    e = tl.program_id(1)
     num_d = tl.cdiv(D, BD)
-    ns = (pid // num_d) * BN + tl.arange(0, BN)
-    ds = (pid % num_d) * BD + tl.arange(0, BD)
-    n_in = ns < N
-    d_in = ds < D
-    # Clamp for memory safety (offsets are trusted to be a non-decreasing prefix sum <= P).
-    start = tl.minimum(tl.maximum(tl.load(offs_ptr + e).to(tl.int32), 0), P)
-    end = tl.minimum(tl.maximum(tl.load(offs_ptr + e + 1).to(tl.int32), start), P)
+    per_e = tl.cdiv(N, BN) * num_d  # output tiles per expert
+    # This program's step count: its tiles in each expert times that expert's K steps.
+    idx = tl.arange(0, BLOCK_E)
+    in_e = idx < E
+    starts = tl.minimum(tl.maximum(tl.load(offs_ptr + idx, mask=in_e, other=0).to(tl.int32), 0), P)
+    ends = tl.load(offs_ptr + idx + 1, mask=in_e, other=0).to(tl.int32)
+    ends = tl.minimum(tl.maximum(ends, starts), P)
+    steps = tl.maximum(tl.cdiv(ends - starts, BK), 1)
+    mine = _tiles_before((idx + 1) * per_e, pid, NUM_PROGS) - _tiles_before(idx * per_e, pid,
+                                                                             NUM_PROGS)  # fmt: skip
+    total = tl.sum(tl.where(in_e, mine * steps, 0), axis=0)
+
+    ks = tl.arange(0, BK)
     acc = tl.zeros((BN, BD), dtype=tl.float32)
+    # The loop's state: the tile (advanced at its first step, k == 0), its expert e, the
+    # expert's rows [start, end) and K steps, the tile's first output row n0 and column d0.
+    tile = pid - NUM_PROGS
+    e, start, end, num_k, n0, d0 = _tile(pid, starts, ends, steps, idx, per_e, num_d, BN, BD)
+    k = 0
     if WHILE_LOOPS:
-        r0 = start
-        while r0 < end:
-            acc = _rows_step(
-                acc, r0, end, dy_ptr, x_ptr, ridx_ptr, T, stride_dyp, stride_dyn, stride_xt,
-                stride_xd, ns, ds, n_in, d_in, HAS_RIDX, BK, UPCAST, IEEE,
-            )  # fmt: skip
-            r0 += BK
+        step = total * 0
+        while step < total:
+            if k == 0:
+                tile += NUM_PROGS
+                e, start, end, num_k, n0, d0 = _tile(tile, starts, ends, steps, idx, per_e,
+                                                     num_d, BN, BD)  # fmt: skip
+            acc = _step(acc, k, start, end, dy_ptr, x_ptr, ridx_ptr, dy_desc, x_desc, T,
+                        stride_dyp, stride_dyn, stride_xt, stride_xd, ks, n0, d0, N, D,
+                        HAS_RIDX, BK, TMA_DY, TMA_X, UPCAST, IEEE)  # fmt: skip
+            if k == num_k - 1:
+                _store(acc, out_ptr, e, n0, d0, N, D)
+                acc = tl.zeros((BN, BD), dtype=tl.float32)
+            k = tl.where(k == num_k - 1, 0, k + 1)
+            step += 1
     else:
-        for r0 in range(start, end, BK):
-            acc = _rows_step(
-                acc, r0, end, dy_ptr, x_ptr, ridx_ptr, T, stride_dyp, stride_dyn, stride_xt,
-                stride_xd, ns, ds, n_in, d_in, HAS_RIDX, BK, UPCAST, IEEE,
-            )  # fmt: skip
+        for _ in range(0, total):
+            if k == 0:
+                tile += NUM_PROGS
+                e, start, end, num_k, n0, d0 = _tile(tile, starts, ends, steps, idx, per_e,
+                                                     num_d, BN, BD)  # fmt: skip
+            acc = _step(acc, k, start, end, dy_ptr, x_ptr, ridx_ptr, dy_desc, x_desc, T,
+                        stride_dyp, stride_dyn, stride_xt, stride_xd, ks, n0, d0, N, D,
+                        HAS_RIDX, BK, TMA_DY, TMA_X, UPCAST, IEEE)  # fmt: skip
+            if k == num_k - 1:
+                _store(acc, out_ptr, e, n0, d0, N, D)
+                acc = tl.zeros((BN, BD), dtype=tl.float32)
+            k = tl.where(k == num_k - 1, 0, k + 1)
+
+
+@triton.jit
+def _tile(tile, starts, ends, steps, idx, per_e, num_d, BN: tl.constexpr,
+          BD: tl.constexpr):  # fmt: skip
+    """(expert, its first and end row, its K steps, the first output row n0 and column d0) of
+    a tile, from the groups' (BLOCK_E,) vectors."""
+    e = tile // per_e
+    start = _pick(starts, idx, e)
+    end = _pick(ends, idx, e)
+    num_k = _pick(steps, idx, e)
+    return e, start, end, num_k, ((tile % per_e) // num_d) * BN, (tile % num_d) * BD
+
+
+@triton.jit
+def _step(acc, k, start, end, dy_ptr, x_ptr, ridx_ptr, dy_desc, x_desc, T, stride_dyp,
+          stride_dyn, stride_xt, stride_xd, ks, n0, d0, N, D, HAS_RIDX: tl.constexpr,
+          BK: tl.constexpr, TMA_DY: tl.constexpr, TMA_X: tl.constexpr, UPCAST: tl.constexpr,
+          IEEE: tl.constexpr):  # fmt: skip
+    """acc + dy[r0:r0+BK, n0:n0+BN].T @ x[src[r0:r0+BK], d0:d0+BD], r0 = start + k BK, rows
+    at or past ``end`` (or with a source outside [0, T)) adding nothing."""
+    BN: tl.constexpr = acc.shape[0]
+    BD: tl.constexpr = acc.shape[1]
+    r0 = start + k * BK
+    rows = r0 + ks
+    live = rows < end
+    if HAS_RIDX:
+        src = tl.load(ridx_ptr + rows, mask=live, other=-1).to(tl.int64)
+        live = live & (src >= 0) & (src < T)
+    else:
+        src = rows.to(tl.int64)
+    if TMA_DY:  # rows past the group's end zeroed in registers
+        dy = tl.where(live[:, None], dy_desc.load([r0, n0]), 0.0)
+    else:
+        ns = n0 + tl.arange(0, BN)
+        dy = tl.load(
+            dy_ptr + rows.to(tl.int64)[:, None] * stride_dyp + ns[None, :] * stride_dyn,
+            mask=live[:, None] & (ns < N)[None, :],
+            other=0.0,
+        )
+    if TMA_X:  # unmasked: dy's zero rows cancel the next group's rows
+        x = x_desc.load([r0, d0])
+    else:
+        ds = d0 + tl.arange(0, BD)
+        x = tl.load(
+            x_ptr + src[:, None] * stride_xt + ds[None, :] * stride_xd,
+            mask=live[:, None] & (ds < D)[None, :],
+            other=0.0,
+        )
+    if UPCAST:
+        dy = dy.to(tl.float32)
+        x = x.to(tl.float32)
+    if IEEE:
+        return tl.dot(tl.trans(dy), x, acc, input_precision="ieee")
+    return tl.dot(tl.trans(dy), x, acc)
+
+
+@triton.jit
+def _store(acc, out_ptr, e, n0, d0, N, D):
+    """out[e, n0:n0+BN, d0:d0+BD] = acc (within N and D), cast once."""
+    ns = n0 + tl.arange(0, acc.shape[0])
+    ds = d0 + tl.arange(0, acc.shape[1])
     out = out_ptr + e.to(tl.int64) * N * D + ns.to(tl.int64)[:, None] * D + ds[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_in[:, None] & d_in[None, :])
-
-
-class WgradConfig(NamedTuple):
-    """Tile shape and launch parameters of one weight-gradient launch."""
-
-    block_n: int = 128
-    block_d: int = 128
-    block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-
-
-def pick_config(n: int, d: int) -> WgradConfig:
-    """128 x 128 output tiles over 64-row steps, 8 warps, 3 stages on the GPU (smaller tiles for
-    small N or D): the best of the H200 sweep at 4096-131072 rows (``benchmarks/gpu/
-    train_gpu.py --sweep``; 1907 us against CUTLASS's 1449 at 131072 x 1536 x 2048, E=128, where
-    ``grouped_weight_grad`` runs CUTLASS); the interpreter: few, large programs."""
-    clamp = lambda v, lo, hi: max(lo, min(hi, next_pow2(max(v, 1))))  # noqa: E731
-    if INTERPRET:
-        return WgradConfig(clamp(n, 16, 64), clamp(d, 16, 64), 16, 4, 1)
-    return WgradConfig(clamp(n, 16, 128), clamp(d, 16, 128), 64, 8, 3)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(ns < N)[:, None] & (ds < D)[None, :])
 
 
 _launcher = FastKernel(_grouped_weight_grad_kernel)
@@ -165,18 +221,29 @@ def grouped_weight_grad(
         return out
     if num_rows == 0 or num_tokens == 0:
         return out.zero_()
-    cfg = config or pick_config(n, dim)
-    grid = (cdiv(n, cfg.block_n) * cdiv(dim, cfg.block_d), num_experts)
+    cfg = config or wgrad_config(n, dim, INTERPRET)
+    tma = (cfg.tma != "none" and row_indices_P is None and dy_PN.dtype == torch.bfloat16
+           and tma_ok(dy_PN) and tma_ok(x_TD))  # fmt: skip
+    tma_dy, tma_x = tma and cfg.tma == "both", tma
+    dy_desc = TensorDescriptor.from_tensor(dy_PN, [cfg.block_k, cfg.block_n]) if tma_dy else None
+    x_desc = TensorDescriptor.from_tensor(x_TD, [cfg.block_k, cfg.block_d]) if tma_x else None
+    tiles = num_experts * cdiv(n, cfg.block_n) * cdiv(dim, cfg.block_d)
+    sms = num_sms(dy_PN.get_device()) if dy_PN.is_cuda else 4
+    programs = max(1, min(tiles, sms * cfg.programs_per_sm))
     args = (
         dy_PN,
         x_TD,
         offsets_E1,
         row_indices_P if row_indices_P is not None else offsets_E1,
         out,
+        dy_desc,
+        x_desc,
         num_tokens,
         num_rows,
         n,
         dim,
+        num_experts,
+        programs,
         dy_PN.stride(0),
         dy_PN.stride(1),
         x_TD.stride(0),
@@ -187,9 +254,16 @@ def grouped_weight_grad(
         BN=cfg.block_n,
         BD=cfg.block_d,
         BK=cfg.block_k,
+        BLOCK_E=next_pow2(num_experts),
+        TMA_DY=tma_dy,
+        TMA_X=tma_x,
         UPCAST=INTERPRET,
         IEEE=x_TD.dtype == torch.float32,
         WHILE_LOOPS=INTERPRET,
     )
-    _launcher.launch(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if tma:  # descriptors are not keys FastKernel can cache on: Triton's own launch
+        _grouped_weight_grad_kernel[(programs,)](*args, **constexprs, **options)
+    else:
+        _launcher.launch((programs,), args, constexprs, **options)
     return out

@@ -135,7 +135,7 @@ def _persistent_grouped_mm_kernel(
 
 
 @functools.lru_cache(maxsize=16)
-def _num_sms(index: int) -> int:
+def num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -181,7 +181,7 @@ def persistent_grouped_mm(
         b_desc = TensorDescriptor.from_tensor(flat, block)
     num_n = cdiv(n, cfg.block_n)
     bound = (cdiv(num_rows, cfg.block_m) + num_experts) * num_n  # tiles at most
-    sms = _num_sms(a_PK.get_device()) if a_PK.is_cuda else 4
+    sms = num_sms(a_PK.get_device()) if a_PK.is_cuda else 4
     programs = max(1, min(bound, sms * cfg.programs_per_sm))
     stride_bn, stride_bk = (w.stride(2), w.stride(1)) if kn else (w.stride(1), w.stride(2))
     args = (a_PK, w, offsets_E1, c, a_desc, b_desc, num_rows, n, k_dim, num_experts, programs,
