@@ -140,10 +140,13 @@ def test_rule_bounds_rows_per_expert():
 
 
 def test_config_rule():
-    """GPU: 128 x 256 x 64 tiles, 8 warps, 3 stages, x through TMA; BN / BD shrink to small N
-    / D. Interpreter: small tiles, one stage, pointer loads."""
+    """GPU: 128 x 256 x 64 tiles, 8 warps, 3 stages, x through TMA (fp32: 128 x 128 x 32,
+    pointer loads); BN / BD shrink to small N / D. Interpreter: small tiles, one stage, pointer
+    loads."""
     assert rules.wgrad_config(1536, 2048, interpret=False) == rules.WgradConfig()
     assert rules.wgrad_config(40, 100, interpret=False)[:2] == (64, 128)
+    fp32 = rules.wgrad_config(1536, 2048, interpret=False, fp32=True)
+    assert fp32 == rules.WgradConfig(128, 128, 32, tma="none")
     small = rules.wgrad_config(24, 100, interpret=True)
     assert small.tma == "none" and small.num_stages == 1 and small[:3] == (32, 64, 16)
 

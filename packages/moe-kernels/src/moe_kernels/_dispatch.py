@@ -68,6 +68,13 @@ def triton_kernels(module: str) -> ModuleType:
         raise RuntimeError(TRITON_MISSING.format(where=where, why=exc)) from exc
 
 
+@functools.lru_cache(maxsize=16)
+def sm_major(index: int) -> int:
+    """The compute capability's major number of CUDA device ``index`` (cached: the property
+    query costs microseconds of host time a call)."""
+    return torch.cuda.get_device_properties(index).major
+
+
 def op_name(name: str) -> str:
     """The qualified custom-op name, ``moe_kernels::<name>``."""
     return f"{NAMESPACE}::{name}"

@@ -18,10 +18,11 @@ from typing import NamedTuple
 
 from moe_kernels._triton.blocks import pow2_clamp  # plain Python: no Triton import
 
-# Mean rows per expert up to which the persistent kernels run (above it CUTLASS was as fast):
-# the row-grouped GEMM, and the K-grouped weight gradient.
+# Mean rows per expert up to which the persistent kernels run: the row-grouped GEMM (above it
+# CUTLASS was as fast), and the K-grouped weight gradient (0: not yet measured on the H200, so
+# CUTLASS keeps every weight gradient it takes; benchmarks/gpu/grouped_weight_grad_gpu.py).
 PERSISTENT_MAX_ROWS_PER_EXPERT = 1024
-WGRAD_MAX_ROWS_PER_EXPERT = 1024
+WGRAD_MAX_ROWS_PER_EXPERT = 0
 
 
 class PersistentConfig(NamedTuple):
@@ -91,10 +92,14 @@ class WgradConfig(NamedTuple):
     programs_per_sm: int = 1
 
 
-def wgrad_config(n: int, d: int, interpret: bool) -> WgradConfig:
-    """The weight-gradient launch config for (E, n, d) outputs. GPU: 128 x 256 x 64, 8 warps,
-    3 stages, TMA; BN and BD shrink to small n and d. Interpreter: 16-64 tiles, one stage,
-    pointer loads."""
+def wgrad_config(n: int, d: int, interpret: bool, fp32: bool = False) -> WgradConfig:
+    """The weight-gradient launch config for (E, n, d) outputs. GPU, 16-bit: 128 x 256 x 64,
+    8 warps, 3 stages, x through TMA (wgmma, 200-210 registers, no spills, 176 KiB of shared
+    memory on sm_90a); fp32 (an exact fp32 dot on CUDA cores): 128 x 128 x 32, pointer loads
+    (147 registers, no spills; 128 x 256 x 64 spilled 38 KB); BN and BD shrink to small n and
+    d. Interpreter: 16-64 tiles, one stage, pointer loads."""
     if interpret:
         return WgradConfig(pow2_clamp(n, 16, 64), pow2_clamp(d, 16, 64), 16, 4, 1, tma="none")
+    if fp32:
+        return WgradConfig(pow2_clamp(n, 16, 128), pow2_clamp(d, 16, 128), 32, tma="none")
     return WgradConfig(block_n=pow2_clamp(n, 16, 128), block_d=pow2_clamp(d, 16, 256))

@@ -14,8 +14,6 @@ CUDA no host syncs (static grids, groups found on the device), safe under
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from moe_kernels import _grouped_mm_rules as _rules
@@ -25,6 +23,7 @@ from moe_kernels._dispatch import (
     pick,
     register_autograd,
     register_op,
+    sm_major,
     triton_kernels,
     use_triton,
 )
@@ -181,11 +180,6 @@ def gather_grouped_mm(
 # grouped_weight_grad
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_major(index: int) -> int:
-    return torch.cuda.get_device_properties(index).major
-
-
 def _persistent_operands(x_PD: torch.Tensor, w_END: torch.Tensor) -> tuple | None:
     """(w in the persistent kernel's layout, "nk" or "kn") where the persistent Triton grouped
     GEMM runs this sorted-row GEMM (``_grouped_mm_rules.use_persistent``), else None: w
@@ -199,7 +193,7 @@ def _persistent_operands(x_PD: torch.Tensor, w_END: torch.Tensor) -> tuple | Non
     else:
         return None
     tma = triton_kernels("persistent_grouped_mm").tma_ok
-    ok = _rules.use_persistent(x_PD.shape[0], w_END.shape[0], True, _sm_major(x_PD.get_device()),
+    ok = _rules.use_persistent(x_PD.shape[0], w_END.shape[0], True, sm_major(x_PD.get_device()),
                                tma(x_PD) and tma(w))  # fmt: skip
     return (w, layout) if ok else None
 
@@ -210,7 +204,7 @@ def _persistent_wgrad(dy_PN: torch.Tensor, x_PD: torch.Tensor, num_experts: int)
     if not dy_PN.is_cuda or dy_PN.dtype != torch.bfloat16:
         return False
     tma = triton_kernels("persistent_grouped_mm").tma_ok
-    return _rules.use_persistent(dy_PN.shape[0], num_experts, True, _sm_major(dy_PN.get_device()),
+    return _rules.use_persistent(dy_PN.shape[0], num_experts, True, sm_major(dy_PN.get_device()),
                                  tma(dy_PN) and tma(x_PD), wgrad=True)  # fmt: skip
 
 
@@ -226,11 +220,12 @@ def _cutlass_forward(x_TD: torch.Tensor, w_END: torch.Tensor) -> bool:
 
 def _cutlass_bf16(dy_PN: torch.Tensor, x_PD: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` (CUTLASS) takes these operands: CUDA sm90+, bf16, both
-    last dims multiples of 16. For the weight gradient it beats the Triton kernel (1449 against
-    1827 us at 131072 x 1536 x 2048, E=128: ``benchmarks/gpu/train_gpu.py --sweep``)."""
+    last dims multiples of 16. For the weight gradient it beat the earlier, non-persistent
+    Triton kernel (1449 against 1827 us at 131072 x 1536 x 2048, E=128, H200); where it runs
+    against the persistent one: ``_grouped_mm_rules.WGRAD_MAX_ROWS_PER_EXPERT``."""
     if not hasattr(torch, "_grouped_mm") or not dy_PN.is_cuda or dy_PN.dtype != torch.bfloat16:
         return False
-    if torch.cuda.get_device_properties(dy_PN.device).major < 9:
+    if sm_major(dy_PN.get_device()) < 9:
         return False
     return dy_PN.shape[1] % 16 == 0 and x_PD.shape[1] % 16 == 0
 

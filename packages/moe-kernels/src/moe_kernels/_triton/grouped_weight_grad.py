@@ -221,7 +221,7 @@ def grouped_weight_grad(
         return out
     if num_rows == 0 or num_tokens == 0:
         return out.zero_()
-    cfg = config or wgrad_config(n, dim, INTERPRET)
+    cfg = config or wgrad_config(n, dim, INTERPRET, x_TD.dtype == torch.float32)
     tma = (cfg.tma != "none" and row_indices_P is None and dy_PN.dtype == torch.bfloat16
            and tma_ok(dy_PN) and tma_ok(x_TD))  # fmt: skip
     tma_dy, tma_x = tma and cfg.tma == "both", tma

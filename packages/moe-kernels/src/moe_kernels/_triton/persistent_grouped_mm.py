@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels._dispatch import INTERPRET, tracing
+from moe_kernels._dispatch import INTERPRET, sm_major, tracing
 from moe_kernels._grouped_mm_rules import PersistentConfig, persistent_config
 from moe_kernels._triton.blocks import cdiv, next_pow2
 from moe_kernels._triton.grouped_mm import find_tile, group_tiles, k_step
@@ -141,11 +141,13 @@ def num_sms(index: int) -> int:
 
 def tma_ok(t: torch.Tensor) -> bool:
     """A TMA descriptor can view t as a 2-D row-major matrix: a contiguous CUDA tensor with
-    16-byte rows and base, and no trace in progress (``wrap_triton`` records no host-built
-    descriptors)."""
+    16-byte rows and base on sm90+ (the chips with TMA), and no trace in progress
+    (``wrap_triton`` records no host-built descriptors)."""
     if TensorDescriptor is None or tracing() or not t.is_cuda:
         return False
-    return t.is_contiguous() and t.shape[-1] * t.element_size() % 16 == 0 and aligned(t, 16)
+    if not (t.is_contiguous() and t.shape[-1] * t.element_size() % 16 == 0 and aligned(t, 16)):
+        return False
+    return sm_major(t.get_device()) >= 9
 
 
 _launcher = FastKernel(_persistent_grouped_mm_kernel)
