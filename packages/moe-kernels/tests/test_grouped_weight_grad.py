@@ -129,6 +129,23 @@ def test_empty_shapes():
     assert grouped_weight_grad(dy, x, make_offsets([]), None, torch.float32).shape == (0, 8, 16)
 
 
+def test_opcheck_and_compiled_equals_eager():
+    """The registered op's schema and fake kernel; ``torch.compile(fullgraph=True)`` of the
+    public op gives eager's bits (sorted rows and the gather)."""
+    import moe_kernels as mk
+
+    counts = [7, 0, 12]
+    offsets = make_offsets(counts)
+    dy, x = rand((21, 24), torch.bfloat16, 12), rand((21, 40), torch.bfloat16, 13)
+    rows = torch.randint(-1, 21, (21,), generator=torch.Generator().manual_seed(14)).int().to(DEV)
+    op = torch.ops.moe_kernels.grouped_weight_grad.default
+    for args in ((dy, x, offsets, None, torch.bfloat16), (dy, x, offsets, rows, torch.float32)):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(mk.grouped_weight_grad, fullgraph=True)
+    for r in (None, rows):
+        assert torch.equal(compiled(dy, x, offsets, r), mk.grouped_weight_grad(dy, x, offsets, r))
+
+
 def test_rule_bounds_rows_per_expert():
     """The weight gradient runs the persistent kernel for bf16 on sm90 with TMA-readable
     operands and at most WGRAD_MAX_ROWS_PER_EXPERT rows per expert on average."""

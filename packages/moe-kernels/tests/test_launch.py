@@ -75,7 +75,7 @@ def test_hook_detection_reads_hook_chains():
 def test_unkeyable_arguments_take_the_plain_path():
     from moe_kernels._triton.launch import _NO_KEY
 
-    assert _arg_key(object()) is _NO_KEY  # e.g. a TMA descriptor, a new object per call
+    assert _arg_key(object()) is _NO_KEY
     assert _arg_key(0.5) == _arg_key(2.0) and _arg_key(0.5) is not _NO_KEY
 
 
@@ -138,3 +138,29 @@ def test_launcher_elsewhere_is_the_triton_launcher(monkeypatch, case):
     k = _Kernel(new if case == "3.8 launcher" else old)
     go, pre = L.launcher(k)
     assert go is k.run and pre == (k.function, k.packed_metadata, None, None, None)
+
+
+def test_tma_descriptor_key_is_tritons_specialisation():
+    """A host-built TMA descriptor is keyed by its base's dtype, block shape and padding mode:
+    what Triton specialises a kernel on (its signature type ``tensordesc<bf16[64, 128]>``), never
+    the base address, shape or strides, which its launcher reads at every launch."""
+    tensor_descriptor = pytest.importorskip("triton.tools.tensor_descriptor")
+    desc = tensor_descriptor.TensorDescriptor.from_tensor
+    a = torch.empty(256, 128, dtype=torch.bfloat16)
+    b = torch.empty(64, 512, dtype=torch.bfloat16)[:, 64:]  # another base, shape and stride
+    assert _arg_key(desc(a, [64, 128])) == _arg_key(desc(b, [64, 128]))
+    assert _arg_key(desc(a, [64, 128])) != _arg_key(desc(a, [128, 64]))
+    assert _arg_key(desc(a, [64, 128])) != _arg_key(desc(a.view(torch.float16), [64, 128]))
+    if hasattr(desc(a, [64, 128]), "padding"):  # triton >= 3.6
+        assert _arg_key(desc(a, [64, 128])) != _arg_key(desc(a, [64, 128], padding="nan"))
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:  # older triton: its specialisation is not reachable this way
+        return
+
+    def spec(d):
+        return native_specialize_impl(BaseBackend, d, False, True, True)
+
+    assert spec(desc(a, [64, 128])) == spec(desc(b, [64, 128]))  # what Triton keys on
+    assert spec(desc(a, [64, 128])) != spec(desc(a, [128, 64]))

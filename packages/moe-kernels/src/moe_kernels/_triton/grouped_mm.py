@@ -364,8 +364,5 @@ def gather_grouped_mm(
         WHILE_LOOPS=INTERPRET,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if a_tma or b_tma:  # descriptors are not keys FastKernel can cache on: Triton's own launch
-        _gather_grouped_mm_kernel[grid](*args, **constexprs, **options)
-    else:
-        _launcher.launch(grid, args, constexprs, **options)
+    _launcher.launch(grid, args, constexprs, **options)
     return y_PN

@@ -262,8 +262,5 @@ def grouped_weight_grad(
         WHILE_LOOPS=INTERPRET,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if tma:  # descriptors are not keys FastKernel can cache on: Triton's own launch
-        _grouped_weight_grad_kernel[(programs,)](*args, **constexprs, **options)
-    else:
-        _launcher.launch((programs,), args, constexprs, **options)
+    _launcher.launch((programs,), args, constexprs, **options)
     return out

@@ -11,8 +11,11 @@ aligned; per int whether it is 1, whether it is a multiple of 16 and whether it 
 every constexpr and launch option by value. So a cached handle is only reused where Triton would
 have picked the same compiled kernel. Under the interpreter, with a launch hook installed (a
 non-empty ``HookChain`` on Triton >= 3.5, whose empty chains are not None), or on any Triton
-without the compiled-kernel attributes used here, every call takes the plain path. Arguments
-without a stable key (e.g. TMA descriptors, new objects per call) never hit the cache either.
+without the compiled-kernel attributes used here, every call takes the plain path. Host-built
+TMA descriptors (``TensorDescriptor``, a new object per call) are keyed as Triton specialises
+them: the base's dtype and the block shape (and the padding mode); the compiled kernel's
+launcher turns each into its ``CUtensorMap`` at every launch, as it does on Triton's own path.
+Other arguments without a stable key never hit the cache.
 
 While a dispatch mode traces (``torch.compile``'s AOT trace of an op registered by
 ``_dispatch.register_op``, make_fx), every launch goes through ``torch.library.wrap_triton``
@@ -46,6 +49,11 @@ except Exception:  # pragma: no cover - older triton: no knobs, no fast path
 
 _TRITON_VERSION: str = getattr(triton, "__version__", "")
 
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _Descriptor
+except ImportError:  # pragma: no cover - older triton
+    _Descriptor = None
+
 
 def _hooked(hook: object) -> bool:
     """Whether a launch hook is installed in a slot. Triton >= 3.5 keeps each slot as a
@@ -66,6 +74,8 @@ def _arg_key(a: object) -> object:
         return (a == 1, a % 16 == 0, not -(2**31) <= a < 2**31)
     if isinstance(a, float):
         return float
+    if _Descriptor is not None and type(a) is _Descriptor:  # Triton: "tensordesc<bf16[64, 128]>"
+        return (_Descriptor, a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None))
     return _NO_KEY
 
 

@@ -203,8 +203,5 @@ def persistent_grouped_mm(
         FLATTEN=cfg.flatten,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if a_tma or b_tma:  # descriptors are not keys FastKernel can cache on: Triton's own launch
-        _persistent_grouped_mm_kernel[(programs,)](*args, **constexprs, **options)
-    else:
-        _launcher.launch((programs,), args, constexprs, **options)
+    _launcher.launch((programs,), args, constexprs, **options)
     return c
