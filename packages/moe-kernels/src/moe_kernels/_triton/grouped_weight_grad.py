@@ -14,12 +14,12 @@ tiles: the next tile's first loads are in flight while a tile stores.
 
 Each tile accumulates its rows in order in fp32 (no split over rows, no atomics): bitwise
 reproducible. Rows at or past the group's end, and rows whose source is outside [0, T), add
-nothing. With ``TMA`` (sorted rows, no ``row_indices``) both operands come through host-built
-TMA descriptors and the last step's rows past the group's end, which belong to the next group,
-are zeroed in dy's tile, in registers (dy is the MMA's A operand, which may live there); x's
-tile is not masked, so those rows reach the product as ``0 * x``: a non-finite x in the next
-group's first rows would reach this group's tile. Without ``TMA`` (pointer loads: the gather,
-strided operands, the interpreter) both tiles are masked.
+nothing. Loads (``WgradConfig.tma``): by pointer ("none": the gather, strided operands, the
+interpreter), both tiles masked; x through a host-built TMA descriptor ("x", sorted bf16 rows),
+dy by pointer, masked; or both ("both"), dy's tile masked in registers (the MMA's A operand may
+live there). A TMA descriptor cannot end at a group boundary, so a step that runs past the
+group's end reads the next group's first x rows unmasked; dy's zero rows cancel them (``0 * x``:
+exact for finite x; a non-finite x there would reach this group's tile).
 
 Nothing here checks arguments: ``moe_kernels.grouped_mm.grouped_weight_grad`` does that before
 any launch.
@@ -100,41 +100,49 @@ def _grouped_weight_grad_kernel(
                                                                              NUM_PROGS)  # fmt: skip
     total = tl.sum(tl.where(in_e, mine * steps, 0), axis=0)
 
-    ks = tl.arange(0, BK)
     acc = tl.zeros((BN, BD), dtype=tl.float32)
-    # The loop's state: the tile (advanced at its first step, k == 0), its expert e, the
-    # expert's rows [start, end) and K steps, the tile's first output row n0 and column d0.
-    tile = pid - NUM_PROGS
+    # The loop's state: the step k within the tile (the tile advances at k == 0), its expert e,
+    # the expert's rows [start, end) and K steps, the tile's first output row n0 and column d0.
     e, start, end, num_k, n0, d0 = _tile(pid, starts, ends, steps, idx, per_e, num_d, BN, BD)
-    k = 0
+    state = (0, pid - NUM_PROGS, e, start, end, num_k, n0, d0)
     if WHILE_LOOPS:
         step = total * 0
         while step < total:
-            if k == 0:
-                tile += NUM_PROGS
-                e, start, end, num_k, n0, d0 = _tile(tile, starts, ends, steps, idx, per_e,
-                                                     num_d, BN, BD)  # fmt: skip
-            acc = _step(acc, k, start, end, dy_ptr, x_ptr, ridx_ptr, dy_desc, x_desc, T,
-                        stride_dyp, stride_dyn, stride_xt, stride_xd, ks, n0, d0, N, D,
-                        HAS_RIDX, BK, TMA_DY, TMA_X, UPCAST, IEEE)  # fmt: skip
-            if k == num_k - 1:
-                _store(acc, out_ptr, e, n0, d0, N, D)
-                acc = tl.zeros((BN, BD), dtype=tl.float32)
-            k = tl.where(k == num_k - 1, 0, k + 1)
+            acc, state = _step(acc, state, starts, ends, steps, idx, per_e, num_d, NUM_PROGS,
+                               dy_ptr, x_ptr, ridx_ptr, out_ptr, dy_desc, x_desc, T, N, D,
+                               stride_dyp, stride_dyn, stride_xt, stride_xd, HAS_RIDX, BK,
+                               TMA_DY, TMA_X, UPCAST, IEEE)  # fmt: skip
             step += 1
     else:
         for _ in range(0, total):
-            if k == 0:
-                tile += NUM_PROGS
-                e, start, end, num_k, n0, d0 = _tile(tile, starts, ends, steps, idx, per_e,
-                                                     num_d, BN, BD)  # fmt: skip
-            acc = _step(acc, k, start, end, dy_ptr, x_ptr, ridx_ptr, dy_desc, x_desc, T,
-                        stride_dyp, stride_dyn, stride_xt, stride_xd, ks, n0, d0, N, D,
-                        HAS_RIDX, BK, TMA_DY, TMA_X, UPCAST, IEEE)  # fmt: skip
-            if k == num_k - 1:
-                _store(acc, out_ptr, e, n0, d0, N, D)
-                acc = tl.zeros((BN, BD), dtype=tl.float32)
-            k = tl.where(k == num_k - 1, 0, k + 1)
+            acc, state = _step(acc, state, starts, ends, steps, idx, per_e, num_d, NUM_PROGS,
+                               dy_ptr, x_ptr, ridx_ptr, out_ptr, dy_desc, x_desc, T, N, D,
+                               stride_dyp, stride_dyn, stride_xt, stride_xd, HAS_RIDX, BK,
+                               TMA_DY, TMA_X, UPCAST, IEEE)  # fmt: skip
+
+
+@triton.jit
+def _step(acc, state, starts, ends, steps, idx, per_e, num_d, NUM_PROGS, dy_ptr, x_ptr, ridx_ptr,
+          out_ptr, dy_desc, x_desc, T, N, D, stride_dyp, stride_dyn, stride_xt, stride_xd,
+          HAS_RIDX: tl.constexpr, BK: tl.constexpr, TMA_DY: tl.constexpr, TMA_X: tl.constexpr,
+          UPCAST: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """One K step of the flattened loop: a tile's state set at its first step, its product
+    accumulated, the tile stored at its last step. Returns (acc, state)."""
+    BN: tl.constexpr = acc.shape[0]
+    BD: tl.constexpr = acc.shape[1]
+    k, tile, e, start, end, num_k, n0, d0 = state
+    if k == 0:
+        tile += NUM_PROGS
+        e, start, end, num_k, n0, d0 = _tile(tile, starts, ends, steps, idx, per_e, num_d, BN,
+                                             BD)  # fmt: skip
+    acc = _accumulate(acc, start + k * BK, end, dy_ptr, x_ptr, ridx_ptr, dy_desc, x_desc, T,
+                      stride_dyp, stride_dyn, stride_xt, stride_xd, n0, d0, N, D, HAS_RIDX, BK,
+                      TMA_DY, TMA_X, UPCAST, IEEE)  # fmt: skip
+    if k == num_k - 1:
+        _store(acc, out_ptr, e, n0, d0, N, D)
+        acc = tl.zeros((BN, BD), dtype=tl.float32)
+    k = tl.where(k == num_k - 1, 0, k + 1)
+    return acc, (k, tile, e, start, end, num_k, n0, d0)
 
 
 @triton.jit
@@ -150,16 +158,15 @@ def _tile(tile, starts, ends, steps, idx, per_e, num_d, BN: tl.constexpr,
 
 
 @triton.jit
-def _step(acc, k, start, end, dy_ptr, x_ptr, ridx_ptr, dy_desc, x_desc, T, stride_dyp,
-          stride_dyn, stride_xt, stride_xd, ks, n0, d0, N, D, HAS_RIDX: tl.constexpr,
-          BK: tl.constexpr, TMA_DY: tl.constexpr, TMA_X: tl.constexpr, UPCAST: tl.constexpr,
-          IEEE: tl.constexpr):  # fmt: skip
-    """acc + dy[r0:r0+BK, n0:n0+BN].T @ x[src[r0:r0+BK], d0:d0+BD], r0 = start + k BK, rows
-    at or past ``end`` (or with a source outside [0, T)) adding nothing."""
+def _accumulate(acc, r0, end, dy_ptr, x_ptr, ridx_ptr, dy_desc, x_desc, T, stride_dyp,
+                stride_dyn, stride_xt, stride_xd, n0, d0, N, D, HAS_RIDX: tl.constexpr,
+                BK: tl.constexpr, TMA_DY: tl.constexpr, TMA_X: tl.constexpr,
+                UPCAST: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """acc + dy[r0:r0+BK, n0:n0+BN].T @ x[src[r0:r0+BK], d0:d0+BD], rows at or past ``end``
+    (or with a source outside [0, T)) adding nothing."""
     BN: tl.constexpr = acc.shape[0]
     BD: tl.constexpr = acc.shape[1]
-    r0 = start + k * BK
-    rows = r0 + ks
+    rows = r0 + tl.arange(0, BK)
     live = rows < end
     if HAS_RIDX:
         src = tl.load(ridx_ptr + rows, mask=live, other=-1).to(tl.int64)
