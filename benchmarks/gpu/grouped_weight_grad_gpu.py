@@ -69,7 +69,9 @@ def run_shape(name, shape, configs, dev, dtype, dry):
             cutlass = torch._grouped_mm(dy.mT, x, offs=offs32)
             check(f"{name} {gemm} cutlass vs fp32", rel_err(cutlass, ref) < 1e-2)
             base = timer(lambda dy=dy, x=x: torch._grouped_mm(dy.mT, x, offs=offs32))
-        pick = rules.use_persistent(dy.shape[0], num_experts, dtype == torch.bfloat16, 9, True)
+        pick = rules.use_persistent(
+            dy.shape[0], num_experts, dtype == torch.bfloat16, 9, True, wgrad=True
+        )
         print(f"{name:<10}{gemm:<8}{'cutlass':<46}{base:>10.1f}{flops / base / 1e6:>8.0f}"
               f"{'':>8}{'persistent' if pick else 'cutlass':>12}", flush=True)  # fmt: skip
         for cfg in configs:
