@@ -29,11 +29,14 @@ What is here:
 * yardsticks: :func:`clone_of` (a clone moving a given number of bytes),
   :func:`torch_router_scores` (the router's torch formula);
 * :func:`compile_sm90`: a ``@triton.jit`` kernel compiled for sm_90a without a GPU, with ptxas's
-  register and spill report.
+  register and spill report;
+* :func:`config_sweep_main`: the command line of a per-shape kernel sweep (``--shapes``,
+  ``--configs``, ``--dry-run``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 import time
@@ -272,3 +275,27 @@ def compile_sm90(kern, sig: dict, consts: dict, divisible: list[str], num_warps:
     regs = re.findall(r"Used (\d+) registers", out)
     spills = re.findall(r"(\d+) bytes spill stores", out)
     return compiled, ptx, regs[0] if regs else "?", spills[0] if spills else "?"
+
+
+# --------------------------------------------------------------------------- sweep scripts
+
+
+def config_sweep_main(doc: str, shapes: dict, tiny: tuple, other_configs: list, run_shape,
+                      header: str) -> None:  # fmt: skip
+    """The command line of a kernel's per-shape config sweep: ``--shapes`` (names of ``shapes``,
+    all by default), ``--configs`` (``other_configs`` beside the default, None), ``--dry-run``
+    (the ``tiny`` shape in fp32 on the CPU). Prints ``header``, then calls ``run_shape(name,
+    shape, configs, device, dtype, dry)`` per shape (bf16 on CUDA), then the failed checks."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(shapes))
+    p.add_argument("--configs", action="store_true", help="other launch configs beside the default")
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args()
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    configs = [None] + (other_configs if args.configs else [])
+    print(header)
+    chosen = {"tiny": tiny} if args.dry_run else {s: shapes[s] for s in args.shapes.split(",")}
+    for name, shape in chosen.items():
+        run_shape(name, shape, configs, dev, dtype, args.dry_run)
+    print("FAILED:", FAILS) if FAILS else print("all checks passed")

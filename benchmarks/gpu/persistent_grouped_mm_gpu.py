@@ -16,10 +16,8 @@ call); the last column says which kernel ``_grouped_mm_rules.use_persistent`` pi
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from common import FAILS, check, graph_us, once_us
+from common import check, config_sweep_main, graph_us, once_us
 
 import moe_kernels as mk
 from moe_kernels import _grouped_mm_rules as rules
@@ -88,20 +86,9 @@ def run_shape(name, shape, configs, dev, dtype, dry):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--configs", action="store_true", help="other tile configs beside the default")
-    p.add_argument("--dry-run", action="store_true")
-    args = p.parse_args()
-    dev = torch.device("cpu" if args.dry_run else "cuda")
-    dtype = torch.float32 if args.dry_run else torch.bfloat16
-    configs = [None] + (OTHER_CONFIGS if args.configs else [])
-    print(f"{'shape':<10}{'gemm':<7}{'kernel (config)':<40}{'us':>10}{'TFLOP/s':>8}"
-          f"{'/cutlass':>8}{'rule':>12}")  # fmt: skip
-    shapes = {"tiny": TINY} if args.dry_run else {s: SHAPES[s] for s in args.shapes.split(",")}
-    for name, shape in shapes.items():
-        run_shape(name, shape, configs, dev, dtype, args.dry_run)
-    print("FAILED:", FAILS) if FAILS else print("all checks passed")
+    header = (f"{'shape':<10}{'gemm':<7}{'kernel (config)':<40}{'us':>10}{'TFLOP/s':>8}"
+              f"{'/cutlass':>8}{'rule':>12}")  # fmt: skip
+    config_sweep_main(__doc__, SHAPES, TINY, OTHER_CONFIGS, run_shape, header)
 
 
 if __name__ == "__main__":
