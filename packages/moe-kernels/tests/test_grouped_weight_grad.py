@@ -176,8 +176,8 @@ def test_config_rule():
 def test_cuda_tma_modes_cutlass_no_sync_graph():
     """bf16 on sm90: every TMA mode within rounding of the oracle and bitwise repeatable; the
     default config's bits equal CUTLASS's (both sum a group's rows in order in fp32, the last
-    step's missing rows as zeros); the public op takes the kernel, without host syncs, and
-    replays from a CUDA graph."""
+    step's missing rows as zeros); the public op (the kernel or CUTLASS, as the rule says) runs
+    without host syncs and replays from a CUDA graph."""
     from moe_kernels._triton.grouped_weight_grad import grouped_weight_grad as kernel
     from moe_kernels.grouped_mm import grouped_weight_grad
 
@@ -194,6 +194,7 @@ def test_cuda_tma_modes_cutlass_no_sync_graph():
         assert torch.equal(out, kernel(dy, x, offsets, None, torch.bfloat16,
                                        rules.WgradConfig(tma=tma))), tma  # fmt: skip
     cutlass = torch._grouped_mm(dy[: sum(counts)].mT, x[: sum(counts)], offs=offsets[1:])
+    assert torch.equal(kernel(dy, x, offsets, None, torch.bfloat16), cutlass)
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = grouped_weight_grad(dy, x, offsets)
