@@ -18,15 +18,16 @@ from moe_kernels._dispatch import INTERPRET
 
 CUDA = torch.cuda.is_available()
 needs_kernel = pytest.mark.skipif(not (INTERPRET or CUDA), reason="needs Triton's interpreter")
+DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}
 
 
-def rand(shape, dtype, seed, scale=0.3, device="cpu"):
+def rand(shape, dtype, seed, scale=0.3, device=DEV):
     g = torch.Generator().manual_seed(seed)
     return ((torch.randn(shape, generator=g) + 0.25) * scale).to(dtype).to(device)
 
 
-def make_offsets(counts, device="cpu"):
+def make_offsets(counts, device=DEV):
     return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32,
                         device=device)  # fmt: skip
 
@@ -69,12 +70,11 @@ def _layouts(w_nk):
 def test_matches_oracle(dtype, case, layout):
     from moe_kernels._triton.persistent_grouped_mm import persistent_grouped_mm
 
-    dev = "cuda" if CUDA and not INTERPRET else "cpu"
     k, n, counts, tail = case
     rows = sum(counts)
-    a = rand((rows + tail, k), dtype, 1, device=dev)
-    w = rand((len(counts), n, k), dtype, 2, device=dev)
-    c = persistent_grouped_mm(a, _layouts(w)[layout], make_offsets(counts, dev), layout)
+    a = rand((rows + tail, k), dtype, 1)
+    w = rand((len(counts), n, k), dtype, 2)
+    c = persistent_grouped_mm(a, _layouts(w)[layout], make_offsets(counts), layout)
     assert c.shape == (rows + tail, n) and c.dtype == dtype
     assert_close(c, oracle(a, w, counts), k, rows)
 
