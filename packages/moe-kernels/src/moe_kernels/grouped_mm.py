@@ -201,7 +201,7 @@ def _persistent_operands(x_PD: torch.Tensor, w_END: torch.Tensor) -> tuple | Non
 def _persistent_wgrad(dy_PN: torch.Tensor, x_PD: torch.Tensor, num_experts: int) -> bool:
     """Whether the persistent Triton kernel runs this weight gradient over sorted rows
     (``_grouped_mm_rules.use_persistent(..., wgrad=True)``) rather than CUTLASS."""
-    if not dy_PN.is_cuda or dy_PN.dtype != torch.bfloat16:
+    if not dy_PN.is_cuda or dy_PN.dtype != torch.bfloat16 or torch.compiler.is_compiling():
         return False
     tma = triton_kernels("persistent_grouped_mm").tma_ok
     return _rules.use_persistent(dy_PN.shape[0], num_experts, True, sm_major(dy_PN.get_device()),
