@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import importlib
 import sys
 
 import pytest
@@ -314,6 +315,7 @@ def _errors(checks: Checks, world: int, rank: int) -> None:
 def _worker(rank: int, world: int, store: str) -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=120)
+    importlib.import_module("torch._dynamo")  # before the group: docs/expert_parallel.md, limits
     dist.init_process_group("gloo", store, rank=rank, world_size=world, timeout=timeout)
     checks = Checks(rank)
     try:

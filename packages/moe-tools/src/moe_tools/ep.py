@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import importlib
 import json
 import os
 import sys
@@ -172,6 +173,11 @@ def _group_rows(params: dict[str, Any], init_method: str | None = None) -> list[
         torch.set_num_threads(1)
     owner = not dist.is_initialized()
     if owner:
+        # torch._dynamo imported while a group exists (the layer's first custom-op call does)
+        # keeps the group alive past destroy_process_group; its gloo threads then abort the
+        # process at exit, about one run in six (torch 2.13, 2.14): import it first.
+        importlib.import_module("torch._dynamo")
+
         dist.init_process_group(
             "nccl" if cuda else "gloo",
             init_method=init_method,
