@@ -336,8 +336,8 @@ def test_persistent_grouped_mm_default_config_compiles_to_wgmma_and_tma(can_comp
 def test_weight_grad_default_config_compiles_to_pipelined_wgmma(can_compile, tma):
     """The weight-gradient kernel's GPU config (128 x 256 x 64, 8 warps, 3 stages) compiles for
     sm_90a to wgmma, its loads software-pipelined across the hand-flattened tile loop (bulk
-    tensor copies or cp.async into 3 buffers of each operand), within one multiprocessor's
-    shared memory (227 KiB)."""
+    tensor copies of the ragged descriptors, or cp.async, into 3 buffers of each operand), within
+    one multiprocessor's shared memory (227 KiB)."""
     from moe_kernels._grouped_mm_rules import WgradConfig, wgrad_config
     from moe_kernels._triton.grouped_weight_grad import _grouped_weight_grad_kernel as kern
 
@@ -347,14 +347,15 @@ def test_weight_grad_default_config_compiles_to_pipelined_wgmma(can_compile, tma
     sig = {
         "dy_ptr": "*bf16", "x_ptr": "*bf16", "offs_ptr": "*i32", "ridx_ptr": "*i32",
         "out_ptr": "*bf16",
-        "dy_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_n}]>" if dy_tma else "constexpr",
-        "x_desc": f"tensordesc<bf16[{cfg.block_k}, {cfg.block_d}]>" if x_tma else "constexpr",
+        # ragged descriptors: two leading unit dimensions (triton.tools.ragged_tma)
+        "dy_desc": f"tensordesc<bf16[1, 1, {cfg.block_k}, {cfg.block_n}]>" if dy_tma else "cst",
+        "x_desc": f"tensordesc<bf16[1, 1, {cfg.block_k}, {cfg.block_d}]>" if x_tma else "cst",
         **dict.fromkeys(("T", "P", "N", "D", "E", "NUM_PROGS", "stride_dyp", "stride_xt"), "i32"),
     }  # fmt: skip
     consts = dict(stride_dyn=1, stride_xd=1, HAS_RIDX=False, BN=cfg.block_n, BD=cfg.block_d,
                   BK=cfg.block_k, BLOCK_E=128, TMA_DY=dy_tma, TMA_X=x_tma, UPCAST=False,
                   IEEE=False, WHILE_LOOPS=False)  # fmt: skip
-    consts.update({name: None for name, t in sig.items() if t == "constexpr"})
+    consts.update({name: None for name, t in sig.items() if t == "cst"})
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {
         (kern.arg_names.index(n),): [["tt.divisibility", 16]]

@@ -118,6 +118,29 @@ def test_tile_configs_match_oracle(cfg):
 
 
 @needs_kernel
+@needs_kernel
+def test_tma_modes_keep_rows_past_a_group_out():
+    """bf16 through the ragged TMA descriptors ("x", "both"; the interpreter emulates them)
+    gives the pointer loads' bits, and non-finite rows past the groups, or at the first row of
+    the group after a K step's end, reach no other group's result."""
+    from moe_kernels._triton.grouped_weight_grad import grouped_weight_grad as kernel
+
+    counts = [5, 0, 17, 9, 1]
+    offsets, p = make_offsets(counts), sum(counts)
+    dy, x = rand((p + 6, 32), torch.bfloat16, 20), rand((p + 6, 48), torch.bfloat16, 21)
+    dy_bad, x_bad = dy.clone(), x.clone()
+    dy_bad[p:], x_bad[p:] = float("inf"), float("nan")
+    x_bad[5] = float("inf")  # group 2's first row, read past group 0's end
+    base = rules.wgrad_config(32, 48, INTERPRET)
+    want = kernel(dy, x, offsets, None, torch.float32, base._replace(tma="none"))
+    for tma in ("x", "both"):
+        cfg = base._replace(tma=tma)
+        assert torch.equal(kernel(dy, x, offsets, None, torch.float32, cfg), want), tma
+        bad = kernel(dy_bad, x_bad, offsets, None, torch.float32, cfg)
+        assert torch.equal(bad[[0, 1, 3, 4]], want[[0, 1, 3, 4]]), tma
+        assert not bool(bad[2].isfinite().all()), tma
+
+
 def test_empty_shapes():
     from moe_kernels._triton.grouped_weight_grad import grouped_weight_grad
 
@@ -174,8 +197,9 @@ def test_config_rule():
 
 @pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA device")
 def test_cuda_tma_modes_cutlass_no_sync_graph():
-    """bf16 on sm90: every TMA mode within rounding of the oracle and bitwise repeatable; the
-    default config's bits equal CUTLASS's (both sum a group's rows in order in fp32, the last
+    """bf16 on sm90: every TMA mode within rounding of the oracle and bitwise repeatable, rows
+    past a group (NaN and inf included) reaching no result of it; the default config's bits
+    equal CUTLASS's (both sum a group's rows in order in fp32, the last
     step's missing rows as zeros); the public op (the kernel or CUTLASS, as the rule says) runs
     without host syncs and replays from a CUDA graph."""
     from moe_kernels._triton.grouped_weight_grad import grouped_weight_grad as kernel
@@ -193,6 +217,17 @@ def test_cuda_tma_modes_cutlass_no_sync_graph():
         assert_close(out, want, 511)
         assert torch.equal(out, kernel(dy, x, offsets, None, torch.bfloat16,
                                        rules.WgradConfig(tma=tma))), tma  # fmt: skip
+    # Non-finite rows past the groups, and at group 4's first row (the row after group 3's
+    # last K step ends), reach no other group's result in any mode.
+    x_bad, dy_bad = x.clone(), dy.clone()
+    x_bad[sum(counts) :], dy_bad[sum(counts) :] = float("nan"), float("inf")
+    x_bad[940] = float("inf")
+    others = [0, 1, 2, 3, 5]
+    for tma in ("none", "x", "both"):
+        cfg = rules.WgradConfig(tma=tma)
+        clean = kernel(dy, x, offsets, None, torch.bfloat16, cfg)
+        bad = kernel(dy_bad, x_bad, offsets, None, torch.bfloat16, cfg)
+        assert torch.equal(bad[others], clean[others]), tma
     cutlass = torch._grouped_mm(dy[: sum(counts)].mT, x[: sum(counts)], offs=offsets[1:])
     assert torch.equal(kernel(dy, x, offsets, None, torch.bfloat16), cutlass)
     torch.cuda.set_sync_debug_mode("error")

@@ -22,7 +22,9 @@ from moe_kernels._triton.blocks import pow2_clamp  # plain Python: no Triton imp
 # CUTLASS was as fast), and the K-grouped weight gradient (0.88-0.91x CUTLASS's time at 128 rows
 # per expert, 1.03-1.20x from 256 up: benchmarks/gpu/grouped_weight_grad_gpu.py on an H100).
 PERSISTENT_MAX_ROWS_PER_EXPERT = 1024
-WGRAD_MAX_ROWS_PER_EXPERT = 0  # 128 was faster, but tma="x" lets NaN past a group in (session 26)
+# The weight gradient's bound is 0 (CUTLASS everywhere) until an sm90 run checks the kernel's
+# ragged-descriptor loads; then 128 (docs/training.md, session 27).
+WGRAD_MAX_ROWS_PER_EXPERT = 0
 
 
 class PersistentConfig(NamedTuple):

@@ -16,10 +16,10 @@ Each tile accumulates its rows in order in fp32 (no split over rows, no atomics)
 reproducible. Rows at or past the group's end, and rows whose source is outside [0, T), add
 nothing. Loads (``WgradConfig.tma``): by pointer ("none": the gather, strided operands, the
 interpreter), both tiles masked; x through a host-built TMA descriptor ("x", sorted bf16 rows),
-dy by pointer, masked; or both ("both"), dy's tile masked in registers (the MMA's A operand may
-live there). A TMA descriptor cannot end at a group boundary, so a step that runs past the
-group's end reads the next group's first x rows unmasked; dy's zero rows cancel them (``0 * x``:
-exact for finite x; a non-finite x there would reach this group's tile).
+dy by pointer, masked; or both ("both"). The descriptors are ragged (``triton.tools.ragged_tma``):
+each load names its group's [start, end), and the hardware fills rows at or past the end with
+zeros, so the next group's rows (or the unused rows past the last group, whatever they hold,
+NaN included) never reach a tile.
 
 Nothing here checks arguments: ``moe_kernels.grouped_mm.grouped_weight_grad`` does that before
 any launch.
@@ -31,16 +31,16 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels._dispatch import INTERPRET
+from moe_kernels._dispatch import INTERPRET, tracing
 from moe_kernels._grouped_mm_rules import WgradConfig, wgrad_config
 from moe_kernels._triton.blocks import cdiv, next_pow2
 from moe_kernels._triton.launch import FastKernel
 from moe_kernels._triton.persistent_grouped_mm import num_sms, tma_ok
 
-try:  # host-side TMA descriptors (triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
+try:  # host-side ragged TMA descriptors (triton >= 3.5)
+    from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
 except ImportError:  # pragma: no cover - older triton: pointer loads only
-    TensorDescriptor = None
+    create_ragged_descriptor = load_ragged = None
 
 
 @triton.jit
@@ -63,8 +63,8 @@ def _grouped_weight_grad_kernel(
     offs_ptr,  # (E+1,) int32/int64
     ridx_ptr,  # (P,) int32/int64 (HAS_RIDX only)
     out_ptr,  # (E, N, D), contiguous
-    dy_desc,  # TMA descriptor of dy (P, N), block (BK, BN) (TMA only)
-    x_desc,  # TMA descriptor of x (P, D), block (BK, BD) (TMA only)
+    dy_desc,  # ragged TMA descriptor of dy (P, N), block (BK, BN) (TMA only)
+    x_desc,  # ragged TMA descriptor of x (P, D), block (BK, BD) (TMA only)
     T,
     P,
     N,
@@ -173,8 +173,8 @@ def _accumulate(acc, r0, end, dy_ptr, x_ptr, ridx_ptr, dy_desc, x_desc, T, strid
         live = live & (src >= 0) & (src < T)
     else:
         src = rows.to(tl.int64)
-    if TMA_DY:  # rows past the group's end zeroed in registers
-        dy = tl.where(live[:, None], dy_desc.load([r0, n0]), 0.0)
+    if TMA_DY:  # rows past the group's end come as zeros
+        dy = load_ragged(dy_desc, r0, end - r0, [0, n0])
     else:
         ns = n0 + tl.arange(0, BN)
         dy = tl.load(
@@ -182,8 +182,8 @@ def _accumulate(acc, r0, end, dy_ptr, x_ptr, ridx_ptr, dy_desc, x_desc, T, strid
             mask=live[:, None] & (ns < N)[None, :],
             other=0.0,
         )
-    if TMA_X:  # unmasked: dy's zero rows cancel the next group's rows
-        x = x_desc.load([r0, d0])
+    if TMA_X:  # rows past the group's end come as zeros
+        x = load_ragged(x_desc, r0, end - r0, [0, d0])
     else:
         ds = d0 + tl.arange(0, BD)
         x = tl.load(
@@ -211,6 +211,14 @@ def _store(acc, out_ptr, e, n0, d0, N, D):
 _launcher = FastKernel(_grouped_weight_grad_kernel)
 
 
+def _descriptor_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor can read t (``tma_ok``), or the interpreter emulates one: its default
+    config takes none, so only a config naming them (the tests of the TMA modes on CPU) does."""
+    if INTERPRET and not tracing():
+        return t.is_contiguous() and t.shape[-1] * t.element_size() % 16 == 0
+    return tma_ok(t)
+
+
 def grouped_weight_grad(
     dy_PN: torch.Tensor,
     x_TD: torch.Tensor,
@@ -230,10 +238,11 @@ def grouped_weight_grad(
         return out.zero_()
     cfg = config or wgrad_config(n, dim, INTERPRET, x_TD.dtype == torch.float32)
     tma = (cfg.tma != "none" and row_indices_P is None and dy_PN.dtype == torch.bfloat16
-           and tma_ok(dy_PN) and tma_ok(x_TD))  # fmt: skip
+           and create_ragged_descriptor is not None and num_rows <= 2**30  # its row bound
+           and _descriptor_ok(dy_PN) and _descriptor_ok(x_TD))  # fmt: skip
     tma_dy, tma_x = tma and cfg.tma == "both", tma
-    dy_desc = TensorDescriptor.from_tensor(dy_PN, [cfg.block_k, cfg.block_n]) if tma_dy else None
-    x_desc = TensorDescriptor.from_tensor(x_TD, [cfg.block_k, cfg.block_d]) if tma_x else None
+    dy_desc = create_ragged_descriptor(dy_PN, [cfg.block_k, cfg.block_n]) if tma_dy else None
+    x_desc = create_ragged_descriptor(x_TD, [cfg.block_k, cfg.block_d]) if tma_x else None
     tiles = num_experts * cdiv(n, cfg.block_n) * cdiv(dim, cfg.block_d)
     sms = num_sms(dy_PN.get_device()) if dy_PN.is_cuda else 4
     programs = max(1, min(tiles, sms * cfg.programs_per_sm))
