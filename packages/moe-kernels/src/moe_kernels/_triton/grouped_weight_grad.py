@@ -35,7 +35,7 @@ from moe_kernels._dispatch import INTERPRET, tracing
 from moe_kernels._grouped_mm_rules import WgradConfig, wgrad_config
 from moe_kernels._triton.blocks import cdiv, next_pow2
 from moe_kernels._triton.launch import FastKernel
-from moe_kernels._triton.persistent_grouped_mm import num_sms, tma_ok
+from moe_kernels._triton.persistent_grouped_mm import num_sms, tma_layout, tma_ok
 
 try:  # host-side ragged TMA descriptors (triton >= 3.5)
     from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
@@ -215,7 +215,7 @@ def _descriptor_ok(t: torch.Tensor) -> bool:
     """A TMA descriptor can read t (``tma_ok``), or the interpreter emulates one: its default
     config takes none, so only a config naming them (the tests of the TMA modes on CPU) does."""
     if INTERPRET and not tracing():
-        return t.is_contiguous() and t.shape[-1] * t.element_size() % 16 == 0
+        return tma_layout(t)
     return tma_ok(t)
 
 

@@ -139,13 +139,16 @@ def num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def tma_layout(t: torch.Tensor) -> bool:
+    """t's layout suits a TMA descriptor: contiguous, with 16-byte rows and base."""
+    return t.is_contiguous() and t.shape[-1] * t.element_size() % 16 == 0 and aligned(t, 16)
+
+
 def tma_ok(t: torch.Tensor) -> bool:
-    """A TMA descriptor can view t as a 2-D row-major matrix: a contiguous CUDA tensor with
-    16-byte rows and base on sm90+ (the chips with TMA), and no trace in progress
-    (``wrap_triton`` records no host-built descriptors)."""
-    if TensorDescriptor is None or tracing() or not t.is_cuda:
-        return False
-    if not (t.is_contiguous() and t.shape[-1] * t.element_size() % 16 == 0 and aligned(t, 16)):
+    """A TMA descriptor can view t as a 2-D row-major matrix: a CUDA tensor of ``tma_layout``
+    on sm90+ (the chips with TMA), and no trace in progress (``wrap_triton`` records no
+    host-built descriptors)."""
+    if TensorDescriptor is None or tracing() or not t.is_cuda or not tma_layout(t):
         return False
     return sm_major(t.get_device()) >= 9
 
