@@ -68,11 +68,17 @@ def triton_kernels(module: str) -> ModuleType:
         raise RuntimeError(TRITON_MISSING.format(where=where, why=exc)) from exc
 
 
-@functools.lru_cache(maxsize=16)
+_SM_MAJOR: dict[int, int] = {}
+
+
 def sm_major(index: int) -> int:
-    """The compute capability's major number of CUDA device ``index`` (cached: the property
-    query costs microseconds of host time a call)."""
-    return torch.cuda.get_device_properties(index).major
+    """The compute capability's major number of CUDA device ``index``, cached in a plain dict
+    (the property query costs microseconds of host time a call; Dynamo traces a dict lookup,
+    where it warns on every ``functools.lru_cache`` it meets)."""
+    major = _SM_MAJOR.get(index)
+    if major is None:
+        major = _SM_MAJOR[index] = torch.cuda.get_device_properties(index).major
+    return major
 
 
 def op_name(name: str) -> str:

@@ -18,13 +18,13 @@ from typing import NamedTuple
 
 from moe_kernels._triton.blocks import pow2_clamp  # plain Python: no Triton import
 
-# Mean rows per expert up to which the persistent kernels run: the row-grouped GEMM (above it
-# CUTLASS was as fast), and the K-grouped weight gradient (0.88-0.91x CUTLASS's time at 128 rows
-# per expert, 1.03-1.20x from 256 up: benchmarks/gpu/grouped_weight_grad_gpu.py on an H100).
+# Mean rows per expert up to which the persistent row-grouped GEMM runs (above it CUTLASS was as
+# fast).
 PERSISTENT_MAX_ROWS_PER_EXPERT = 1024
-# The weight gradient's bound is 0 (CUTLASS everywhere) until an sm90 run checks the kernel's
-# ragged-descriptor loads; then 128 (docs/training.md, session 27).
-WGRAD_MAX_ROWS_PER_EXPERT = 0
+# Likewise for the K-grouped weight gradient: 0.87-0.91x CUTLASS's time at 128 rows per expert,
+# 1.04-1.11x from 256 up, the same bits (benchmarks/gpu/grouped_weight_grad_gpu.py on an H100,
+# ragged-descriptor loads; docs/training.md, session 28).
+WGRAD_MAX_ROWS_PER_EXPERT = 128
 
 
 class PersistentConfig(NamedTuple):
