@@ -1,7 +1,10 @@
 """The backend decision and the eager fast-path rule in ``moe_kernels._dispatch``."""
 
+import warnings
+
 import torch
 
+from moe_kernels import _dispatch
 from moe_kernels._dispatch import INTERPRET, eager_direct, op_name, use_triton
 
 
@@ -36,3 +39,18 @@ def test_eager_direct_never_under_fake_tensors():
 
     with FakeTensorMode():
         assert eager_direct() is False
+
+
+def test_sm_major_traces_without_warning(monkeypatch):
+    """Dynamo traces the cached capability query (the GEMM rules call it while tracing) with no
+    warning: it warned on every compiled layer while the cache was a ``functools.lru_cache``."""
+    monkeypatch.setitem(_dispatch._SM_MAJOR, 0, 9)  # a cached sm90 device; no CUDA needed
+
+    def f(x):
+        return x * 2 if _dispatch.sm_major(0) >= 9 else x
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 2.0))
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
