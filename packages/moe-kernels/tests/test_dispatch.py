@@ -54,3 +54,35 @@ def test_sm_major_traces_without_warning(monkeypatch):
         out = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(3))
     assert torch.equal(out, torch.full((3,), 2.0))
     assert not [w for w in caught if "lru_cache" in str(w.message)]
+
+
+def test_sm_major_is_a_trace_time_constant(monkeypatch):
+    """From a cold cache, a compiled frame asks the device once, while tracing, and keeps the
+    answer as a constant: Dynamo neither traces nor guards the cache dict (filling it inside a
+    traced frame failed its guards on CUDA: the layer compiled from a fresh process crashed).
+    A later change of the dict therefore neither recompiles nor changes the compiled result."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.testing import CompileCounter
+
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return SimpleNamespace(major=9)
+
+    monkeypatch.setattr(_dispatch, "_SM_MAJOR", {})  # a cold process
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+
+    def f(x):
+        return x * 2 if _dispatch.sm_major(0) >= 9 else x
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(f, fullgraph=True, backend=counter)
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+    assert asked == [0] and _dispatch._SM_MAJOR == {0: 9}
+    _dispatch._SM_MAJOR[0] = 8  # not seen by the compiled frame: no guard on the dict
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+    assert counter.frame_count == 1 and asked == [0]
+    assert _dispatch.sm_major(0) == 8  # eager reads the cache

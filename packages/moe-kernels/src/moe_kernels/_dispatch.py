@@ -71,10 +71,13 @@ def triton_kernels(module: str) -> ModuleType:
 _SM_MAJOR: dict[int, int] = {}
 
 
+@torch.compiler.assume_constant_result
 def sm_major(index: int) -> int:
     """The compute capability's major number of CUDA device ``index``, cached in a plain dict
-    (the property query costs microseconds of host time a call; Dynamo traces a dict lookup,
-    where it warns on every ``functools.lru_cache`` it meets)."""
+    (the property query costs microseconds of host time a call; Dynamo warns on every
+    ``functools.lru_cache`` it meets). Under ``torch.compile`` Dynamo calls it once while tracing
+    and keeps the result as a constant (``assume_constant_result``): it never traces the dict,
+    whose first fill inside a traced frame failed its guards (a cold process crashed)."""
     major = _SM_MAJOR.get(index)
     if major is None:
         major = _SM_MAJOR[index] = torch.cuda.get_device_properties(index).major

@@ -1,0 +1,31 @@
+"""Test helpers for this package and code built on it: guard regions around tensors
+(``guarded``), every public op with small plain-torch arguments (``op_problems``, ``naive_plan``),
+and compiled-from-a-cold-process checks (``cold_compile``, ``run_fresh``)."""
+
+from moe_kernels.testing.cold import (
+    FreshRun,
+    cold_compile,
+    cold_main,
+    run_fresh,
+    same_bits,
+    tensors_of,
+)
+from moe_kernels.testing.guards import GUARD_BYTE, Guarded, guarded
+from moe_kernels.testing.problems import Problem, Sizes, naive_plan, naive_shuffle, op_problems
+
+__all__ = [
+    "GUARD_BYTE",
+    "FreshRun",
+    "Guarded",
+    "Problem",
+    "Sizes",
+    "cold_compile",
+    "cold_main",
+    "guarded",
+    "naive_plan",
+    "naive_shuffle",
+    "op_problems",
+    "run_fresh",
+    "same_bits",
+    "tensors_of",
+]

@@ -1,0 +1,53 @@
+"""Every public op compiled with ``fullgraph=True`` in a fresh interpreter before any eager call,
+then run eager and compared bit for bit (``moe_kernels.testing.cold_compile``).
+
+A module-level cache that a traced frame fills on its first call (the device-capability memo
+was one: compiling the layer from a cold process crashed on CUDA) fails only in a cold process;
+in one whose caches an eager call already filled, as in the other tests, the program compiles.
+CPU (CI): one process for all ops, on the reference path or, under ``TRITON_INTERPRET=1``, the
+interpreter. CUDA (``-m gpu``): one process per op, several at a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import moe_kernels as mk
+from moe_kernels.testing import op_problems, run_fresh
+
+COLD = "from moe_kernels.testing import cold_main; cold_main()"
+NAMES = list(op_problems("cpu"))
+
+
+def test_every_public_op_has_a_problem():
+    """A new public op gets a compile-from-cold check: a problem named after it."""
+    ops = [n for n in mk.__all__ if inspect.isfunction(getattr(mk, n))]
+    missing = [op for op in ops if not any(p == op or p.startswith(op + "_") for p in NAMES)]
+    assert not missing, f"add these ops to moe_kernels.testing.op_problems: {missing}"
+
+
+def test_every_op_compiles_cold_on_cpu():
+    run = run_fresh(COLD, "cpu", *NAMES)
+    assert run.returncode == 0, run.output[-8000:]
+    assert run.output.count(": ok") == len(NAMES), run.output[-8000:]
+
+
+@pytest.fixture(scope="module")
+def gpu_runs():
+    """op name -> FreshRun, one process per op, up to 8 at a time (compiling is host work)."""
+    workers = int(os.environ.get("MOE_COLD_WORKERS", "8"))
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(zip(NAMES, pool.map(lambda n: run_fresh(COLD, "cuda", n), NAMES), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", NAMES)
+def test_op_compiles_cold_on_cuda(name, gpu_runs):
+    run = gpu_runs[name]
+    assert run.returncode == 0 and f"{name}: ok" in run.output, run.output[-8000:]
