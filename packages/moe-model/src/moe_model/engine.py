@@ -21,11 +21,12 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from moe_model._checks import check_device
 from moe_model._moe_options import check_bool
 from moe_model.autoencoder import LatentDecoder
 from moe_model.blocks import Block
 from moe_model.config import WorldModelConfig
-from moe_model.impls import check_dtype, check_impl
+from moe_model.impls import KERNEL_DTYPES, check_dtype, check_impl
 from moe_model.kv_cache import KVRingCache
 from moe_model.moe import MoELayer
 from moe_model.rope import Rope3D
@@ -139,22 +140,28 @@ def _check_config(config: object, name: str = "config") -> None:
 
 def _check_device(device: object) -> torch.device:
     """The engine's device: None picks CUDA when available, else the CPU. ValueError for what
-    torch cannot parse or reach here (no CUDA, an index past the last GPU), and for meta."""
+    torch cannot parse or reach here (``check_device``), and for meta."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-            raise RuntimeError(f"torch sees {torch.cuda.device_count()} CUDA device(s)")
-        torch.empty(0, device=dev)  # raises for another device type this process cannot use
-    except (RuntimeError, TypeError, AssertionError) as exc:
-        raise ValueError(f"device={device!r} is not a device this process can use: {exc}") from None
+    dev = check_device(device)
     if dev.type == "meta":
         raise ValueError(
             "device='meta': the engine needs a real device (it holds weights, a KV cache and a "
             "noise generator); moe_model.count_parameters(cfg) sizes a config without memory"
         )
     return dev
+
+
+def _check_dtype(dtype: object, moe_impl: str | None) -> None:
+    """TypeError naming ``dtype`` unless the MoE impl takes it (``check_dtype``) and it is one
+    of ``KERNEL_DTYPES`` (float16, bfloat16, float32): the attention's ``qk_norm_rope`` reads
+    no other, whatever the MLP (float64 is refused even with the torch impl or a dense MLP)."""
+    check_dtype(dtype, moe_impl, name="dtype")
+    if dtype not in KERNEL_DTYPES:
+        raise TypeError(
+            f"dtype must be one of {KERNEL_DTYPES} (the attention's moe_kernels.qk_norm_rope "
+            f"reads no other), got {dtype!r}"
+        )
 
 
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
@@ -185,7 +192,19 @@ def _counts(model: WorldModel, cfg: WorldModelConfig) -> tuple[int, int]:
 
 
 def _ctrl_tensors(ctrl: Ctrl, n_buttons: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(buttons multi-hot (n_buttons,), mouse (2,)) fp32 CPU tensors from a ctrl mapping."""
+    """(buttons multi-hot (n_buttons,), mouse (2,)) fp32 CPU tensors from a ctrl mapping.
+
+    ``buttons`` is read by its type, never by its values:
+
+    * a bool or floating tensor is a multi-hot: shape (n_buttons,), every value exactly 0 or 1
+      (ValueError otherwise: 7.0 is not "pressed 7 times");
+    * integers (a list, tuple or other iterable of ints, or an integer tensor, 0-D or 1-D) are the
+      pressed indices, in any order, each in [0, n_buttons), none repeated. An integer tensor
+      of shape (n_buttons,) is indices too: ``torch.tensor([0, 0, 1, 0])`` repeats 0, a
+      ValueError saying to pass a multi-hot as a bool or floating tensor.
+
+    A tensor on another device is read on the host (its values are checked).
+    """
     buttons = torch.zeros(n_buttons)
     mouse = torch.zeros(2)
     if ctrl is None:
@@ -204,17 +223,29 @@ def _ctrl_tensors(ctrl: Ctrl, n_buttons: int) -> tuple[torch.Tensor, torch.Tenso
         buttons = b.detach().float().cpu()
         if not torch.isfinite(buttons).all():
             raise ValueError(f"buttons multi-hot must be finite, got {buttons.tolist()}")
+        if not ((buttons == 0) | (buttons == 1)).all():
+            raise ValueError(
+                f"buttons multi-hot must hold only 0 and 1, got {buttons.tolist()} (pass the "
+                "pressed indices, or a bool tensor)"
+            )
     elif b is not None:
         if isinstance(b, torch.Tensor) and b.dim() > 1:
             raise ValueError(f"buttons index tensor must be 1-D, got shape {tuple(b.shape)}")
         indices = b.reshape(-1).tolist() if isinstance(b, torch.Tensor) else b
         if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
             raise TypeError(f"buttons must be button indices or a multi-hot tensor, got {b!r}")
+        indices = list(indices)
         for i in indices:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral):
                 raise TypeError(f"button indices must be ints, got {i!r}")
             if not 0 <= i < n_buttons:
                 raise ValueError(f"button index {i} out of range [0, {n_buttons})")
+            if buttons[int(i)]:
+                raise ValueError(
+                    f"buttons repeats index {i}: integer buttons are pressed indices (got "
+                    f"{indices!r}); pass a multi-hot as a bool or floating tensor of "
+                    f"shape ({n_buttons},)"
+                )
             buttons[int(i)] = 1.0
     if ctrl.get("mouse") is not None:
         try:
@@ -247,7 +278,7 @@ class WorldEngine:
         moe_impl = check_impl(config.moe_impl) if config.mlp == "moe" else None
         self.config = cfg = config
         self.device = _check_device(device)
-        check_dtype(dtype, moe_impl, name="dtype")
+        _check_dtype(dtype, moe_impl)
         _check_int("seed", seed, -(2**63), 2**64)  # the range torch.manual_seed takes
         cuda_graph = self._check_runtime(compile, cuda_graph)
         self.dtype, self.seed = dtype, seed
@@ -419,8 +450,9 @@ class WorldEngine:
     def gen_frame(self, ctrl: Ctrl = None, return_img: bool = True) -> torch.Tensor:
         """Generate the next frame.
 
-        ctrl: None, or ``{"buttons": pressed indices or a (n_buttons,) multi-hot,
-        "mouse": (dx, dy)}``.
+        ctrl: None, or ``{"buttons": pressed indices (ints, distinct) or a (n_buttons,) bool /
+        float multi-hot of 0s and 1s, "mouse": (dx, dy)}``: an integer tensor is indices, never
+        a multi-hot (``_ctrl_tensors`` states the rule; ValueError for what breaks it).
         Returns the RGB image (8*latent_h, 8*latent_w, 3) uint8 on the CPU when ``return_img``,
         else the clean latent (C, latent_h, latent_w) fp32 on the engine's device (a copy).
         """
@@ -507,8 +539,8 @@ class WorldEngine:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{src / 'config.json'} is not valid JSON: {exc}") from None
         cfg = WorldModelConfig.from_dict(config)
-        state = load_file(str(src / "model.safetensors"))
-        # Capture (if asked) only once the weights are loaded.
+        # Built (device, dtype, impl checked) before the weights are read; captured (if asked)
+        # only once they are loaded.
         eng = cls(
             cfg,
             device=device,
@@ -519,6 +551,7 @@ class WorldEngine:
             seed=seed,
             _init_weights=False,
         )
+        state = load_file(str(src / "model.safetensors"))
         params = dict(eng.model.named_parameters())
         missing = set(params) - set(state)
         unexpected = set(state) - set(params)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_kernels import RoutingPlan
+from moe_model._checks import check_device
 from moe_model._ep_exchange import (
     DroplessLayout,
     LocalPlan,
@@ -220,7 +221,9 @@ class ExpertParallelMoE(nn.Module):
         factory kwargs. Deterministic in ``seed`` and the same model for any world size: the
         router, bias and shared experts are ``MoELayer.reset_parameters()``'s draws on CPU
         after ``torch.manual_seed(seed)`` (the global RNG state is restored), expert e's weights
-        ``expert_weights(seed, e, ...)``."""
+        ``expert_weights(seed, e, ...)``. ``device`` and ``dtype`` are checked as MoELayer's
+        (before anything is built)."""
+        device = check_device(device)
         _check_mode(mode, capacity_factor, tokens_per_rank)
         for name, v in (("n_experts", n_experts), ("seed", seed)):
             if isinstance(v, bool) or not isinstance(v, int):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_kernels import RoutingPlan
+from moe_model._checks import check_device
 from moe_model._moe_options import (
     FLOAT_DTYPES,
     check_bool,
@@ -46,6 +47,7 @@ from moe_model.presets import preset_kwargs
 from moe_model.shared_experts import SharedExperts
 
 SCORE_FNS = ("softmax", "sigmoid")
+_DEFAULT_DTYPE = "dtype (None: torch's default)"
 
 
 class LocalSent(NamedTuple):
@@ -101,9 +103,16 @@ class MoELayer(nn.Module):
             n_shared_experts`` (SwiGLU when gated) added to every token's output (None when 0).
         aux_loss_coef: > 0 sets ``aux_loss`` after every forward with grad enabled, the Switch
             load-balancing loss (add it to the training loss); otherwise ``aux_loss`` is None.
-        impl: the implementation (``MOE_IMPLS``); can be changed on an existing layer.
+        impl: the implementation (``MOE_IMPLS``); can be changed on an existing layer (TypeError
+            if it does not take the expert weights' dtype).
         device, dtype: factory kwargs of the expert weights (routed and shared); the router
-            weight and ``expert_bias`` stay fp32 on ``device``. A DeepSeek-V3-sized layer
+            weight and ``expert_bias`` stay fp32 on ``device``. Checked when built, naming the
+            argument: ``device`` None (torch's default) or one torch parses and this process
+            can allocate on, ``meta`` included (ValueError otherwise: no CUDA, an index past
+            the last GPU, an unknown type); ``dtype`` (None: torch's default dtype) one of the
+            impl's ``x_dtypes`` (TypeError otherwise): float16, bfloat16, float32 for the
+            kernel impls (``triton_bf16``, ``triton_fp32``, ``mxfp8``, ``fbgemm``), float64 too
+            for ``torch`` and ``baseline``. A DeepSeek-V3-sized layer
             (``from_preset("deepseek-v3")``) is 22 GB in bf16: build it with ``device="cuda",
             dtype=torch.bfloat16``.
 
@@ -176,6 +185,7 @@ class MoELayer(nn.Module):
         )
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be None or one of {FLOAT_DTYPES}, got {dtype!r}")
+        device = check_device(device)
         self.d_model, self.n_experts, self.top_k, self.hidden = d_model, n_experts, top_k, hidden
         self.gated, self.score_fn, self.renormalize = gated, score_fn, renormalize
         self.n_groups, self.topk_groups = opts.n_groups, opts.topk_groups
@@ -189,6 +199,8 @@ class MoELayer(nn.Module):
         counts = torch.zeros(n_experts, device=device, dtype=torch.int32)
         self.register_buffer("last_counts", counts, persistent=False)
         self.impl = impl  # checked against the sizes and options before the weights exist
+        w_dtype = torch.get_default_dtype() if dtype is None else dtype
+        check_dtype(w_dtype, self._impl, name="dtype" if dtype is not None else _DEFAULT_DTYPE)
         self.router = nn.Linear(d_model, n_experts, bias=False, **f32)
         h_in = hidden * (2 if gated else 1)
         w = dict(device=device, dtype=dtype)
@@ -217,6 +229,9 @@ class MoELayer(nn.Module):
         impl = check_impl(name)
         check_impl_dims(impl, self.d_model, self.hidden)
         IMPLS[impl].check(self.route_options())
+        w = self._parameters.get("in_proj")  # (none while building, or once given away)
+        if w is not None:
+            check_dtype(w.dtype, impl, name="the expert weights' dtype")
         self._impl = impl
 
     def reset_parameters(self) -> None:
@@ -335,6 +350,10 @@ class MoELayer(nn.Module):
         the plan to combine them by. ``LOCAL_EXCHANGE`` here; ``ExpertParallelMoE`` is one too.
         """
         impl = IMPLS[self._impl]
+        # Host-side facts (no sync): weights cast after the layer was built, or moved alone.
+        check_dtype(in_proj.dtype, self._impl, name="the expert weights' dtype")
+        if in_proj.device != x_TD.device:
+            raise ValueError(f"x is on {x_TD.device}, the expert weights on {in_proj.device}")
         options = self.route_options()
         weights = (*self.parameters(), in_proj, out_proj)
         record = torch.is_grad_enabled() and (

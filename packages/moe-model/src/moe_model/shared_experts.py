@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_model._checks import check_device
+from moe_model.impls import check_dtype
+
 
 class SharedExperts(nn.Module):
     """``x (T, d_model) -> (T, d_model)``: SiLU MLP, or SwiGLU ``silu(gate) * up`` when gated.
@@ -15,6 +18,8 @@ class SharedExperts(nn.Module):
     Parameters (no biases): ``in_proj (hidden * (2 if gated else 1), d_model)`` (gate rows
     first), ``out_proj (d_model, hidden)``; ``hidden`` is the MoE layer's expert hidden size
     times its number of shared experts (n experts of one token fused into one MLP).
+    ``device`` is checked when built (``moe_model._checks.check_device``: ValueError naming it),
+    ``dtype`` too (None or a float dtype: TypeError naming it).
     """
 
     def __init__(
@@ -27,6 +32,9 @@ class SharedExperts(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        device = check_device(device)
+        if dtype is not None:
+            check_dtype(dtype, None, name="dtype")
         self.d_model, self.hidden, self.gated = d_model, hidden, gated
         h_in = hidden * (2 if gated else 1)
         self.in_proj = nn.Parameter(torch.empty(h_in, d_model, device=device, dtype=dtype))
