@@ -150,7 +150,7 @@ def test_to_blocked_per_group_3d(shape: tuple[int, int, int]) -> None:
                 torch.zeros(4, 4, dtype=torch.uint8), torch.zeros(0, dtype=torch.int32)
             ),
             ValueError,
-            "at least one group",
+            "group_end_offsets must hold between 1 and",
         ),
         (
             lambda: mx.compute_per_group_blocked_scale_offsets(torch.tensor([1.0, 2.0])),
@@ -294,4 +294,5 @@ def test_bound_relaunch_passes_what_the_first_launch_passed(monkeypatch) -> None
     s3 = rand_scales((2, 130, 5), seed=4).view(torch.uint8)
     expect_rebound(lambda: (tlay.to_blocked_per_group_3d(s3), s3), lambda r: (r[1], r[0]))
     tlay.to_blocked_per_group_2d(s[:, :36], ends)  # another signature: bound anew
-    assert len(tlay._BOUND) == 3 and calls[-1][2][4:8] == (36, 36, 2, 37)  # C, Cp, G, stride
+    # R (the bound of the group ends), C, Cp, G, stride
+    assert len(tlay._BOUND) == 3 and calls[-1][2][4:9] == (300, 36, 36, 2, 37)

@@ -53,8 +53,8 @@ def quant_oracle(v: torch.Tensor, live: list[bool] | None, ub: float | None):
             row = v32[i]
             finite = np.abs(row[~np.isnan(row)])
             m = np.float32(max(float(finite.max()) if finite.size else 0.0, np.float32(1e-12)))
-            if ub is not None and ub < m:
-                m = np.float32(ub)
+            if ub is not None and ub < m:  # a bound below the 1e-12 floor acts as the floor
+                m = np.float32(max(np.float32(ub), np.float32(1e-12)))
             s = np.float32(448.0) / m
             scale[i] = np.float32(1.0) / s
             y = row * s
@@ -295,6 +295,8 @@ def test_silu_mul_quant_special_values(ub):
         assert q[2, 0] == 0x00 and q[2, 1] == 0x80  # +-0
     if ub == 100.0:
         assert q[2, 4] == 0x7E and q[3, 4] == 0x7F  # inf saturates, -inf * 0 is NaN
+    if ub is not None and ub <= 0:  # floored at 1e-12: positive scales, signs kept
+        assert got.scale.gt(0).all() and q[2, 4] == 0x7E and q[2, 1] == 0xFE
 
 
 def test_silu_mul_quant_dead_rows_are_zero():

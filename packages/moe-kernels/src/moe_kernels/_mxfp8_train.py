@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_kernels._reference.mxfp8 import clamp_group_ends
 from moe_kernels.grouped_mm import grouped_weight_grad
 
 BLOCK = 32
@@ -51,9 +52,23 @@ def setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(a, b, offsets)
 
 
+def clamp_offsets(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(E,) int32 end offsets, each clamped into [previous clamped end, num_rows] (0 before the
+    first group): the forward's rule (``moe_kernels.mxfp8_grouped_mm``), sync-free."""
+    return clamp_group_ends(offsets, num_rows).to(torch.int32)
+
+
 def backward(ctx, grad_out: torch.Tensor):
     a, b, offsets = ctx.saved_tensors
     grad_a = grad_b = None
+    if b.shape[0] == 0:  # no experts: the forward was all zeros
+        return (
+            torch.zeros_like(a) if ctx.needs_input_grad[0] else None,
+            torch.zeros_like(b) if ctx.needs_input_grad[1] else None,
+            None,
+            None,
+        )
+    offsets = clamp_offsets(offsets, a.shape[0])
     if ctx.needs_input_grad[0]:
         grad_a = grad_input(grad_out, b, offsets, a.dtype)
     if ctx.needs_input_grad[1]:
@@ -94,13 +109,13 @@ def padded_rows(
     Returns src (Mp,) int64, the source row of every padded row (0 where ``valid`` is False),
     valid (Mp,) bool, and starts (E + 1,) int64, the padded group starts with starts[0] = 0 and
     starts[e + 1] = starts[e] + ceil(size_e / 32) * 32; Mp = (num_rows + 31 E) // 32 * 32.
-    Offsets are clamped to [0, num_rows] to stay memory-safe (invalid ones give unspecified
-    groups, as in the forward).
+    Each end offset is clamped into [previous clamped end, num_rows] to stay memory-safe (the
+    forward's rule: invalid offsets give unspecified groups, the same in both). E >= 1.
     """
     E = offsets.shape[0]
-    ends = offsets.to(torch.int64).clamp(0, num_rows)
+    ends = clamp_group_ends(offsets, num_rows)
     begins = torch.cat([ends.new_zeros(1), ends[:-1]])
-    sizes = (ends - begins).clamp(min=0)
+    sizes = ends - begins
     starts = torch.cat([ends.new_zeros(1), torch.cumsum((sizes + BLOCK - 1) // BLOCK * BLOCK, 0)])
     Mp = (num_rows + (BLOCK - 1) * E) // BLOCK * BLOCK
     rows = torch.arange(Mp, device=offsets.device, dtype=torch.int64)

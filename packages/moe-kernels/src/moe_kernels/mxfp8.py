@@ -80,12 +80,19 @@ def _check_x(x: torch.Tensor, dim: int) -> None:
         raise ValueError(f"x's {which} must be a multiple of 32, got shape {tuple(x.shape)}")
 
 
+_MAX_GROUPS = 2**24  # start rows are int32: 128 * G must leave room for the rows
+
+
 def _check_offsets(name: str, offs: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     v.dtype(name, offs, v.INDEX_DTYPES)
     v.rank(name, offs, 1)
-    if offs.shape[0] < 1:
-        raise ValueError(f"{name} must hold at least one group, got shape {tuple(offs.shape)}")
-    v.same_device(ref_name, ref, **{name: offs})
+    if not 1 <= offs.shape[0] < _MAX_GROUPS:
+        raise ValueError(
+            f"{name} must hold between 1 and {_MAX_GROUPS - 1} groups, got shape "
+            f"{tuple(offs.shape)}"
+        )
+    if ref is not None:
+        v.same_device(ref_name, ref, **{name: offs})
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,14 +263,14 @@ def compute_per_group_blocked_scale_offsets(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group sizes and padded start rows of row groups in the per-group blocked layout.
 
-    group_end_offsets: (G,) int32/int64, non-decreasing, last = R (not checked: no sync).
+    group_end_offsets: (G,) int32/int64, non-decreasing, last = R (not checked: no sync); each
+    end is clamped into [previous clamped end, 2**31 - 1 - 127 G] (0 before the first group),
+    so sizes are never negative and start_rows never overflows (results for offsets breaking
+    the contract are unspecified but deterministic). 1 <= G < 2**24.
     Returns group_sizes (G,) int32 and start_rows (G + 1,) int32 with start_rows[0] = 0,
     start_rows[g + 1] = start_rows[g] + ceil(size_g / 128) * 128. On the device, no sync.
     """
-    v.dtype("group_end_offsets", group_end_offsets, v.INDEX_DTYPES)
-    v.rank("group_end_offsets", group_end_offsets, 1)
-    if group_end_offsets.shape[0] < 1:
-        raise ValueError("group_end_offsets must hold at least one group, got shape (0,)")
+    _check_offsets("group_end_offsets", group_end_offsets, "", None)
     op = _group_offsets_impl if eager_direct(group_end_offsets) else _group_offsets_op
     return op(group_end_offsets)
 
@@ -296,14 +303,20 @@ def to_blocked_per_group_2d(
     """Blocked layout of row groups, each group on its own (for MXFP8 grouped GEMMs along M).
 
     scales: (R, C) e8m0fnu or uint8; group_end_offsets: (G,) int32/int64, non-decreasing, last = R
-    (not checked: no sync); any G >= 1, empty groups allowed.
+    (not checked: no sync); 1 <= G < 2**24, empty groups allowed. Memory-safe for any offsets:
+    each end is clamped into [previous clamped end, R] (0 before the first group), so every
+    group lies inside the scales (results for offsets breaking the contract are unspecified but
+    deterministic, the same on every path).
     Returns blocked (R + 128 * G, ceil(C/4)*4), same dtype: group g is ``to_blocked`` of its rows at
     rows [start_rows[g], start_rows[g+1]) (zero padding inside its tiles); rows past start_rows[G]
     are unspecified (not written). And start_rows (G + 1,) int32 as in
-    ``compute_per_group_blocked_scale_offsets``.
+    ``compute_per_group_blocked_scale_offsets`` (of the ends clamped to R).
     """
     _check_scales("scales", scales, 2)
     _check_offsets("group_end_offsets", group_end_offsets, "scales", scales)
+    R, G = scales.shape[0], group_end_offsets.shape[0]
+    if R + 128 * (G + 1) >= 2**31:  # int32 row arithmetic in the kernel
+        raise ValueError(f"scales' rows plus 128 per group must stay below 2**31, got R={R}, G={G}")
     op = _blocked_2d_impl if eager_direct(scales, group_end_offsets) else _blocked_2d_op
     blocked, start_rows = op(_as_u8(scales), group_end_offsets)
     return _as(blocked, scales.dtype), start_rows
@@ -385,6 +398,9 @@ def _mxfp8_grouped_mm_impl(
 ) -> torch.Tensor:
     M, K = a.shape
     E, _, N = b.shape
+    if E == 0:
+        return a.new_zeros((M, N), dtype=out_dtype)
+    offsets = _ref.clamp_group_ends(offsets, M).to(torch.int32)  # memory safety: see the docstring
     a_data, a_scale, b_data, b_scale = _quantize_operands(a, b)
     if _scaled_grouped_mm_ok(a.device):
         a_blk, _ = _blocked_2d_impl(a_scale.view(torch.uint8), offsets)
@@ -438,8 +454,11 @@ def mxfp8_grouped_mm(
 
     a: (M, K) bfloat16, rows grouped by expert; b: (E, K, N) bfloat16; offsets: (E,) int32 end
     offsets (non-decreasing, last <= M, as ``torch._grouped_mm`` takes them; not checked: no
-    sync); K % 32 == 0. Both operands are quantised with rceil scales along K: a row-wise
-    (``to_mxfp8``), each b[e] column-wise (``to_mxfp8_dim1``, blocks of 32 along K).
+    sync; each end is clamped into [previous clamped end, M], 0 before the first group, in the
+    forward and the backward, so offsets breaking the contract give unspecified but
+    memory-safe, deterministic results); K % 32 == 0. Both operands are quantised with rceil
+    scales along K: a row-wise (``to_mxfp8``), each b[e] column-wise (``to_mxfp8_dim1``, blocks
+    of 32 along K).
     Returns (M, N) ``out_dtype`` (bfloat16 or float32); rows past offsets[-1] are zero.
 
     Runs ``torch._scaled_grouped_mm`` with blocked scales on compute capability 10.x; elsewhere an

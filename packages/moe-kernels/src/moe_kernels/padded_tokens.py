@@ -56,7 +56,8 @@ def scatter_add_padded_tokens(
     int32/int64. in_tokens, token_counts and token_indices may be strided.
 
     Live positions: p < sum(token_counts) (and < T_K); the others are skipped, as are indices
-    outside [0, T) (memory-safe; undefined by contract, like negative counts, which count as 0).
+    outside [0, T) (memory-safe; undefined by contract, like counts outside [0, T_K], which are
+    clamped into it: negative counts count as 0, and huge ones cannot overflow the sums).
 
     Ordering: the contributions to one destination row are added in ascending p, each add in fp32
     rounded to out's dtype: exactly ``for p in live: out[idx[p]] = (out[idx[p]].float() +

@@ -24,8 +24,9 @@ input row or zero).
 Differences from FBGEMM: rows FBGEMM leaves unwritten (``torch.empty_like``) are zero here;
 tokens of any 1/2/4/8-byte dtype (a bit copy) and strided tokens / counts are accepted; counts
 that break the contract (negative, summing past T, or past a rank's padded block) are undefined
-by contract but memory-safe: negative counts count as zero, rows that would fall outside the
-tensor or outside their rank's padded block are not copied. No autograd: backward through an
+by contract but memory-safe: counts are clamped into [0, T] (negative counts count as zero, huge
+ones cannot overflow the offsets), rows that would fall outside the tensor or outside their
+rank's padded block are not copied. No autograd: backward through an
 output raises.
 """
 

@@ -143,10 +143,13 @@ def silu_mul_quant(
 
     Specials: NaN elements are left out of the row maximum and quantise to NaN (0x7F); an infinite
     element without scale_ub makes m = inf, s = 0 and scale = inf (its finite neighbours give
-    +-0, itself NaN); with scale_ub it saturates to +-448. A NaN scale_ub bounds nothing.
+    +-0, itself NaN); with scale_ub it saturates to +-448. scale_ub is meant to be positive (not
+    checked: no sync): a NaN bound bounds nothing, and a bound below 1e-12 (zero, negative, -inf)
+    acts as 1e-12, so scales stay positive (never sign-flipped data).
 
     Numerics: on the GPU v is ``silu_mul``'s (FBGEMM's bits) and the divisions FBGEMM's
-    ``div.full.f32``: the results equal FBGEMM's bit for bit. The CPU reference divides with IEEE
+    ``div.full.f32``: the results equal FBGEMM's bit for bit (but for a scale_ub below 1e-12,
+    which FBGEMM takes as it is). The CPU reference divides with IEEE
     division: scales within 2 ulp of the GPU's, data within one e4m3 step where a scale differs.
     """
     x0, x1 = _check_pair(x0, x1)

@@ -1,10 +1,13 @@
 """Pure-torch reference of the row-wise FP8 (e4m3fn) quantisation shared by ``silu_mul_quant``
 and ``gather_scale_quant_dense_tokens`` (the CPU path and the tests' oracle).
 
-FBGEMM's formula (``fbgemm_gpu.experimental.gen_ai.moe``), per row of fp32 values ``v``:
+FBGEMM's formula (``fbgemm_gpu.experimental.gen_ai.moe``), per row of fp32 values ``v``, with
+one difference, the bound's floor (FBGEMM takes a bound below 1e-12 as it is: a negative one
+gives negative scales and sign-flipped data):
 
 * ``m = max_j |v_j|``, NaN elements ignored (an all-NaN row has m = 0);
-* ``m = max(m, 1e-12)``, then ``m = scale_ub`` where ``scale_ub < m`` (a NaN bound is ignored);
+* ``m = max(m, 1e-12)``, then ``m = max(scale_ub, 1e-12)`` where ``scale_ub < m`` (a NaN bound
+  is ignored; a zero, negative or -inf bound gives m = 1e-12, so ``s`` is never negative);
 * ``s = 448 / m`` and the stored scale ``1 / s``, both IEEE divisions rounded to nearest;
 * ``q = e4m3fn(clamp(v * s, -448, 448))`` rounded to nearest even; NaN products (a NaN element,
   or an infinite one times ``s = 0``) give the NaN byte 0x7F.
@@ -29,10 +32,11 @@ def row_scales(
     amax_N: torch.Tensor, scale_ub: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, 1 / s) per row, fp32, from the NaN-free row maxima ``amax_N`` (fp32, >= 0)."""
-    m_N = torch.maximum(amax_N, torch.tensor(EPS, dtype=torch.float32, device=amax_N.device))
+    eps = torch.tensor(EPS, dtype=torch.float32, device=amax_N.device)
+    m_N = torch.maximum(amax_N, eps)
     if scale_ub is not None:
         ub = scale_ub.reshape(()).float()
-        m_N = torch.where(ub < m_N, ub, m_N)
+        m_N = torch.where(ub < m_N, torch.maximum(ub, eps), m_N)  # the bound floored at 1e-12
     # tensor / tensor: a true division (a Python scalar over a tensor is reciprocal * scalar)
     s_N = torch.full_like(m_N, FP8_MAX) / m_N
     return s_N, torch.ones_like(s_N) / s_N

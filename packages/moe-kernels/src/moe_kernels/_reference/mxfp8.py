@@ -107,15 +107,42 @@ def to_blocked(scale_RC: torch.Tensor) -> torch.Tensor:
     return out.view(scale_RC.dtype)
 
 
-def compute_per_group_blocked_scale_offsets(
-    group_end_offsets: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(G,) end offsets -> group sizes (G,) int32, start rows (G+1,) int32 of the padded groups."""
-    ends = group_end_offsets.to(torch.int32)
+INT32_MAX = 2**31 - 1
+
+
+def offsets_bound(num_groups: int) -> int:
+    """The largest end offset ``compute_per_group_blocked_scale_offsets`` keeps for G groups:
+    then start_rows[G] <= end + 127 G fits in int32."""
+    return INT32_MAX - 127 * num_groups
+
+
+def clamp_group_ends(group_end_offsets: torch.Tensor, bound: int) -> torch.Tensor:
+    """(G,) int64: each end offset clamped into [previous clamped end, bound] (0 before the
+    first group), i.e. the running maximum of the offsets clamped into [0, bound]: groups stay
+    non-decreasing and inside [0, bound] whatever the offsets hold (memory safety, no sync)."""
+    return group_end_offsets.to(torch.int64).clamp(0, bound).cummax(0).values
+
+
+def _group_layout(
+    group_end_offsets: torch.Tensor, bound: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(clamped ends, sizes, start rows), int32, of the groups clamped with ``bound``."""
+    ends = clamp_group_ends(group_end_offsets, bound).to(torch.int32)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     sizes = ends - starts
     padded = (sizes + (TILE_ROWS - 1)) // TILE_ROWS * TILE_ROWS
     start_rows = torch.cat([ends.new_zeros(1), torch.cumsum(padded, 0, dtype=torch.int32)])
+    return ends, sizes, start_rows
+
+
+def compute_per_group_blocked_scale_offsets(
+    group_end_offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(G,) end offsets -> group sizes (G,) int32, start rows (G+1,) int32 of the padded groups;
+    the offsets clamped by ``clamp_group_ends`` with ``offsets_bound(G)``."""
+    _, sizes, start_rows = _group_layout(
+        group_end_offsets, offsets_bound(group_end_offsets.shape[0])
+    )
     return sizes, start_rows
 
 
@@ -123,7 +150,8 @@ def to_blocked_per_group_2d(
     scale_RC: torch.Tensor, group_end_offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row group laid out with ``to_blocked`` at rows [start_rows[g], start_rows[g+1]) of a
-    (R + 128 * G, Cp) output; rows past start_rows[G] are left unspecified (here: zero).
+    (R + 128 * G, Cp) output; rows past start_rows[G] are left unspecified (here: zero). The end
+    offsets are clamped by ``clamp_group_ends`` with bound R (every group inside the scales).
 
     Sync-free: every group is handled with static shapes (a gather over the whole output with a
     per-row source index), so this is also the compile-friendly form.
@@ -133,8 +161,8 @@ def to_blocked_per_group_2d(
     Cp = ceil_to(C, TILE_COLS)
     R_out = R + TILE_ROWS * G
     dev = scale_RC.device
-    sizes, start_rows = compute_per_group_blocked_scale_offsets(group_end_offsets)
-    in_starts = group_end_offsets.to(torch.int32) - sizes
+    ends, sizes, start_rows = _group_layout(group_end_offsets, R)
+    in_starts = ends - sizes
     # For every output row (in the un-swizzled, row-major picture): its group and source row.
     out_rows = torch.arange(R_out, device=dev, dtype=torch.int32)
     g = torch.searchsorted(start_rows[1:], out_rows, right=True).clamp(max=G - 1)

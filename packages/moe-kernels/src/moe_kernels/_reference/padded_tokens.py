@@ -21,12 +21,13 @@ def position_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows (T_K,) int64, total (1,) int64): position p's row ``rank(p) * rank_rows + p`` in the
     (EP * rank_rows, D) view of in_tokens, and the number of live positions (the sum of the
-    counts, negatives as zero). Positions past the total get the last rank's row (dead anyway)."""
+    counts, each clamped into [0, T_K]: negatives count as zero, and no sum overflows).
+    Positions past the total get the last rank's row (dead anyway)."""
     num_experts = counts_E.shape[0]
     p_P = torch.arange(num_positions, device=counts_E.device)
     if num_experts == 0:
         return p_P, p_P.new_zeros(1)
-    k_RG = counts_E.long().clamp_min(0).view(num_ranks, num_experts // num_ranks)
+    k_RG = counts_E.long().clamp(0, num_positions).view(num_ranks, num_experts // num_ranks)
     rank_end_R = k_RG.sum(1).cumsum(0)  # positions of the ranks <= r
     rank_P = torch.searchsorted(rank_end_R, p_P, right=True).clamp_max(num_ranks - 1)
     return rank_P * rank_rows + p_P, rank_end_R[-1:]

@@ -8,10 +8,11 @@ Both ops copy (rank, expert) chunks of rows between two layouts of the same (T, 
   ranks, compact from row 0.
 
 ``combine`` reads B and writes A, ``split`` reads A and writes B. Every output row is either the
-copy of one input row or zero. Negative counts count as zero; a chunk's rows that fall outside
-the input, or (padded side) past its rank's block of ``T // EP`` rows, are not copied. So chunks
-never overlap in either layout and every output row has at most one source: the result is
-defined (and deterministic) even for counts that break the contract.
+copy of one input row or zero. Counts are clamped into [0, T] (negatives count as zero; a count
+above T moves no row that stays inside the buffers, and no sum can overflow); a chunk's rows that
+fall outside the input, or (padded side) past its rank's block of ``T // EP`` rows, are not
+copied. So chunks never overlap in either layout and every output row has at most one source:
+the result is defined (and deterministic) even for counts that break the contract.
 
 The Triton kernel (``moe_kernels._triton.shuffling``) computes the same row map in registers.
 Inputs are assumed checked by ``moe_kernels.shuffling``; nothing here reads a value back to the
@@ -30,7 +31,7 @@ def chunk_tables(
     the order of the output layout (so out_start never decreases): the chunk's first output row,
     its first input row and how many of its rows are copied."""
     num_ranks = counts_RE.shape[0]
-    k_RE = counts_RE.long().clamp_min(0)
+    k_RE = counts_RE.long().clamp(0, num_rows)
     k_RG = k_RE[:, start:end]
     zero_R1 = k_RE.new_zeros((num_ranks, 1))
     # B: rows of rank r before expert e (over all columns), and the rank's first row

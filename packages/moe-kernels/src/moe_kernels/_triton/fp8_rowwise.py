@@ -3,10 +3,10 @@
 typed override: ``RowConfig``).
 
 The formula is ``moe_kernels._reference.fp8_rowwise``'s, step for step: NaN-free row maxima, the
-1e-12 floor, the optional bound read on the device, ``s = 448 / m`` and ``1 / s``, then
-``e4m3fn(clamp(v * s, -448, 448))`` with 0x7F for NaN products. NaNs are handled with explicit
-selects: the GPU's min/max ignore NaN operands and the interpreter's propagate them (3.5, 3.6) or
-not (3.8), so nothing here leaves a NaN to either.
+1e-12 floor, the optional bound read on the device (floored at 1e-12 too), ``s = 448 / m`` and
+``1 / s``, then ``e4m3fn(clamp(v * s, -448, 448))`` with 0x7F for NaN products. NaNs are handled
+with explicit selects: the GPU's min/max ignore NaN operands and the interpreter's propagate them
+(3.5, 3.6) or not (3.8), so nothing here leaves a NaN to either.
 
 Division: Triton's fp32 ``/`` compiles to ``div.full.f32`` (approximate, up to 2 ulp; read in the
 sm_90a PTX of Triton 3.5, 3.6 and 3.8: ``tests/test_swiglu.py``), which is what FBGEMM's kernels
@@ -42,11 +42,12 @@ def row_absmax(v):
 @triton.jit
 def row_scales(amax, ub_ptr, HAS_UB: tl.constexpr, IEEE_DIV: tl.constexpr):
     """(s, 1 / s) from NaN-free row maxima: m = max(amax, 1e-12), then the bound *ub_ptr where
-    it is smaller (a NaN bound never is), s = 448 / m."""
+    it is smaller (a NaN bound never is), raised to the 1e-12 floor (a zero, negative or -inf
+    bound gives m = 1e-12: s stays positive and finite), s = 448 / m."""
     m = tl.maximum(amax, 1e-12)
     if HAS_UB:
         ub = tl.load(ub_ptr).to(tl.float32)
-        m = tl.where(ub < m, ub, m)
+        m = tl.where(ub < m, tl.maximum(ub, 1e-12), m)
     if IEEE_DIV:
         s = tl.math.div_rn(tl.full(m.shape, 448.0, tl.float32), m)
         inv = tl.math.div_rn(tl.full(m.shape, 1.0, tl.float32), s)

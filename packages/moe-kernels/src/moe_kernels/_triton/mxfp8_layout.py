@@ -40,22 +40,34 @@ def _store_tile(out_ptr, tile_base, x, Cp, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _group_layout(ends, starts, gmask):
-    """From the (GP,) end and start offsets of the groups: (sizes, cum) as (GP,) int32, cum[g] =
-    start_rows[g + 1]. (The kernels load the offsets themselves: a helper's results derived
-    from a pointer argument make Inductor's mutation analysis count the pointer as written.)"""
-    sizes = tl.where(gmask, ends - starts, 0)
-    cum = tl.cumsum((sizes + 127) // 128 * 128, axis=0)
-    return sizes, cum
+def _max_fn(a, b):
+    return tl.maximum(a, b)
 
 
 @triton.jit
-def _group_offsets_kernel(ends_ptr, sizes_ptr, start_rows_ptr, G, GP: tl.constexpr):
+def _group_layout(ends, prev, gmask, bound):
+    """(starts, sizes, cum) as (GP,) int32 from the loaded (GP,) end offsets ``ends`` and
+    ``prev`` (the previous group's end, 0 for the first): group g holds input rows [starts[g],
+    starts[g] + sizes[g]), cum[g] = start_rows[g + 1]. Each end is clamped into [previous
+    clamped end, bound] (``_reference.mxfp8.clamp_group_ends``): the running maximum of the
+    offsets clamped into [0, bound], in the offsets' own dtype before the int32 cast (int64
+    values past int32 saturate, never wrap). (The kernels load the offsets themselves: a
+    helper's results derived from a pointer argument make Inductor's mutation analysis count
+    the pointer as written.)"""
+    ends = tl.associative_scan(tl.minimum(tl.maximum(ends, 0), bound).to(tl.int32), 0, _max_fn)
+    starts = tl.associative_scan(tl.minimum(tl.maximum(prev, 0), bound).to(tl.int32), 0, _max_fn)
+    sizes = tl.where(gmask, ends - starts, 0)
+    cum = tl.cumsum((sizes + 127) // 128 * 128, axis=0)
+    return starts, sizes, cum
+
+
+@triton.jit
+def _group_offsets_kernel(ends_ptr, sizes_ptr, start_rows_ptr, G, bound, GP: tl.constexpr):
     gi = tl.arange(0, GP)
     gmask = gi < G
-    ends = tl.load(ends_ptr + gi, mask=gmask, other=0).to(tl.int32)
-    starts = tl.load(ends_ptr + gi - 1, mask=gmask & (gi > 0), other=0).to(tl.int32)
-    sizes, cum = _group_layout(ends, starts, gmask)
+    ends = tl.load(ends_ptr + gi, mask=gmask, other=0)
+    prev = tl.load(ends_ptr + gi - 1, mask=gmask & (gi > 0), other=0)
+    _, sizes, cum = _group_layout(ends, prev, gmask, bound)
     tl.store(sizes_ptr + gi, sizes, gmask)
     tl.store(start_rows_ptr + gi, tl.zeros_like(gi), gi == 0)
     tl.store(start_rows_ptr + 1 + gi, cum, gmask)
@@ -67,6 +79,7 @@ def _blocked_2d_groups_kernel(
     ends_ptr,
     out_ptr,
     start_rows_ptr,
+    R,
     C,
     Cp,
     G,
@@ -74,12 +87,14 @@ def _blocked_2d_groups_kernel(
     GP: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """Groups clamped into [0, R] (``_group_layout``): every source row read is < R, and every
+    tile written lies below start_rows[G] <= R + 127 G, inside the (R + 128 G, Cp) output."""
     tile = tl.program_id(0)
     gi = tl.arange(0, GP)
     gmask = gi < G
-    ends = tl.load(ends_ptr + gi, mask=gmask, other=0).to(tl.int32)
-    starts = tl.load(ends_ptr + gi - 1, mask=gmask & (gi > 0), other=0).to(tl.int32)
-    sizes, cum = _group_layout(ends, starts, gmask)
+    ends = tl.load(ends_ptr + gi, mask=gmask, other=0)
+    prev = tl.load(ends_ptr + gi - 1, mask=gmask & (gi > 0), other=0)
+    starts, sizes, cum = _group_layout(ends, prev, gmask, R)
     if (tile == 0) & (tl.program_id(1) == 0):
         tl.store(start_rows_ptr + gi, tl.zeros_like(gi), gi == 0)
         tl.store(start_rows_ptr + 1 + gi, cum, gmask)
@@ -181,13 +196,15 @@ def _launch(kernel: FastKernel, key: tuple | None, grid: tuple, tensors: tuple, 
 
 
 def group_offsets(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(G,) end offsets -> sizes (G,) int32, start_rows (G + 1,) int32."""
+    """(G,) end offsets -> sizes (G,) int32, start_rows (G + 1,) int32; the ends clamped into
+    [previous clamped end, 2**31 - 1 - 127 G] (start_rows cannot overflow)."""
     G = group_end_offsets.shape[0]
     dev = group_end_offsets.device
     sizes = torch.empty(G, dtype=torch.int32, device=dev)
     start_rows = torch.empty(G + 1, dtype=torch.int32, device=dev)
+    bound = 2**31 - 1 - 127 * G  # _reference.mxfp8.offsets_bound
     _group_offsets.launch(
-        (1,), (group_end_offsets, sizes, start_rows, G), dict(GP=max(2, next_pow2(G)))
+        (1,), (group_end_offsets, sizes, start_rows, G, bound), dict(GP=max(2, next_pow2(G)))
     )
     return sizes, start_rows
 
@@ -199,7 +216,8 @@ def to_blocked_per_group_2d(
     block_c: int | None = None,
     warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(R, C) uint8 scales + (G,) end offsets -> ((R + 128 G, Cp) blocked, (G + 1,) start rows)."""
+    """(R, C) uint8 scales + (G,) end offsets -> ((R + 128 G, Cp) blocked, (G + 1,) start rows);
+    the ends clamped into [previous clamped end, R]."""
     if scale_RC.stride(-1) != 1:
         scale_RC = scale_RC.contiguous()
     if scale_RC.dtype != torch.uint8:  # e8m0: no Triton pointer type
@@ -215,8 +233,9 @@ def to_blocked_per_group_2d(
     tensors = (scale_RC, group_end_offsets, out, start_rows)
     if not _bound_launch(key, tensors):
         bc, nw = _block_c(C, block_c, warps)
-        grid = (cdiv(R, 128) + G, cdiv(Cp, bc))
-        ints = (C, Cp, G, scale_RC.stride(0))
+        # at least one column program: program (0, 0) writes start_rows, also where C = 0
+        grid = (cdiv(R, 128) + G, max(1, cdiv(Cp, bc)))
+        ints = (R, C, Cp, G, scale_RC.stride(0))
         _launch(_blocked_2d_groups, key, grid, tensors, ints,
                 dict(GP=max(2, next_pow2(G)), BLOCK_C=bc), nw)  # fmt: skip
     return out, start_rows

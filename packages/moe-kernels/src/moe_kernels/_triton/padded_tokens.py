@@ -65,13 +65,14 @@ def _scatter_scan_kernel(
     col_in = cols < D
     out_ty = out_ptr.dtype.element_ty
 
-    # rank_end[r]: positions of the ranks <= r (negative counts as 0); past EP: the total
+    # rank_end[r]: positions of the ranks <= r, each count clamped into [0, T_K] (no sum can
+    # overflow, so rank_end never decreases and every rank found is < EP); past EP: the total
     r = tl.arange(0, BLOCK_EP)
     rank_end = tl.zeros((BLOCK_EP,), tl.int64)
     for i in range(N_EBLK):
         e = i * BLOCK_E + tl.arange(0, BLOCK_E)
         k = tl.load(counts_ptr + e * stride_c, mask=e < E, other=0).to(tl.int64)
-        k = tl.maximum(k, 0)
+        k = tl.minimum(tl.maximum(k, 0), P)
         mine = e[None, :] < (r[:, None] + 1) * EPR
         rank_end += tl.sum(tl.where(mine, k[None, :], 0), axis=1)
     limit = tl.minimum(tl.max(rank_end, axis=0), P)  # live positions: p < min(total, T_K)

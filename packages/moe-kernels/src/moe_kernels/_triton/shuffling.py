@@ -13,8 +13,8 @@ a range of D_ITERS * BLOCK_D columns. It first finds each of its rows' source fr
 
 Then it copies the rows (or writes zeros): plain loads and stores, a bit copy (dtypes Triton does
 not know go through an integer view), 16-byte vectors along D where D and the strides allow. Row
-offsets are int64; counts are summed in int64. Nothing here checks arguments:
-``moe_kernels.shuffling`` does.
+offsets are int64; counts are clamped into [0, T] and summed in int64. Nothing here checks
+arguments: ``moe_kernels.shuffling`` does.
 """
 
 from __future__ import annotations
@@ -66,14 +66,15 @@ def _shuffle_kernel(
     r_ok = r < EP
     r64 = r.to(tl.int64)
 
-    # 1. per rank: rows over all experts, rows of the experts before `start` (negatives as 0)
+    # 1. per rank: rows over all experts, rows of the experts before `start`; every count is
+    # clamped into [0, T] (negatives as 0; the sums cannot overflow, so chunks stay disjoint)
     rank_rows = tl.zeros((BLOCK_EP,), tl.int64)
     pre_start = tl.zeros((BLOCK_EP,), tl.int64)
     for i in range(N_EBLK):
         e = i * BLOCK_E + tl.arange(0, BLOCK_E)
         m = r_ok[:, None] & (e < E)[None, :]
         c = tl.load(counts_ptr + r[:, None] * stride_cr + e[None, :] * stride_ce, mask=m, other=0)
-        k = tl.maximum(c.to(tl.int64), 0)
+        k = tl.minimum(tl.maximum(c.to(tl.int64), 0), T)
         rank_rows += tl.sum(k, axis=1)
         pre_start += tl.sum(tl.where(e[None, :] < start, k, 0), axis=1)
     rank_first = tl.cumsum(rank_rows, 0) - rank_rows  # unpadded rank-first base of each rank
@@ -91,7 +92,7 @@ def _shuffle_kernel(
         m = r_ok[:, None] & g_ok[None, :]
         ptrs = counts_ptr + r[:, None] * stride_cr + (start + g)[None, :] * stride_ce
         raw = tl.load(ptrs, mask=m, other=0).to(tl.int64)
-        k = tl.maximum(raw, 0)
+        k = tl.minimum(tl.maximum(raw, 0), T)
         col = tl.sum(k, axis=0)
         if COMBINE:
             raw_col = tl.sum(raw, axis=0)
