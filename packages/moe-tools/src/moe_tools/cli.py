@@ -1,7 +1,9 @@
 """``moe-bench``: the parser is built from the commands (``moe_tools.commands``, each module owns
 its arguments, run, markdown and plot); this file prints, saves and turns errors into exit
-statuses: 0 ok, 1 a check failed (``verify``) or memory ran out, 2 a bad argument (one line on
-stderr, no traceback; ``MOE_BENCH_TRACEBACK=1`` shows it)."""
+statuses: 0 ok, 1 a check failed (``verify``), memory ran out or a result could not be written
+(it is still printed), 2 a bad argument (one line on stderr naming it, no traceback;
+``MOE_BENCH_TRACEBACK=1`` shows it). Every path and number is checked before measuring: the
+argument types of ``moe_tools.command`` when parsing, the files a run writes in ``_measure``."""
 
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from typing import Any, NoReturn
 import torch
 
 from moe_tools import __version__, report
-from moe_tools.command import Command, UsageError, device, output_path
+from moe_tools import command as cmd
+from moe_tools.command import Command, UsageError
 from moe_tools.commands import MEASURING
 from moe_tools.env import environment, format_environment
-from moe_tools.plots import require_matplotlib
+from moe_tools.plots import plot_format_error, require_matplotlib
 from moe_tools.results import Result, make_document, saved_path, write_json
 from moe_tools.tables import format_table
 
@@ -36,18 +39,22 @@ class Parser(argparse.ArgumentParser):
 def _common_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--device", type=device, default="auto", help="cpu, cuda, cuda:N or auto (default)"
+        "--device", type=cmd.device, default="auto", help="cpu, cuda, cuda:N or auto (default)"
     )
     common.add_argument(
-        "--json", type=output_path, metavar="PATH", help="also write the rows and environment here"
+        "--json",
+        type=cmd.output_path,
+        metavar="PATH",
+        help="also write the rows and environment here",
     )
     common.add_argument(
         "--save",
+        type=cmd.output_dir,
         metavar="DIR",
         help="write the result as current data: DIR/<machine>/<name>.json, replacing the last "
         "run of the same command (e.g. --save benchmarks/results)",
     )
-    common.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    common.add_argument("--seed", type=cmd.seed, default=0, help="random seed, 64 bits (default 0)")
     common.add_argument("--no-progress", action="store_true", help="no progress bars")
     return common
 
@@ -79,20 +86,30 @@ def _args_dict(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _measure(command: Command, args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Print the environment, run, print the table and notes, write JSON and the plot."""
+    """Check what the run writes, print the environment, run, print the table and notes, then
+    write JSON and the plot: a file that cannot be written is one line naming its flag (exit
+    status 1), after the result is printed."""
     if getattr(args, "plot", None):
         try:
             require_matplotlib()  # fail before the measurements, not after
         except RuntimeError as exc:
             raise UsageError(str(exc)) from None
+        problem = plot_format_error(args.plot)
+        if problem:
+            raise UsageError(problem)
     env = environment(args.device)
-    print(format_environment(env), flush=True)
     name = command.result_name(args)
-    targets = [Path(p) for p in (args.json,) if p]
+    targets = [("--json", Path(args.json))] if args.json else []
     if args.save:
-        targets.append(saved_path(args.save, env["machine"], name))
+        targets.append(("--save", saved_path(args.save, env["machine"], name)))
+    for flag, path in targets:  # --save's <machine>/<name>.json is known only now
+        problem = cmd.writable_error(path)
+        if problem:
+            raise UsageError(f"{flag} {path}: {problem}")
+    print(format_environment(env), flush=True)
 
-    def write(result: Result) -> list[Path]:
+    def write(result: Result) -> list[tuple[str, Path, OSError | None]]:
+        """Write every JSON target: (flag, path, the error or None) each."""
         doc = make_document(
             result.command,
             result.rows,
@@ -103,21 +120,39 @@ def _measure(command: Command, args: argparse.Namespace, argv: Sequence[str]) ->
             cmdline=shlex.join(["moe-bench", *argv]),
             extra=result.extra,
         )
-        return [write_json(path, doc) for path in targets]
+        done = []
+        for flag, path in targets:
+            try:
+                done.append((flag, write_json(path, doc), None))
+            except OSError as exc:
+                done.append((flag, path, exc))
+        return done
 
+    # a checkpoint (a sweep's progress) that cannot be written does not stop the run: the final
+    # write reports it
     result = command.run(args, write if targets else None)
     print(result.text if result.text is not None else format_table(result.rows, result.columns))
     for line in result.extra.get("notes", []):
         print(f"# {line}")
-    for path in write(result):
-        print(f"# wrote {path}")
+    status = 0
+    written = write(result)
     if command.plot is not None and getattr(args, "plot", None):
-        print(f"# wrote {command.plot(result, args.plot)}")
+        try:
+            written.append(("--plot", command.plot(result, args.plot), None))
+        except OSError as exc:
+            written.append(("--plot", Path(args.plot), exc))
+    for flag, path, exc in written:
+        if exc is None:
+            print(f"# wrote {path}")
+        else:
+            print(f"moe-bench {command.name}: error: {flag} {path}: not written: "
+                  f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
+            status = 1
     failed = result.extra.get("failed", 0)
     if failed:
         print(f"# {command.name}: {failed} check(s) FAILED", file=sys.stderr)
         return 1
-    return 0
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -93,18 +93,34 @@ def device(text: str) -> torch.device:
     return dev
 
 
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+INT64_MAX = 2**63 - 1  # a count or size must fit a torch size (int64)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes
 
 
-def non_negative(text: str) -> int:
-    return 0 if text.strip() == "0" else positive(text)
+def integer(lo: int, hi: int, what: str = "an integer") -> Callable[[str], int]:
+    """An integer in [lo, hi]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what} in [{lo}, {hi}], got {value}")
+        return value
+
+    return parse
+
+
+positive = integer(1, INT64_MAX, "a positive integer")
+non_negative = integer(0, INT64_MAX, "a non-negative integer")
+seed = integer(*SEED_RANGE, "a 64-bit seed")
+
+
+def derived_seed(value: int) -> int:
+    """A seed computed from ``--seed`` (seed + 1, seed * 1000 + rank) wrapped into torch's range
+    (torch.manual_seed takes a negative seed as its 64-bit two's complement: the same stream)."""
+    return value % 2**64
 
 
 def positive_float(text: str) -> float:
@@ -144,14 +160,53 @@ def choices_csv(known: Sequence[str] | Callable[[], Sequence[str]]) -> Callable[
     return parse
 
 
+def writable_error(text: str | os.PathLike[str], *, folder: bool = False) -> str | None:
+    """Why ``text`` (a file to write, or with ``folder`` a folder to write into) cannot be
+    written, or None. Rules: not empty; a file path is not a folder, a folder path is not a
+    file; the path itself, when it exists, and the nearest existing folder above it (the
+    missing ones are created) are writable."""
+    if not os.fspath(text):
+        return "empty path"
+    path = Path(text)
+    try:
+        if folder and path.exists() and not path.is_dir():
+            return f"{str(path)!r} is a file, not a folder"
+        if not folder and path.is_dir():
+            return f"{str(path)!r} is a folder"
+        if path.exists() and not os.access(path, os.W_OK):
+            return f"cannot write {str(path)!r}: permission denied"
+        probe = path.absolute().parent
+        while not probe.exists():
+            probe = probe.parent
+        if not probe.is_dir():
+            return f"cannot write under {str(probe)!r}: not a folder"
+        if not os.access(probe, os.W_OK | os.X_OK):
+            return f"cannot write under {str(probe)!r}: permission denied"
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte
+        return f"cannot write {str(path)!r}: {exc}"
+    return None
+
+
 def output_path(text: str) -> str:
-    """A file to write: its folder must exist or be creatable (checked before measuring)."""
-    parent = Path(text).expanduser().resolve().parent
-    probe = parent
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write under {str(probe)!r}")
+    """A file to write (--json, --plot, --out): checked before measuring."""
+    problem = writable_error(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A folder to write into (--save): checked before measuring."""
+    problem = writable_error(text, folder=True)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def input_dir(text: str) -> str:
+    """A folder to read (--results): not empty (whether it exists is the command's check)."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty path")
     return text
 
 

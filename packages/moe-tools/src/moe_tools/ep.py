@@ -68,9 +68,10 @@ def under_torchrun() -> bool:
 
 
 def quiet_other_ranks(args: Any) -> None:
-    """Under torchrun only rank 0 prints and writes JSON (the CLI calls this first)."""
+    """Under torchrun only rank 0 prints and writes JSON (--json, --save; the CLI calls this
+    first)."""
     if under_torchrun() and os.environ.get("RANK", "0") != "0":
-        args.json = None
+        args.json = args.save = None
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
 
 
@@ -116,15 +117,55 @@ def run(
     if under_torchrun():
         if world_sizes:
             raise cmd.UsageError("under torchrun the world size is torchrun's: drop --world-sizes")
+        world = int(os.environ["WORLD_SIZE"])
+        host_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        check_group(params, [world], device, host_ranks, "torchrun's world size")
         rows = _group_rows(params)
-        extra["world_sizes"] = [int(os.environ["WORLD_SIZE"])]
+        extra["world_sizes"] = [world]
         return Result("ep", rows, COLUMNS, extra)
     world_sizes = list(world_sizes or ([1, 2] if not cuda else _cuda_worlds()))
+    check_group(params, world_sizes, device, max(world_sizes), "--world-sizes")
     extra["world_sizes"] = world_sizes
     rows: list[Row] = []
     for world in world_sizes:
         rows += _spawned_rows(params, world)
     return Result("ep", rows, COLUMNS, extra)
+
+
+def check_group(
+    params: dict[str, Any],
+    world_sizes: Sequence[int],
+    device: torch.device,
+    host_ranks: int,
+    flag: str,
+) -> None:
+    """UsageError before any rank starts: a world size above every shape's expert count (each
+    rank holds E / W experts), or a shape whose layer and tokens would not fit ``device`` (on
+    the CPU ``host_ranks`` ranks share it; on CUDA each rank has its GPU)."""
+    from moe_tools.matrix import layer_bytes
+    from moe_tools.memory import GIB, check_fits
+
+    most = max(SHAPES[s]["n_experts"] for s in params["shapes"])
+    for world in world_sizes:
+        if world > most:
+            raise cmd.UsageError(
+                f"{flag} {world}: more ranks than experts ({most} at most for "
+                f"{', '.join(params['shapes'])}); each rank holds E / W of them"
+            )
+    ranks = host_ranks if device.type == "cpu" else 1
+    dtype = getattr(torch, params["dtype"])
+    for shape in params["shapes"]:
+        sizes = {k: v for k, v in SHAPES[shape].items() if k != "tokens"}
+        tokens = params["tokens"] or SHAPES[shape]["tokens"]
+        weights, activations = layer_bytes(sizes, tokens, dtype)  # the full layer and its copy
+        check_fits(
+            f"ep's {shape} layer at {tokens} tokens per rank",
+            ranks * (2 * weights + activations),
+            device,
+            f"{ranks} rank(s) x (2 x {weights / GIB:.1f} GiB of weights, about "
+            f"{activations / GIB:.1f} GiB of activations)",
+            f"Fewer --tokens or a smaller {flag}.",
+        )
 
 
 def _cuda_worlds() -> list[int]:
@@ -137,6 +178,13 @@ def _spawned_rows(params: dict[str, Any], world: int) -> list[Row]:
     if params["device"] == "cuda" and world > torch.cuda.device_count():
         return [
             _row(params, s, world, m, f"unavailable: {world} GPUs needed")
+            for s in params["shapes"]
+            for m in params["modes"]
+        ]
+    experts = {s: SHAPES[s]["n_experts"] for s in params["shapes"]}
+    if all(e % world for e in experts.values()):  # no rank would measure: start none
+        return [
+            _row(params, s, world, m, f"unavailable: E={experts[s]} not divisible by {world}")
             for s in params["shapes"]
             for m in params["modes"]
         ]
@@ -233,7 +281,7 @@ def _measure(params: dict[str, Any], shape: str, mode: str, device: torch.device
     if full.n_experts % world:
         row["status"] = f"unavailable: E={full.n_experts} not divisible by {world}"
         return row
-    gen = torch.Generator().manual_seed(params["seed"] * 1000 + rank)
+    gen = torch.Generator().manual_seed(cmd.derived_seed(params["seed"] * 1000 + rank))
     dtype = getattr(torch, params["dtype"])
     x = torch.randn(tokens, full.d_model, generator=gen).to(device=device, dtype=dtype)
     with torch.no_grad():

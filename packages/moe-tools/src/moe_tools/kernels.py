@@ -215,6 +215,7 @@ def format_rows(rows: Sequence[Row]) -> str:
 # the command
 
 SWEEP_ONLY = ("sweep_T", "sweep_E", "sweep_k", "sweep_dtypes", "jobs")
+MAX_JOBS = 1024  # --jobs: compile processes (the sweep starts at most one per shape)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -241,7 +242,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     sweep.add_argument(
         "--jobs",
-        type=cmd.non_negative,
+        type=cmd.integer(0, MAX_JOBS, "a process count"),
         default=0,
         metavar="N",
         help="on CUDA: compile every plan first in N processes (default 0: inline)",

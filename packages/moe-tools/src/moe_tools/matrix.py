@@ -23,7 +23,7 @@ import torch
 
 from moe_tools import command as cmd
 from moe_tools import tables
-from moe_tools.memory import check_fits, module_bytes
+from moe_tools.memory import check_fits, check_top_k, meta_bytes
 from moe_tools.results import Result, slug
 from moe_tools.tables import Row, short_error
 from moe_tools.timing import default_device, graph_time_fn, time_fn
@@ -100,7 +100,7 @@ def build_layer(
 
     device = torch.device(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
+        torch.manual_seed(cmd.derived_seed(seed))  # train's teacher: --seed + 1
         layer = MoELayer(**sizes, impl=impl, device=device, dtype=dtype)
     return layer.eval().requires_grad_(False)
 
@@ -201,12 +201,23 @@ def run(
     return Result("matrix", rows, COLUMNS, extra)
 
 
+SHRINK_HINT = (
+    "Shrink it for a quick look: --experts, --hidden, --d-model (e.g. --experts 16 --hidden 256), "
+    "or fewer --tokens."
+)
+
+
 def layer_bytes(sizes: dict[str, Any], tokens: int, dtype: torch.dtype) -> tuple[int, int]:
     """(weights, activations) bytes of a matrix run: the layer's parameters (built on the meta
     device), and its largest intermediates at ``tokens`` tokens in fp32 (x, the T*k dispatched
     rows, the expert hidden states, the outputs kept for the drift columns), twice over for the
     compiled variant's buffers."""
-    weights = module_bytes(build_layer(sizes, torch.device("meta"), dtype, seed=0))
+    check_top_k(sizes)
+    weights = meta_bytes(
+        lambda: build_layer(sizes, torch.device("meta"), dtype, seed=0),
+        f"the layer (E={sizes['n_experts']}, d_model {sizes['d_model']}, hidden {sizes['hidden']})",
+        SHRINK_HINT,
+    )
     k, d = sizes["top_k"], sizes["d_model"]
     hidden = sizes["hidden"] * (3 if sizes.get("gated") else 2)
     activations = 2 * 4 * (tokens * k * (2 * d + hidden) + 6 * tokens * d)
@@ -226,8 +237,7 @@ def check_layer_fits(
         torch.device(device),
         f"{weights / 2**30:.1f} GiB of weights in {name}, about {activations / 2**30:.1f} GiB of "
         f"activations at {tokens} tokens",
-        "Shrink it for a quick look: --experts, --hidden, --d-model (e.g. --experts 16 --hidden "
-        "256), or fewer --tokens.",
+        SHRINK_HINT,
     )
 
 

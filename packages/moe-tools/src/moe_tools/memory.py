@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -41,6 +43,26 @@ def check_fits(what: str, need: int, device: torch.device, detail: str, hint: st
         f"{what} needs about {need / GIB:.1f} GiB ({detail}); {device} has "
         f"{free / GIB:.1f} GiB free. {hint}"
     )
+
+
+def check_top_k(sizes: Mapping[str, Any]) -> None:
+    """UsageError naming the flags when a layer's ``top_k`` is more than its ``n_experts`` (the
+    preset's value, or ``--top-k`` / ``--experts``)."""
+    k, e = sizes["top_k"], sizes["n_experts"]
+    if k > e:
+        raise UsageError(f"--top-k / --experts: top_k {k} is more than the layer's {e} experts")
+
+
+def meta_bytes(build: Callable[[], torch.nn.Module], what: str, hint: str) -> int:
+    """:func:`module_bytes` of the module ``build()`` makes on the meta device; UsageError (with
+    ``hint``, the flags that shrink it) when one of its tensors would hold more than 2**63 - 1
+    bytes (torch's size arithmetic overflows)."""
+    try:
+        return module_bytes(build())
+    except RuntimeError as exc:
+        if "overflow" not in str(exc).lower():
+            raise
+        raise UsageError(f"{what} has a tensor too large for int64 sizes. {hint}") from None
 
 
 def module_bytes(module: torch.nn.Module) -> int:

@@ -26,6 +26,18 @@ def require_matplotlib() -> None:
     pyplot()
 
 
+def plot_format_error(path: str | os.PathLike[str]) -> str | None:
+    """Why matplotlib cannot write ``path`` (its suffix names no format it knows), or None; a
+    path without a suffix gets matplotlib's default format."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix.lower().lstrip(".")
+    known = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in known:
+        return f"--plot {os.fspath(path)}: unknown format {suffix!r}; use one of {', '.join(known)}"
+    return None
+
+
 def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> Path:
     """Write a matplotlib figure to ``path`` (folders created), close it, return the path."""
     import matplotlib.pyplot as plt

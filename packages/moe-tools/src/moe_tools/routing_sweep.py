@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from moe_tools.memory import check_fits
 from moe_tools.ops.routing import torch_route
 from moe_tools.ops.spec import fbgemm_ops
 from moe_tools.results import Result
@@ -106,6 +107,25 @@ def make_grid(
         axis(k, FULL_K, QUICK_K),
         tuple(d for d in DTYPES if d in (dtypes or DTYPES)),
         tuple(o for o in OPS if o in (ops or OPS)),
+    )
+
+
+def check_grid(grid: Grid, device: torch.device) -> None:
+    """ValueError naming the flags before anything is measured: no point with k <= E, or the
+    largest point's scores and outputs (about 16 bytes per score, 16 per routed pair) would not
+    fit ``device``'s free memory."""
+    if not grid.points():
+        raise ValueError(
+            f"--sweep-k {','.join(map(str, grid.k))}: every k is more than every E "
+            f"({','.join(map(str, grid.E))}, --sweep-E): nothing to measure"
+        )
+    T, E, k = max(grid.T), max(grid.E), max(grid.k)
+    check_fits(
+        f"the sweep's largest point (T={T}, E={E})",
+        16 * T * E + 16 * T * min(k, E),
+        device,
+        "its scores, their softmax and the routed indices",
+        "Smaller --sweep-T or --sweep-E.",
     )
 
 
@@ -352,7 +372,7 @@ def warm_plans(grid: Grid, device: torch.device, jobs: int) -> dict[str, Any]:
     failures (the first 20 of them)."""
     t0, points = time.perf_counter(), grid.points()
     shapes = list(dict.fromkeys(p[:3] for p in points))
-    dealt = [set(shapes[i::jobs]) for i in range(jobs)]
+    dealt = [set(shapes[i::jobs]) for i in range(min(jobs, len(shapes)))]
     chunks = [c for c in ([p for p in points if p[:3] in d] for d in dealt) if c]
     ctx = multiprocessing.get_context("spawn")
     errors: list[str] = []
@@ -415,6 +435,7 @@ def run(
     device = torch.device(device) if device is not None else default_device()
     quick = quick or device.type != "cuda"
     grid = make_grid(quick=quick, T=T, E=E, k=k, dtypes=dtypes, ops=ops)
+    check_grid(grid, device)
     extra: dict[str, Any] = {"sweep": "routing", "quick": quick, "grid": asdict(grid)}
     if jobs > 0 and device.type == "cuda":
         _say(f"compiling the plans of {len(grid.points())} points in {jobs} processes")

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from moe_tools import command as cmd
 from moe_tools import tables, train_report, train_roofline, train_step, train_sweep
 from moe_tools.matrix import BASELINE_COMPILE_REASON
+from moe_tools.memory import check_top_k
 from moe_tools.results import Result, slug
 from moe_tools.tables import Row, short_error
 from moe_tools.timing import default_device
@@ -178,7 +179,7 @@ def convergence(
     p = next(iter(layer.parameters()))
     device, dtype = p.device, layer.in_proj.dtype
     opt = torch.optim.AdamW(layer.parameters(), lr=lr)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(cmd.derived_seed(seed))  # --seed + 2
     losses = []
     for _ in range(steps):
         x = torch.randn(tokens, layer.d_model, generator=gen, device=device).to(dtype)
@@ -503,12 +504,14 @@ def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) 
         sizes = dict(tokens=args.tokens, d_model=args.d_model, n_experts=args.experts,
                      top_k=args.top_k, hidden=args.hidden)  # fmt: skip
         modes = ("eager",) + (() if args.no_compile else ("compiled",))
+        center = {**train_sweep.CENTER, **{k: v for k, v in sizes.items() if v}}
+        check_top_k(center)  # the centre's other points are the grid's, each sized as it runs
         return train_sweep.run(
             device=args.device, dtype=cmd.dtype_of(args.dtype, args.device), impls=args.impls,
             gated=args.gated, modes=modes + (() if args.no_graph else ("graph",)),
             backend=args.compile_backend or "inductor", warmup=args.warmup or 3,
             iters=args.iters or 10, seed=args.seed,
-            center={**train_sweep.CENTER, **{k: v for k, v in sizes.items() if v}},
+            center=center,
             grid={a: train_sweep.GRID[a] for a in args.sweep_axes} if args.sweep_axes else None,
             plot=args.plot,
         )  # fmt: skip

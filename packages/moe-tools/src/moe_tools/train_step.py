@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from moe_tools.memory import check_fits, module_bytes
+from moe_tools.memory import check_fits, check_top_k, meta_bytes
 from moe_tools.timing import GIB, synchronize, time_fn
 
 REFERENCE = "baseline"  # the gradient reference (run in fp32) and the layer built by default
@@ -34,7 +34,13 @@ def check_training_fits(cfg: dict[str, Any], device: torch.device, dtype: torch.
     """UsageError with the run's size when it would not fit in ``device``'s free memory: about
     six copies of the layer's weights (the benchmark's, the teacher, the fp32 reference, the
     measured copy, its gradients and AdamW's two states) and the fp32 activations of a step."""
-    weights = module_bytes(build_layer(cfg, torch.device("meta"), dtype, seed=0))
+    hint = "Shrink it: --tokens, --experts, --hidden, --d-model."
+    check_top_k(cfg)
+    weights = meta_bytes(
+        lambda: build_layer(cfg, torch.device("meta"), dtype, seed=0),
+        f"the layer (E={cfg['n_experts']}, d_model {cfg['d_model']}, hidden {cfg['hidden']})",
+        hint,
+    )
     T, k, d = cfg["tokens"], cfg["top_k"], cfg["d_model"]
     hidden = cfg["hidden"] * (3 if cfg.get("gated") else 2)
     activations = 3 * 4 * (T * k * (2 * d + hidden) + 6 * T * d)
@@ -44,7 +50,7 @@ def check_training_fits(cfg: dict[str, Any], device: torch.device, dtype: torch.
         torch.device(device),
         f"6 x {weights / GIB:.2f} GiB of weights and optimizer state, about "
         f"{activations / GIB:.1f} GiB of activations",
-        "Shrink it: --tokens, --experts, --hidden, --d-model.",
+        hint,
     )
 
 
