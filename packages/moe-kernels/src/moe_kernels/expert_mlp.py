@@ -79,40 +79,53 @@ class _ExpertMLP(torch.autograd.Function):
         return grad_x, grad_in, grad_out, None, None, None, None, None
 
 
-def check_args(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, save_rows):
-    """TypeError / ValueError naming the argument unless ``expert_mlp`` can take these."""
-    V.float_2d("x_ND", x_ND)
+# The argument names ``check_args`` reports: expert_mlp's own, or a caller's (routed_experts).
+EXPERT_MLP_NAMES = {"x": "x_ND", "offsets": "offsets", "rows": "row_indices",
+                    "inverse": "inverse_NK", "N": "N"}  # fmt: skip
+
+
+def check_args(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, save_rows,
+               names=None):  # fmt: skip
+    """TypeError / ValueError naming the argument unless ``expert_mlp`` can take these;
+    ``names`` (``EXPERT_MLP_NAMES``' keys) names x, offsets, row_indices, inverse and x's rows
+    as the caller calls them."""
+    n = EXPERT_MLP_NAMES if names is None else names
+    x_name = n["x"]
+    V.float_2d(x_name, x_ND)
     for name, w in (("w_in_EXD", w_in_EXD), ("w_out_EDH", w_out_EDH)):
         w = V.tensor(name, w)
         V.rank(name, w, 3)
         if w.dtype != x_ND.dtype:
-            raise TypeError(f"{name} must have x_ND's dtype {x_ND.dtype}, got {w.dtype}")
-        V.same_device("x_ND", x_ND, **{name: w})
+            raise TypeError(f"{name} must have {x_name}'s dtype {x_ND.dtype}, got {w.dtype}")
+        V.same_device(x_name, x_ND, **{name: w})
     if not isinstance(gated, bool) or not isinstance(save_rows, bool):
         raise TypeError(f"gated and save_rows must be bools, got {gated!r}, {save_rows!r}")
     E, X, D = w_in_EXD.shape
     H = X // 2 if gated else X
     if gated and X % 2:
         raise ValueError(f"gated w_in_EXD needs an even X = 2H, got shape {tuple(w_in_EXD.shape)}")
-    V.dim_size("w_in_EXD", w_in_EXD, 2, x_ND.shape[1], "D, the columns of x_ND")
+    V.dim_size("w_in_EXD", w_in_EXD, 2, x_ND.shape[1], f"D, the columns of {x_name}")
     want = (E, D, H)
     if tuple(w_out_EDH.shape) != want:
         got = tuple(w_out_EDH.shape)
         raise ValueError(f"w_out_EDH must have shape (E, D, H) = {want}, got {got}")
-    V.tensor("offsets", offsets)
-    V.dtype("offsets", offsets, V.INDEX_DTYPES)
-    V.rank("offsets", offsets, 1)
-    V.same_device("x_ND", x_ND, offsets=offsets)
-    V.dim_size("offsets", offsets, 0, E + 1, "E+1, one more than the weights' experts")
-    V.tensor("row_indices", row_indices)
-    V.dtype("row_indices", row_indices, V.INDEX_DTYPES)
-    V.rank("row_indices", row_indices, 1)
-    V.same_device("x_ND", x_ND, row_indices=row_indices)
-    V.tensor("inverse_NK", inverse_NK)
-    V.dtype("inverse_NK", inverse_NK, V.INDEX_DTYPES)
-    V.rank("inverse_NK", inverse_NK, 2)
-    V.same_device("x_ND", x_ND, inverse_NK=inverse_NK)
-    V.dim_size("inverse_NK", inverse_NK, 0, x_ND.shape[0], "N, the rows of x_ND")
+    name = n["offsets"]
+    V.tensor(name, offsets)
+    V.dtype(name, offsets, V.INDEX_DTYPES)
+    V.rank(name, offsets, 1)
+    V.same_device(x_name, x_ND, **{name: offsets})
+    V.dim_size(name, offsets, 0, E + 1, "E+1, one more than the weights' experts")
+    name = n["rows"]
+    V.tensor(name, row_indices)
+    V.dtype(name, row_indices, V.INDEX_DTYPES)
+    V.rank(name, row_indices, 1)
+    V.same_device(x_name, x_ND, **{name: row_indices})
+    name = n["inverse"]
+    V.tensor(name, inverse_NK)
+    V.dtype(name, inverse_NK, V.INDEX_DTYPES)
+    V.rank(name, inverse_NK, 2)
+    V.same_device(x_name, x_ND, **{name: inverse_NK})
+    V.dim_size(name, inverse_NK, 0, x_ND.shape[0], f"{n['N']}, the rows of {x_name}")
 
 
 def expert_mlp(
@@ -134,7 +147,10 @@ def expert_mlp(
     offsets: (E+1,) int32/int64 exclusive prefix sum of the group sizes (offsets[E] <= R).
     row_indices: (R,) int, the row of x each grouped row reads (-1: none; ``RoutingPlan.
     token_indices``). inverse_NK: (N, K) int, the grouped rows that read x's row n (-1: none;
-    ``RoutingPlan.inverse``): the order x's gradient sums them in.
+    ``RoutingPlan.inverse``): the order x's gradient sums them in. These are read on the device,
+    never checked (that would sync); any values are memory-safe: offsets are clamped as
+    ``gather_grouped_mm`` clamps them, and an index outside [0, N) (rows) or [0, R) (inverse)
+    counts as -1.
 
     Returns y_RD (R, D) in x's dtype: for offsets[e] <= r < offsets[e+1],
     ``y[r] = act(x[rows[r]] @ w_in[e].T) @ w_out[e].T``, each GEMM accumulated in fp32 and
@@ -160,7 +176,7 @@ def forward_no_grad(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, gated, zero
     X = w_in_EXD.shape[1]
     # (the chain's GEMM reads the gathered rows, contiguous: CUTLASS runs where it takes the
     # dtype and sizes; no stride or storage-offset test, which torch.compile cannot trace)
-    cutlass = _gmm._cutlass_bf16(x_ND, w_in_EXD[0]) and X % 16 == 0
+    cutlass = _gmm._cutlass_bf16(x_ND, w_in_EXD.shape[2]) and X % 16 == 0
     if gather_in_gemm(X, cutlass):
         h_RX = sorted_mm(x_ND, w_in_EXD, offsets, row_indices, "none" if gated else "silu")
         a_RH = activation(h_RX, True) if gated else h_RX

@@ -63,7 +63,7 @@ def _impl(
                 x, w_sorted, offsets.contiguous(), layout
             )
         elif _cutlass_forward(x, w):
-            y = torch._grouped_mm(x, w.mT, offs=offsets[1:].to(torch.int32))
+            y = torch._grouped_mm(x, w.mT, offs=_ref.clamp_offsets(offsets, x.shape[0]))
         else:
             y = None
         if y is not None:
@@ -142,8 +142,12 @@ def gather_grouped_mm(
     Returns y_PN (P, N) in x's dtype: for offsets[e] <= p < offsets[e+1],
     ``y[p] = act(x[row_indices[p]] @ w[e].T)`` accumulated in fp32, the activation applied in fp32
     before the single cast; rows p >= offsets[E] and rows whose index is outside [0, T) are zero.
-    Offsets are read on the device: they must be non-decreasing and <= P (not checked, that would
-    sync; violating values are clamped to stay memory-safe, with unspecified results).
+    Offsets are read on the device: they must be non-decreasing from offsets[0] = 0 and <= P
+    (not checked, that would sync). Every path clamps them by one rule, so any offsets are
+    memory-safe and give the same result on each path: offsets[0] reads as 0 and each later
+    offset is clamped into [the previous clamped offset, P] (the running maximum of the offsets
+    clamped into [0, P]; ``_reference.grouped_mm.group_bounds``). E = 0 (no experts) gives
+    zeros.
 
     Differentiable in x_TD and w_END (backward: two grouped GEMMs, plus one that recomputes the
     pre-activation when ``activation="silu"``; deterministic, see ``_backward``).
@@ -210,24 +214,25 @@ def _persistent_wgrad(dy_PN: torch.Tensor, x_PD: torch.Tensor, num_experts: int)
 
 def _cutlass_forward(x_TD: torch.Tensor, w_END: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` (CUTLASS) runs a plain grouped GEMM (sorted rows, no
-    activation): sm90+, bf16, rows of x contiguous, 16-aligned sizes. Its weight gradient then
-    comes out in w's own layout (no transposed copy, unlike autograd through ``_grouped_mm`` of
-    ``w.mT``)."""
-    if not _cutlass_bf16(x_TD, w_END[0]):
+    activation): sm90+, bf16, rows of x contiguous, 16-aligned sizes, at least one expert (no
+    experts: the Triton kernel's zeros). Its weight gradient then comes out in w's own layout
+    (no transposed copy, unlike autograd through ``_grouped_mm`` of ``w.mT``)."""
+    if w_END.shape[0] == 0 or not _cutlass_bf16(x_TD, w_END.shape[2]):
         return False
     return x_TD.stride(1) == 1 and w_END.shape[1] % 16 == 0 and x_TD.storage_offset() % 8 == 0
 
 
-def _cutlass_bf16(dy_PN: torch.Tensor, x_PD: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` (CUTLASS) takes these operands: CUDA sm90+, bf16, both
-    last dims multiples of 16. For the weight gradient it beat the earlier, non-persistent
-    Triton kernel (1449 against 1827 us at 131072 x 1536 x 2048, E=128, H200); where it runs
-    against the persistent one: ``_grouped_mm_rules.WGRAD_MAX_ROWS_PER_EXPERT``."""
+def _cutlass_bf16(dy_PN: torch.Tensor, x_cols: int) -> bool:
+    """Whether ``torch._grouped_mm`` (CUTLASS) takes these operands: dy_PN on CUDA sm90+, bf16,
+    its last dim and ``x_cols`` (the other operand's) multiples of 16. For the weight gradient
+    it beat the earlier, non-persistent Triton kernel (1449 against 1827 us at 131072 x 1536 x
+    2048, E=128, H200); where it runs against the persistent one:
+    ``_grouped_mm_rules.WGRAD_MAX_ROWS_PER_EXPERT``."""
     if not hasattr(torch, "_grouped_mm") or not dy_PN.is_cuda or dy_PN.dtype != torch.bfloat16:
         return False
     if sm_major(dy_PN.get_device()) < 9:
         return False
-    return dy_PN.shape[1] % 16 == 0 and x_PD.shape[1] % 16 == 0
+    return dy_PN.shape[1] % 16 == 0 and x_cols % 16 == 0
 
 
 def _wgrad_impl(
@@ -270,8 +275,9 @@ def grouped_weight_grad(
     Returns (E, N, D) in ``out_dtype`` (default dy's dtype) with
     ``out[e] = sum over offsets[e] <= p < offsets[e+1] of outer(dy[p], x[row_indices[p]])``
     accumulated in fp32; rows whose index is outside [0, T) add nothing; an empty group gives
-    zeros. Deterministic (each group's rows summed in one fixed order, no split over rows): the
-    persistent Triton kernel, or on sm90+ bf16 with 16-aligned N and D, where
+    zeros. Offsets clamped as in ``gather_grouped_mm`` (memory-safe for any values; the same
+    result on each path). Deterministic (each group's rows summed in one fixed order, no split
+    over rows): the persistent Triton kernel, or on sm90+ bf16 with 16-aligned N and D, where
     ``_grouped_mm_rules.use_persistent(..., wgrad=True)`` says no, ``torch._grouped_mm``'s
     K-grouped CUTLASS GEMM.
     """
@@ -302,13 +308,16 @@ def grouped_weight_grad(
     if not isinstance(out_dtype, torch.dtype) or out_dtype not in V.FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype!r}")
     persistent = row_indices is None and _persistent_wgrad(dy_PN, x_TD, offsets.shape[0] - 1)
-    if not persistent and _cutlass_bf16(dy_PN, x_TD) and dy_PN.shape[0] > 0:
+    num_experts = offsets.shape[0] - 1
+    cutlass = _cutlass_bf16(dy_PN, x_TD.shape[1]) and min(dy_PN.shape[0], x_TD.shape[0],
+                                                            num_experts) > 0  # fmt: skip
+    if not persistent and cutlass:
         if row_indices is None:
             x_PD = x_TD
         else:  # the sorted rows CUTLASS reads (zero where the index is outside [0, T))
             live = _ref_tokens._row_mask(row_indices, x_TD.shape[0], None)
             x_PD = _ref_tokens.gather_rows(x_TD, row_indices, None, live)
-        offs = offsets[1:].to(torch.int32)
+        offs = _ref.clamp_offsets(offsets, dy_PN.shape[0])
         return torch._grouped_mm(dy_PN.mT, x_PD, offs=offs).to(out_dtype)
     op = _wgrad_impl if eager_direct(dy_PN, x_TD) else _wgrad_op
     return op(dy_PN, x_TD, offsets, row_indices, out_dtype)

@@ -150,8 +150,9 @@ def qk_norm_rope(
     are fine), bf16/fp16/fp32, one dtype. q_weight (None without q), k_weight: (D,) RMS-norm
     scales, any float dtype. cos, sin: (N, P) float, the token's rotation angles. k_cache,
     v_cache: (L, K, S, N, D) contiguous, k's dtype. layer: int in [0, L). slots: (1,) or (2,)
-    int64 on the device, read there (never on the host); each must lie in [0, S) (the kernel
-    skips others; undefined by contract).
+    int64 on the device, read there (never on the host); each must lie in [0, S): a slot
+    outside it (not checked, that would sync) is skipped, nothing written for it, on every
+    path (memory-safe; the same result on each).
 
     For head x (N, D) of q or k, per token: ``y = (x * rsqrt(mean(x^2) + eps)) * w`` in fp32,
     rounded to x's dtype, then pairs (y[2i], y[2i+1]) -> (y0 c - y1 s, y0 s + y1 c) in fp32

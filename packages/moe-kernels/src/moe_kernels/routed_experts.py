@@ -40,6 +40,10 @@ from moe_kernels.routing import RoutingPlan
 
 __all__ = ["routed_experts"]
 
+# The names ``check_args`` reports: this function's arguments, not expert_mlp's.
+_NAMES = {"x": "x_TD", "offsets": "plan.offsets", "rows": "plan.token_indices",
+          "inverse": "plan.inverse", "N": "T"}  # fmt: skip
+
 
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
@@ -93,12 +97,18 @@ def routed_experts(
     o = ``expert_mlp(x, w_in, w_out, plan.offsets, plan.token_indices, plan.inverse)``.
 
     Differentiable in x, w_in, w_out and ``plan.weights`` with one backward that keeps no expert
-    outputs (module docstring); ``save_rows`` as for ``expert_mlp``.
+    outputs (module docstring); ``save_rows`` as for ``expert_mlp``. The plan's contents are
+    read on the device, never checked: any values are memory-safe (as for ``expert_mlp``), but
+    an inverse entry naming a row past the clamped groups reads a row the GEMMs left
+    unwritten, so such plans give unspecified results. Errors name this function's arguments
+    (``x_TD``, ``plan.offsets``, ``plan.token_indices``, ``plan.inverse``, ...).
     """
     if not isinstance(plan, RoutingPlan):
         raise TypeError(f"plan must be a RoutingPlan, got {type(plan).__name__}")
     rows_R, inverse_NK, weights_R = plan.token_indices, plan.inverse, plan.weights
-    check_args(x_TD, w_in_EXD, w_out_EDH, plan.offsets, rows_R, inverse_NK, gated, save_rows)
+    check_args(x_TD, w_in_EXD, w_out_EDH, plan.offsets, rows_R, inverse_NK, gated, save_rows,
+               _NAMES)  # fmt: skip
+    V.tensor("plan.weights", weights_R)
     V.dtype("plan.weights", weights_R, V.FLOAT_DTYPES)
     V.rank("plan.weights", weights_R, 1)
     V.same_device("x_TD", x_TD, **{"plan.weights": weights_R})

@@ -78,6 +78,10 @@ def _gather_scale_backward(ctx, grad_ND):
     into fp32 (ascending i, no atomics), then cast."""
     x, tok, exp, scores, vtc = ctx.saved_tensors
     T, E = scores.shape
+    if T == 0 or E == 0:  # every row is dead (and there is nothing to index)
+        grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+        grad_s = torch.zeros_like(scores) if ctx.needs_input_grad[3] else None
+        return grad_x, None, None, grad_s, None
     live = _ref._row_mask(tok, T, vtc) & (exp >= 0) & (exp < E)
     dead = torch.full_like(tok, -1)
     safe_tok = torch.where(live, tok, 0).long()
@@ -364,6 +368,8 @@ def _combine_backward(ctx, grad_TD):
     grad_y = grad_w = None
     want_w = ctx.weighted and ctx.needs_input_grad[3]
     rows_dtype = y.dtype if ctx.needs_input_grad[0] else None
+    if rows_dtype is None and not want_w:  # (weights that need a gradient, but unweighted)
+        return None, None, None, None, None, None
     # One pass over grad[tok[p]]; in y's dtype from the op (fp32 math, one rounding: no torch
     # cast that Inductor could fuse away).
     rows, dots = _gather_dots_op(

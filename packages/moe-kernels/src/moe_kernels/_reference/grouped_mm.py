@@ -11,6 +11,27 @@ import torch
 import torch.nn.functional as F
 
 
+def group_bounds(offsets_E1: torch.Tensor, num_rows: int) -> list[int]:
+    """The E+1 group boundaries the grouped GEMMs use, by the clamping rule every path shares
+    (the Triton kernels' ``group_tiles``, the CUTLASS offsets of ``clamp_offsets``): offsets[0]
+    reads as 0 and each later offset is clamped into [the previous clamped offset, num_rows],
+    i.e. the running maximum of the offsets clamped into [0, num_rows]. Offsets keeping the
+    contract (non-decreasing from 0, at most num_rows) are unchanged. One host read."""
+    bounds, prev = [0], 0
+    for b in offsets_E1.tolist()[1:]:
+        prev = min(max(int(b), prev), num_rows)
+        bounds.append(prev)
+    return bounds
+
+
+def clamp_offsets(offsets_E1: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(E,) int32: the end offsets ``offsets[1:]`` clamped by ``group_bounds``' rule on the
+    device (no sync), for ``torch._grouped_mm``, which reads its offsets unchecked (past the
+    operands' rows, or a negative group size, would be out-of-bounds accesses or a device
+    assert)."""
+    return offsets_E1[1:].clamp(0, num_rows).cummax(0).values.to(torch.int32)
+
+
 def gather_grouped_mm(
     x_TD: torch.Tensor,
     w_END: torch.Tensor,
@@ -20,7 +41,7 @@ def gather_grouped_mm(
 ) -> torch.Tensor:
     """(P, N) in x's dtype: ``y[p] = act(x[rows[p]] @ w[e].T)`` for offsets[e] <= p < offsets[e+1],
     computed in fp32 (product, sum and SiLU), cast once; rows past offsets[E] and rows whose index
-    is outside [0, T) are zero."""
+    is outside [0, T) are zero. Offsets clamped by ``group_bounds``."""
     num_tokens, _ = x_TD.shape
     num_experts, n, _ = w_END.shape
     num_rows = num_tokens if row_indices_P is None else row_indices_P.shape[0]
@@ -30,9 +51,9 @@ def gather_grouped_mm(
     else:
         src_P = row_indices_P.long()
     live_P = (src_P >= 0) & (src_P < num_tokens)
-    bounds = [min(max(int(b), 0), num_rows) for b in offsets_E1.tolist()]  # the host read
+    bounds = group_bounds(offsets_E1, num_rows)  # the host read
     for e in range(num_experts):
-        start, end = bounds[e], max(bounds[e + 1], bounds[e])
+        start, end = bounds[e], bounds[e + 1]
         if end <= start or num_tokens == 0:
             continue
         src = torch.where(live_P[start:end], src_P[start:end], 0)
@@ -52,7 +73,7 @@ def grouped_weight_grad(
 ) -> torch.Tensor:
     """(E, N, D) in ``out_dtype``: ``out[e] = dy[rows of e].T @ x[src of those rows]`` in fp32
     (one host read of ``offsets``, like ``gather_grouped_mm``); rows whose source is outside
-    [0, T) contribute nothing, an empty group gives zeros."""
+    [0, T) contribute nothing, an empty group gives zeros. Offsets clamped by ``group_bounds``."""
     num_rows, n = dy_PN.shape
     num_tokens, dim = x_TD.shape
     num_experts = offsets_E1.shape[0] - 1
@@ -62,9 +83,9 @@ def grouped_weight_grad(
     src_P = torch.arange(num_rows, device=x_TD.device) if row_indices_P is None else row_indices_P
     src_P = src_P.long()
     live_P = (src_P >= 0) & (src_P < num_tokens)
-    bounds = [min(max(int(b), 0), num_rows) for b in offsets_E1.tolist()]  # the host read
+    bounds = group_bounds(offsets_E1, num_rows)  # the host read
     for e in range(num_experts):
-        start, end = bounds[e], max(bounds[e + 1], bounds[e])
+        start, end = bounds[e], bounds[e + 1]
         if end <= start:
             continue
         live = live_P[start:end, None]

@@ -3,7 +3,7 @@
 Exactly the world model's attention prologue (``moe_model.attention.RMSNorm`` then
 ``moe_model.rope.apply_rope``), op for op, followed by the KV ring write the model did with
 ``index_copy_``. Inputs are assumed checked by ``moe_kernels.rope``. Sync-free (the slots are
-read by ``index_copy_`` on the device).
+read by ``index_copy_`` on the device; one outside [0, S) is skipped, as in the kernel).
 
 Legend: N tokens, H query heads, K kv heads, D head dim, P = D // 2 rotation pairs, L layers,
 S cache slots.
@@ -57,13 +57,20 @@ def qk_norm_rope(
     eps: float,
 ) -> torch.Tensor:
     """Writes ``k_cache[layer, :, s] = rope(norm(k))`` (K, N, D) and ``v_cache[layer, :, s] = v``
-    for each s in slots; returns rope(norm(q)) as (H, N, D) contiguous, or (0, N, D) without q."""
+    for each s in slots; returns rope(norm(q)) as (H, N, D) contiguous, or (0, N, D) without q.
+    A slot outside [0, S) is skipped, as the kernel skips it (no sync: such a slot rewrites
+    slot 0 with its own contents)."""
     N, D = k_NC.shape[0], k_cache.shape[-1]
+    S = k_cache.shape[2]
     k_KND = norm_rope(k_NC, k_weight_D, cos_NP, sin_NP, eps).transpose(0, 1)
     v_KND = v_NC.reshape(N, v_NC.shape[1] // D, D).transpose(0, 1)
-    J = slots_J.shape[0]
-    k_cache[layer].index_copy_(1, slots_J, k_KND.unsqueeze(1).expand(-1, J, -1, -1))
-    v_cache[layer].index_copy_(1, slots_J, v_KND.unsqueeze(1).expand(-1, J, -1, -1))
+    for j in range(slots_J.shape[0]):  # in order: a later slot sees an earlier one's write
+        slot = slots_J[j : j + 1]
+        ok = (slot >= 0) & (slot < S)
+        safe = torch.where(ok, slot, 0)
+        for cache, new_KND in ((k_cache, k_KND), (v_cache, v_KND)):
+            old = cache[layer].index_select(1, safe)
+            cache[layer].index_copy_(1, safe, torch.where(ok, new_KND.unsqueeze(1), old))
     if q_NC is None:
         return k_NC.new_empty((0, N, D))
     q_NHD = norm_rope(q_NC, q_weight_D, cos_NP, sin_NP, eps)

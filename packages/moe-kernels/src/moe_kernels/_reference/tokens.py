@@ -29,7 +29,10 @@ def gather_rows(
     row_scale_N: torch.Tensor | None,
     live_N: torch.Tensor,
 ) -> torch.Tensor:
-    """out[i] = x[token_indices[i]] (* row_scale[i] in fp32) where live, else 0; x's dtype."""
+    """out[i] = x[token_indices[i]] (* row_scale[i] in fp32) where live, else 0; x's dtype.
+    ``live`` must be False where the index is outside [0, T) (``_row_mask``)."""
+    if x_TD.shape[0] == 0:  # nothing to read: every row is dead (index_select would raise)
+        return x_TD.new_zeros((token_indices_N.shape[0], x_TD.shape[1]))
     safe_N = torch.where(live_N, token_indices_N.long(), 0)
     rows_ND = x_TD.index_select(0, safe_N)
     if row_scale_N is not None:
@@ -55,7 +58,7 @@ def gather_scale_dense_tokens(
     live_N &= (exp_N >= 0) & (exp_N < num_experts)
     safe_tok_N = torch.where(live_N, token_indices_N.long(), 0)
     safe_exp_N = torch.where(live_N, exp_N, 0)
-    if num_tokens == 0:
+    if num_tokens == 0 or num_experts == 0:  # every row is dead (nothing to index)
         return x_TD.new_zeros((token_indices_N.shape[0], x_TD.shape[1]))
     scale_N = scores_TE[safe_tok_N, safe_exp_N].float()
     return gather_rows(x_TD, token_indices_N, scale_N, live_N)

@@ -3,19 +3,21 @@
 ``y[p] = act(x[rows[p]] @ w[e].T)`` for the rows p of group e (``offsets[e] <= p < offsets[e+1]``).
 
 Grid: a static upper bound of output tiles, ``(ceil(P / BM) + E) * ceil(N / BN)`` programs (no
-host read of ``offsets``). Each program loads the E+1 boundaries, counts the BM-row tiles of every
-segment (the E groups, then the tail ``[offsets[E], P)`` as segment E), finds its segment with a
+host read of ``offsets``). Each program loads the E+1 boundaries, clamps them (``group_tiles``:
+offsets[0] read as 0, each later one into [the previous one, P], so the bound holds and every
+row belongs to one segment whatever the offsets hold), counts the BM-row tiles of every segment
+(the E groups, then the tail ``[offsets[E], P)`` as segment E), finds its segment with a
 cumulative sum and either computes a BM x BN tile of its group (fp32 accumulator, ``tl.dot`` over
 BK-wide K steps, software pipelined by ``num_stages``), writes zeros (tail tiles), or exits (the
 spare programs of the bound). Tiles are ordered GROUP_M m-tiles at a time for L2 reuse of B.
 
 A rows are loaded through ``row_indices`` (a pointer gather; rows contiguous along D, so 16-byte
-vector loads). Rows past the group's end are clamped to a real row (unmasked loads in the K loop)
-and not stored. B tiles are read from w[e] (N, D) as (BK, BN) through strides, or (config
-``tma=True``) as (BN, BK) through a host-built TMA descriptor of w viewed as (E*N, D), transposed
-in registers; A tiles of sorted rows (no ``row_indices``) can come through TMA as well.
-Nothing here checks arguments: the public module ``moe_kernels.grouped_mm`` does that before any
-launch.
+vector loads); a row index outside [0, T) reads row 0 and stores a zero row. Rows past the group's
+end are clamped to a real row (unmasked loads in the K loop) and not stored. B tiles are read from
+w[e] (N, D) as (BK, BN) through strides, or (config ``tma=True``) as (BN, BK) through a host-built
+TMA descriptor of w viewed as (E*N, D), transposed in registers; A tiles of sorted rows (no
+``row_indices``) can come through TMA as well. Nothing here checks arguments: the public module
+``moe_kernels.grouped_mm`` does that before any launch.
 """
 
 from __future__ import annotations
@@ -40,14 +42,32 @@ ACT_NONE, ACT_SILU = 0, 1
 
 
 @triton.jit
-def group_tiles(start, end, P, BM: tl.constexpr):
-    """(start, end, m-tiles, their inclusive cumulative sum) of the segments' (BLOCK_E,) start
-    and end rows, clamped for memory safety (offsets are trusted to be a non-decreasing prefix
-    sum <= P). Takes values, not the offsets pointer: a helper's results derived from a pointer
-    argument make Inductor's mutation analysis count that pointer as written (and copy it before
-    every launch)."""
-    start = tl.minimum(tl.maximum(start, 0), P)
-    end = tl.minimum(tl.maximum(end, start), P)
+def _max_fn(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def group_tiles(raw_start, raw_end, idx, E, P, BM: tl.constexpr, TAIL: tl.constexpr):
+    """(start, end, m-tiles, their inclusive cumulative sum) of the (BLOCK_E,) segments idx,
+    from the loaded offsets ``raw_start[i] = offsets[i]`` (1 <= i <= E) and ``raw_end[i] =
+    offsets[i + 1]`` (i < E), any value elsewhere. The clamping rule (memory safety whatever
+    the offsets hold; ``_reference.grouped_mm.group_bounds``): offsets[0] reads as 0 and each
+    later offset is clamped into [the previous clamped offset, P], i.e. the running maximum of
+    the offsets clamped into [0, P], taken in int64 (int64 values past int32 saturate, never
+    wrap), so the segments are disjoint, in order and inside [0, P). Segment e < E is group e;
+    with TAIL segment E is the tail [offsets[E], P), else it and the later ones are empty.
+    Takes values, not the offsets pointer: a helper's results derived from a pointer argument
+    make Inductor's mutation analysis count that pointer as written (and copy it before every
+    launch)."""
+    s = tl.where((idx >= 1) & (idx <= E), raw_start.to(tl.int64), 0)
+    e = tl.where(idx < E, raw_end.to(tl.int64), 0)
+    if TAIL:
+        s = tl.where(idx <= E, s, P)
+        e = tl.where(idx < E, e, P)
+    start = tl.minimum(tl.associative_scan(tl.maximum(s, 0), 0, _max_fn), P).to(tl.int32)
+    end = tl.minimum(tl.associative_scan(tl.maximum(e, 0), 0, _max_fn), P).to(tl.int32)
+    if not TAIL:
+        end = tl.where(idx < E, end, start)  # (segments past E - 1 empty)
     tiles = (end - start + BM - 1) // BM
     return start, end, tiles, tl.cumsum(tiles, axis=0)
 
@@ -140,9 +160,9 @@ def _gather_grouped_mm_kernel(
     pid_n = (pid % per_group) // size_m
 
     idx = tl.arange(0, BLOCK_E)
-    start = tl.load(offs_ptr + idx, mask=idx <= E, other=P).to(tl.int32)
-    end = tl.load(offs_ptr + idx + 1, mask=idx < E, other=P).to(tl.int32)
-    start, end, tiles, cum = group_tiles(start, end, P, BM)  # segment E: the tail rows
+    raw_start = tl.load(offs_ptr + idx, mask=(idx >= 1) & (idx <= E), other=0)
+    raw_end = tl.load(offs_ptr + idx + 1, mask=idx < E, other=0)
+    start, end, tiles, cum = group_tiles(raw_start, raw_end, idx, E, P, BM, True)  # E: the tail
     seg, row0, row_end = find_tile(start, end, tiles, cum, idx, pid_m, BM)
     rows = row0 + tl.arange(0, BM)
     row_in = rows < row_end
@@ -194,9 +214,13 @@ def _gather_grouped_mm_kernel(
 
 
 @triton.jit
-def _zero_tail_kernel(y_ptr, offs_ptr, P, N, E, BM: tl.constexpr, BN: tl.constexpr):
-    """Zero rows [offsets[E], P) of y (P, N), one BM x BN tile a program (most exit at once)."""
-    end = tl.minimum(tl.maximum(tl.load(offs_ptr + E).to(tl.int64), 0), P)
+def _zero_tail_kernel(y_ptr, offs_ptr, P, N, E, BM: tl.constexpr, BN: tl.constexpr,
+                      BLOCK_E: tl.constexpr):  # fmt: skip
+    """Zero rows [offsets[E], P) of y (P, N), one BM x BN tile a program (most exit at once).
+    offsets[E] as ``group_tiles`` clamps it: max(offsets[1..E]) clamped into [0, P]."""
+    idx = tl.arange(0, BLOCK_E)
+    last = tl.load(offs_ptr + idx, mask=(idx >= 1) & (idx <= E), other=0).to(tl.int64)
+    end = tl.minimum(tl.maximum(tl.max(last, axis=0), 0), P)
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     if tl.program_id(0).to(tl.int64) * BM + BM > end:
@@ -209,14 +233,17 @@ _zero_tail = FastKernel(_zero_tail_kernel)
 
 
 def zero_tail(y_PN: torch.Tensor, offsets_E1: torch.Tensor) -> None:
-    """In place: rows of contiguous y_PN at or past offsets[E] set to zero (no host read)."""
+    """In place: rows of contiguous y_PN at or past offsets[E] (clamped as ``group_tiles``
+    clamps it) set to zero (no host read)."""
     num_rows, n = y_PN.shape
     if y_PN.numel() == 0:
         return
+    num_experts = offsets_E1.shape[0] - 1
     bm, bn = 64, min(max(next_pow2(n), 16), 256)
     grid = (cdiv(num_rows, bm), cdiv(n, bn))
-    args = (y_PN, offsets_E1, num_rows, n, offsets_E1.shape[0] - 1)
-    _zero_tail.launch(grid, args, dict(BM=bm, BN=bn), num_warps=4)
+    args = (y_PN, offsets_E1, num_rows, n, num_experts)
+    _zero_tail.launch(grid, args, dict(BM=bm, BN=bn, BLOCK_E=next_pow2(num_experts + 1)),
+                      num_warps=4)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

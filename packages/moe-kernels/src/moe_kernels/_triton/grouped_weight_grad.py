@@ -3,14 +3,15 @@
 ``out[e] = dy[rows of e].T @ x[src of those rows]`` for the rows p of group e
 (``offsets[e] <= p < offsets[e+1]``; src = ``row_indices[p]``, or p without them).
 
-Scheduling: the output tiles (E experts x ``ceil(N / BN)`` x ``ceil(D / BD)``, a static count)
-are walked expert-major by a persistent grid of ``NUM_PROGS`` programs, tiles ``pid, pid +
-NUM_PROGS, ...``, so the programs in flight read a few experts' rows while they are in L2. A
-tile's K loop runs over its group's rows in BK-row steps (``max(1, ceil(rows / BK))`` of them;
-an empty group's one step adds nothing and stores zeros). Since the steps differ per expert, the
-tile loop and the K loop are flattened by hand into one loop of the program's total step count
-(counted from ``offsets`` on the device: no host read), which Triton software-pipelines across
-tiles: the next tile's first loads are in flight while a tile stores.
+Scheduling: the output tiles (E experts x ``ceil(N / BN)`` x ``ceil(D / BD)``, a static count) are
+walked expert-major by a persistent grid of ``NUM_PROGS`` programs, tiles ``pid, pid + NUM_PROGS,
+...``, so the programs in flight read a few experts' rows while they are in L2. A tile's K loop runs
+over its group's rows in BK-row steps (``max(1, ceil(rows / BK))`` of them; an empty group's one
+step adds nothing and stores zeros). Since the steps differ per expert, the tile loop and the K loop
+are flattened by hand into one loop of the program's total step count (counted from ``offsets`` on
+the device, clamped as ``grouped_mm.group_tiles`` clamps them: no host read, every group inside [0,
+P) whatever the offsets hold), which Triton software-pipelines across tiles: the next tile's first
+loads are in flight while a tile stores.
 
 Each tile accumulates its rows in order in fp32 (no split over rows, no atomics): bitwise
 reproducible. Rows at or past the group's end, and rows whose source is outside [0, T), add
@@ -34,6 +35,7 @@ import triton.language as tl
 from moe_kernels._dispatch import INTERPRET, tracing
 from moe_kernels._grouped_mm_rules import WgradConfig, wgrad_config
 from moe_kernels._triton.blocks import cdiv, next_pow2
+from moe_kernels._triton.grouped_mm import group_tiles
 from moe_kernels._triton.launch import FastKernel
 from moe_kernels._triton.persistent_grouped_mm import num_sms, tma_layout, tma_ok
 
@@ -92,9 +94,9 @@ def _grouped_weight_grad_kernel(
     # This program's step count: its tiles in each expert times that expert's K steps.
     idx = tl.arange(0, BLOCK_E)
     in_e = idx < E
-    starts = tl.minimum(tl.maximum(tl.load(offs_ptr + idx, mask=in_e, other=0).to(tl.int32), 0), P)
-    ends = tl.load(offs_ptr + idx + 1, mask=in_e, other=0).to(tl.int32)
-    ends = tl.minimum(tl.maximum(ends, starts), P)
+    raw_start = tl.load(offs_ptr + idx, mask=(idx >= 1) & in_e, other=0)
+    raw_end = tl.load(offs_ptr + idx + 1, mask=in_e, other=0)
+    starts, ends, _, _ = group_tiles(raw_start, raw_end, idx, E, P, BK, False)  # clamped
     steps = tl.maximum(tl.cdiv(ends - starts, BK), 1)
     mine = _tiles_before((idx + 1) * per_e, pid, NUM_PROGS) - _tiles_before(idx * per_e, pid,
                                                                              NUM_PROGS)  # fmt: skip

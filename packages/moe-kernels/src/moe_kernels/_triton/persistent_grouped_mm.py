@@ -6,14 +6,15 @@
 
 Scheduling: a persistent grid of ``NUM_PROGS`` programs walks the tiles ``pid, pid + NUM_PROGS,
 ...`` of the exact tile count (each group's ``ceil(rows / BM)`` m-tiles times ``ceil(N / BN)``
-n-tiles, counted on the device from ``offsets``: no host read), m-tile major, so the programs in
-flight share a few experts' weights in L2. A tile finds its group from the groups' cumulative
-tile counts (vector reductions, no data-dependent loop), so with ``FLATTEN`` the tile loop and
-the K loop are one software-pipelined loop (Triton's ``tl.range(flatten=True)``): the next tile's
-first loads are in flight while a tile stores its result. Each tile accumulates K in order in
-fp32 (no split-K), so rows are bitwise independent of the tiling. Rows past a group's end are
-loaded (rows of the next group, or zeros past P) but never stored; rows past ``offsets[E]`` are
-not visited (``zero_tail`` zeroes them where a caller needs them defined).
+n-tiles, counted on the device from ``offsets``, clamped as ``grouped_mm.group_tiles`` clamps them:
+no host read, every group inside [0, P) whatever the offsets hold), m-tile major, so the programs in
+flight share a few experts' weights in L2. A tile finds its group from the groups' cumulative tile
+counts (vector reductions, no data-dependent loop), so with ``FLATTEN`` the tile loop and the K loop
+are one software-pipelined loop (Triton's ``tl.range(flatten=True)``): the next tile's first loads
+are in flight while a tile stores its result. Each tile accumulates K in order in fp32 (no split-K),
+so rows are bitwise independent of the tiling. Rows past a group's end are loaded (rows of the next
+group, or zeros past P) but never stored; rows past ``offsets[E]`` are not visited (``zero_tail``
+zeroes them where a caller needs them defined).
 
 A and B come through host-built TMA descriptors where the config asks and the tensors allow
 (contiguous, 16-byte rows and base; "kn" also needs K % BK == 0, since a K tile must not run into
@@ -113,9 +114,9 @@ def _persistent_grouped_mm_kernel(
 ):
     pid = tl.program_id(0)
     idx = tl.arange(0, BLOCK_E)
-    starts = tl.load(offs_ptr + idx, mask=idx < E, other=0).to(tl.int32)
-    ends = tl.load(offs_ptr + idx + 1, mask=idx < E, other=0).to(tl.int32)
-    starts, ends, tiles, cum = group_tiles(starts, ends, P, BM)
+    raw_start = tl.load(offs_ptr + idx, mask=(idx >= 1) & (idx < E), other=0)
+    raw_end = tl.load(offs_ptr + idx + 1, mask=idx < E, other=0)
+    starts, ends, tiles, cum = group_tiles(raw_start, raw_end, idx, E, P, BM, False)
     num_n = tl.cdiv(N, BN)
     num_tiles = tl.sum(tiles, axis=0) * num_n
     if WHILE_LOOPS:

@@ -87,7 +87,7 @@ def gather_dots(
         None if rows_dtype is None else torch.empty((num_rows, dim), dtype=rows_dtype, device=dev)
     )
     dots = None if a_PD is None else torch.empty(num_rows, dtype=torch.float32, device=dev)
-    if num_rows == 0:
+    if num_rows == 0 or (rows is None and dots is None):
         return rows, dots
     block_d = 64 if INTERPRET else min(max(next_pow2(dim), 16), 256)
     block_p = 32 if INTERPRET else max(1, 2048 // block_d)

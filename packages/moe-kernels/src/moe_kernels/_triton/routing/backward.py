@@ -1,13 +1,14 @@
 """Triton kernel of ``route``'s backward: the scores' gradient (T, E) from the plan weights'
 gradient (P,) in one launch (the torch formula is about fifteen small ops).
 
-One program per BLOCK_T tokens. Per token t and choice j (K = top_k, unrolled): the pair
-r = inverse[t, j] (unrouted: r < 0), g_j = scale * grad[r], its expert e_j = expert_indices[r] +
-start. Plain weights: d_j = g_j. With ``RENORM`` (every choice routed or none: the full expert
-range) the quotient rule of w_j = s_j / S, S = s_0 + s_1 + ... in choice order (the forward's
-sum): d_j = (g_j - sum_i g_i w_i) / S, that sum in choice order too. The row is written whole:
-d_j at column e_j (a token's experts are distinct), zero elsewhere. No atomics, no host reads;
-the oracle is ``moe_kernels._reference.routing.route_backward_reference``.
+One program per BLOCK_T tokens. Per token t and choice j (K = top_k, unrolled): the pair r =
+inverse[t, j] (unrouted: r < 0), g_j = scale * grad[r], its expert e_j = expert_indices[r] + start
+(a pair outside [0, P) or an expert outside [0, E) counts as unrouted: memory-safe even for inputs
+that are not route's). Plain weights: d_j = g_j. With ``RENORM`` (every choice routed or none: the
+full expert range) the quotient rule of w_j = s_j / S, S = s_0 + s_1 + ... in choice order (the
+forward's sum): d_j = (g_j - sum_i g_i w_i) / S, that sum in choice order too. The row is written
+whole: d_j at column e_j (a token's experts are distinct), zero elsewhere. No atomics, no host
+reads; the oracle is ``moe_kernels._reference.routing.route_backward_reference``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _route_backward_kernel(
     out_ptr,  # (T, E), contiguous
     T,
     E,
+    P,
     start,
     scale,
     stride_it,
@@ -49,9 +51,10 @@ def _route_backward_kernel(
     tj_in = t_in[:, None] & (j < K)[None, :]
     r = tl.load(inv_ptr + t[:, None] * stride_it + j[None, :] * stride_ij, mask=tj_in, other=-1)
     r = r.to(tl.int64)
-    ok = tj_in & (r >= 0)
-    g = tl.load(grad_ptr + r, mask=ok, other=0.0).to(tl.float32) * scale
+    ok = tj_in & (r >= 0) & (r < P)
     e = tl.load(exp_ptr + r, mask=ok, other=-1).to(tl.int64) + start
+    ok = ok & (e >= 0) & (e < E)  # (trusted inputs; clamped all the same: memory safety)
+    g = tl.load(grad_ptr + r, mask=ok, other=0.0).to(tl.float32) * scale
     e = tl.where(ok, e, -1)
     if RENORM:
         s = tl.load(scores_ptr + t[:, None] * stride_st + e * stride_se, mask=ok, other=0.0)
@@ -102,8 +105,8 @@ def route_backward(
         return out
     block_e = min(next_pow2(E), 64 if INTERPRET else 256)
     block_t = 16 if INTERPRET else max(1, min(64, 4096 // block_e))
-    args = (grad_P, inverse_TK, expert_indices_P, scores_TE, out, T, E, start, float(scale),
-            inverse_TK.stride(0), inverse_TK.stride(1), scores_TE.stride(0),
+    args = (grad_P, inverse_TK, expert_indices_P, scores_TE, out, T, E, grad_P.shape[0], start,
+            float(scale), inverse_TK.stride(0), inverse_TK.stride(1), scores_TE.stride(0),
             scores_TE.stride(1))  # fmt: skip
     constexprs = dict(K=K, RENORM=bool(renormalize), BLOCK_T=block_t, BLOCK_K=next_pow2(K),
                       BLOCK_E=block_e, NUM_E=cdiv(E, block_e))  # fmt: skip
