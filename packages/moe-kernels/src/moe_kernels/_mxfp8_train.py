@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_kernels._dispatch import plain_eager, register_op
 from moe_kernels._reference.mxfp8 import clamp_group_ends
 from moe_kernels.grouped_mm import grouped_weight_grad
 
@@ -101,7 +102,7 @@ def grad_input(
     return mx._dequantized_grouped_mm(dy_dq, b_dq, offsets, dtype)
 
 
-def padded_rows(
+def _padded_rows_impl(
     offsets: torch.Tensor, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The 32-row-aligned group layout of (E,) end offsets over ``num_rows`` rows.
@@ -111,6 +112,7 @@ def padded_rows(
     starts[e + 1] = starts[e] + ceil(size_e / 32) * 32; Mp = (num_rows + 31 E) // 32 * 32.
     Each end offset is clamped into [previous clamped end, num_rows] to stay memory-safe (the
     forward's rule: invalid offsets give unspecified groups, the same in both). E >= 1.
+    Under ``torch.compile`` an opaque op (``padded_rows``).
     """
     E = offsets.shape[0]
     ends = clamp_group_ends(offsets, num_rows)
@@ -125,6 +127,33 @@ def padded_rows(
     valid = (g < E) & (local < sizes[gc])
     src = torch.where(valid, begins[gc] + local, 0)
     return src, valid, starts
+
+
+def _padded_rows_fake(offsets: torch.Tensor, num_rows: int):
+    E = offsets.shape[0]
+    Mp = (num_rows + (BLOCK - 1) * E) // BLOCK * BLOCK
+    i64 = dict(dtype=torch.int64, device=offsets.device)
+    return (
+        torch.empty(Mp, **i64),
+        torch.empty(Mp, dtype=torch.bool, device=offsets.device),
+        torch.empty(E + 1, **i64),
+    )
+
+
+# Opaque under torch.compile: Inductor (torch 2.11, CUDA) compiled this index arithmetic into
+# wrong group ids, so the compiled weight gradient was wrong (docs/compile-cold-start.md); a
+# few tiny launches a backward.
+_padded_rows_op = register_op(
+    "mxfp8_padded_rows", _padded_rows_impl, _padded_rows_fake, traced=False
+)
+
+
+def padded_rows(
+    offsets: torch.Tensor, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_padded_rows_impl``: eager directly, else as the opaque op."""
+    op = _padded_rows_impl if plain_eager() else _padded_rows_op
+    return op(offsets, num_rows)
 
 
 def _gather_padded(x: torch.Tensor, src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
