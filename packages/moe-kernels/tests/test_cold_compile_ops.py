@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import moe_kernels as mk
-from moe_kernels.testing import op_problems, run_fresh
+from moe_kernels.testing import op_problems, run_fresh, selected
 
 COLD = "from moe_kernels.testing import cold_main; cold_main()"
 NAMES = list(op_problems("cpu"))
@@ -38,11 +38,13 @@ def test_every_op_compiles_cold_on_cpu():
 
 
 @pytest.fixture(scope="module")
-def gpu_runs():
-    """op name -> FreshRun, one process per op, up to 8 at a time (compiling is host work)."""
+def gpu_runs(request):
+    """op name -> FreshRun for the selected ops (``-k``), one process per op, up to 8 at a time
+    (compiling is host work)."""
+    names = selected(request, "name")
     workers = int(os.environ.get("MOE_COLD_WORKERS", "8"))
     with ThreadPoolExecutor(workers) as pool:
-        return dict(zip(NAMES, pool.map(lambda n: run_fresh(COLD, "cuda", n), NAMES), strict=True))
+        return dict(zip(names, pool.map(lambda n: run_fresh(COLD, "cuda", n), names), strict=True))
 
 
 @pytest.mark.gpu

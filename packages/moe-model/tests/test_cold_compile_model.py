@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from moe_kernels.testing import run_fresh
+from moe_kernels.testing import run_fresh, selected
 from moe_model import MOE_IMPLS
 from moe_model.impls import IMPLS
 
@@ -155,8 +155,9 @@ def _workers() -> int:
 
 
 @pytest.fixture(scope="module")
-def gpu_runs():
-    """case -> FreshRun, the GPU cases run side by side (``_workers``)."""
+def gpu_runs(request):
+    """case -> FreshRun for the selected cases (``-k``), run side by side (``_workers``)."""
+    cases = selected(request, "case")
 
     def one(case):
         kind, impl, graphs = case
@@ -165,7 +166,7 @@ def gpu_runs():
         return run_fresh(ENGINE, "cuda", impl, graphs)
 
     with ThreadPoolExecutor(_workers()) as pool:
-        return dict(zip(GPU_CASES, pool.map(one, GPU_CASES), strict=True))
+        return dict(zip(cases, pool.map(one, cases), strict=True))
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ from moe_kernels.testing.cold import (
     cold_main,
     run_fresh,
     same_bits,
+    selected,
     tensors_of,
 )
 from moe_kernels.testing.guards import GUARD_BYTE, Guarded, guarded
@@ -27,5 +28,6 @@ __all__ = [
     "op_problems",
     "run_fresh",
     "same_bits",
+    "selected",
     "tensors_of",
 ]

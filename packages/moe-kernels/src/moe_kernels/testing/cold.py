@@ -19,7 +19,15 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["FreshRun", "cold_compile", "cold_main", "run_fresh", "same_bits", "tensors_of"]
+__all__ = [
+    "FreshRun",
+    "cold_compile",
+    "cold_main",
+    "run_fresh",
+    "same_bits",
+    "selected",
+    "tensors_of",
+]
 
 
 def tensors_of(obj: object) -> list[torch.Tensor]:
@@ -137,3 +145,17 @@ def run_fresh(code: str, *args: str, env: dict[str, str] | None = None,
         timeout=timeout,
     )
     return FreshRun(proc.returncode, proc.stdout)
+
+
+def selected(request, param: str) -> list:
+    """The values of the parametrised argument ``param`` that this pytest session runs in the
+    requesting module (after ``-k`` / ``-m``), in order: a module fixture that starts one fresh
+    process per case starts only those."""
+    seen = []
+    for item in request.session.items:
+        spec = getattr(item, "callspec", None)
+        if item.module is not request.module or spec is None or param not in spec.params:
+            continue
+        if spec.params[param] not in seen:
+            seen.append(spec.params[param])
+    return seen
