@@ -95,12 +95,20 @@ def from_mxfp8(
     return (d * s[..., None]).reshape(M, K).to(dtype)
 
 
+def _zero_pad(x: torch.Tensor, *sizes: int) -> torch.Tensor:
+    """``x`` zero padded at the end of its last ``len(sizes)`` dims to ``sizes`` (torch 2.9's
+    ``F.pad`` refuses a dim of size 0)."""
+    out = x.new_zeros((*x.shape[: x.dim() - len(sizes)], *sizes))
+    out[tuple(slice(0, n) for n in x.shape)] = x
+    return out
+
+
 def to_blocked(scale_RC: torch.Tensor) -> torch.Tensor:
     """cuBLAS 1D-block-scaling layout of (R, C) 8-bit scales, shaped (Rp, Cp), zero padded."""
     R, C = scale_RC.shape
     Rp, Cp = ceil_to(R, TILE_ROWS), ceil_to(C, TILE_COLS)
     u8 = scale_RC.view(torch.uint8)
-    padded = torch.nn.functional.pad(u8, (0, Cp - C, 0, Rp - R))
+    padded = _zero_pad(u8, Rp, Cp)
     # rows r = (i, r // 32, r % 32), cols (j, c) -> order (i, j, r % 32, r // 32, c)
     tiles = padded.reshape(Rp // TILE_ROWS, 4, 32, Cp // TILE_COLS, TILE_COLS)
     out = tiles.permute(0, 3, 2, 1, 4).reshape(Rp, Cp)
@@ -171,10 +179,8 @@ def to_blocked_per_group_2d(
     src = torch.where(valid, in_starts[g] + local, 0).long()
     u8 = scale_RC.view(torch.uint8)
     rowmajor = torch.where(valid[:, None], u8[src] if R > 0 else u8.new_zeros(R_out, C), 0)
-    rowmajor = torch.nn.functional.pad(rowmajor, (0, Cp - C))
     # Every group starts on a 128-row boundary, so one global swizzle lays out each group alone.
-    Rp_out = ceil_to(R_out, TILE_ROWS)
-    rowmajor = torch.nn.functional.pad(rowmajor, (0, 0, 0, Rp_out - R_out))
+    rowmajor = _zero_pad(rowmajor, ceil_to(R_out, TILE_ROWS), Cp)
     blocked = to_blocked(rowmajor)[:R_out]
     return blocked.view(scale_RC.dtype), start_rows
 
@@ -184,7 +190,7 @@ def to_blocked_per_group_3d(scale_ENC: torch.Tensor) -> torch.Tensor:
     E, N, C = scale_ENC.shape
     Np, Cp = ceil_to(N, TILE_ROWS), ceil_to(C, TILE_COLS)
     u8 = scale_ENC.view(torch.uint8)
-    padded = torch.nn.functional.pad(u8, (0, Cp - C, 0, Np - N))
+    padded = _zero_pad(u8, Np, Cp)
     tiles = padded.reshape(E, Np // TILE_ROWS, 4, 32, Cp // TILE_COLS, TILE_COLS)
     out = tiles.permute(0, 1, 4, 3, 2, 5).reshape(E, Np * Cp)
     return out.view(scale_ENC.dtype)
