@@ -192,6 +192,36 @@ def pick_config(
     return ShuffleConfig(block_t, block_d, d_iters, block_g, num_warps)
 
 
+def launch_constants(
+    num_rows: int,
+    dim: int,
+    num_ranks: int,
+    num_experts: int,
+    num_local: int,
+    padded: bool,
+    combine: bool,
+    cfg: ShuffleConfig,
+) -> dict:
+    """The kernel's constexprs for a launch of ``cfg``."""
+    block_e = max(1, min(next_pow2(max(num_experts, 1)), _LOOKUP // next_pow2(num_ranks)))
+    # The kernel's prefix sums run along the ranks and the local experts: an axis of one element
+    # failed Triton's compiler (ScanOpToLLVM assertion; Triton 3.6, 16 ranks x 1 local expert),
+    # so both tiles hold at least two (masked) lanes.
+    block_g = max(2, cfg.block_g)
+    return dict(
+        COMBINE=combine,
+        PADDED=padded,
+        BLOCK_EP=max(2, next_pow2(num_ranks)),
+        BLOCK_E=block_e,
+        N_EBLK=cdiv(num_experts, block_e),
+        BLOCK_G=block_g,
+        N_GBLK=cdiv(num_local, block_g),
+        BLOCK_T=cfg.block_t,
+        BLOCK_D=cfg.block_d,
+        D_ITERS=cfg.d_iters if dim > 0 else 0,
+    )
+
+
 def shuffle(
     tokens_TD: torch.Tensor,
     counts_RE: torch.Tensor,
@@ -214,12 +244,8 @@ def shuffle(
         return out_TD, None
     bits = tokens_TD.dtype if tokens_TD.dtype in _NATIVE else _BITS[tokens_TD.element_size()]
     cfg = config or pick_config(num_rows, dim, tokens_TD.element_size(), num_ranks, num_local)
-    block_e = max(1, min(next_pow2(max(num_experts, 1)), _LOOKUP // next_pow2(num_ranks)))
-    # The kernel's prefix sums run along the ranks and the local experts: an axis of one element
-    # failed Triton's compiler (ScanOpToLLVM assertion; Triton 3.6, 16 ranks x 1 local expert),
-    # so both tiles hold at least two (masked) lanes.
-    block_ep = max(2, next_pow2(num_ranks))
-    block_g = max(2, cfg.block_g)
+    consts = launch_constants(num_rows, dim, num_ranks, num_experts, num_local, padded, combine,
+                              cfg)  # fmt: skip
     # at least one program: combine writes counts_out even when there are no rows
     grid = (max(1, cdiv(num_rows, cfg.block_t)), max(1, cdiv(cdiv(dim, cfg.block_d), cfg.d_iters)))
     _shuffle.launch(
@@ -241,18 +267,7 @@ def shuffle(
             counts_RE.stride(0),
             counts_RE.stride(1),
         ),
-        dict(
-            COMBINE=combine,
-            PADDED=padded,
-            BLOCK_EP=block_ep,
-            BLOCK_E=block_e,
-            N_EBLK=cdiv(num_experts, block_e),
-            BLOCK_G=block_g,
-            N_GBLK=cdiv(num_local, block_g),
-            BLOCK_T=cfg.block_t,
-            BLOCK_D=cfg.block_d,
-            D_ITERS=cfg.d_iters if dim > 0 else 0,
-        ),
+        consts,
         num_warps=cfg.num_warps,
     )
     return out_TD, counts_out
