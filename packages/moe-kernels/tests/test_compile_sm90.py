@@ -22,36 +22,24 @@ from moe_kernels._dispatch import INTERPRET
 pytestmark = pytest.mark.skipif(INTERPRET, reason="GPU launch plans only without the interpreter")
 
 
-def _compile(kern, sig: dict, consts: dict, num_warps: int, num_stages: int = 3,
-             divisible: tuple[str, ...] = ()):  # fmt: skip
-    """A cubin of ``kern``; ``divisible`` names the arguments Triton's launcher would specialise
-    as multiples of 16 (pointers, sizes)."""
+def _compile(kern, sig: dict, consts: dict, num_warps: int, num_stages: int = 3):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {**sig, **dict.fromkeys(consts, "constexpr")}
-    if divisible:  # attributes are keyed by the arguments' positions
-        sig = {name: sig[name] for name in kern.arg_names}
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs={})
     opts = dict(num_warps=num_warps, num_stages=num_stages)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 @pytest.fixture(scope="module")
 def can_compile():
-    import triton
-    import triton.language as tl
+    from moe_kernels.testing import sm90_compiler_missing
 
-    @triton.jit
-    def _probe(x_ptr, BLOCK: tl.constexpr):
-        tl.store(x_ptr + tl.arange(0, BLOCK), tl.arange(0, BLOCK))
-
-    try:
-        _compile(_probe, {"x_ptr": "*i32"}, {"BLOCK": 32}, 1, 1)
-    except Exception as exc:  # no CUDA backend / ptxas in this Triton build
-        pytest.skip(f"triton cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+    missing = sm90_compiler_missing()
+    if missing:
+        pytest.skip(missing)
 
 
 # (T, E, top_k, start, end, scores dtype kind: 0 fp32 / 1 bf16 / 2 fp16, renormalize)
@@ -379,33 +367,3 @@ def test_weight_grad_default_config_compiles_to_pipelined_wgmma(can_compile, tma
     assert ("cp.async.bulk.tensor" in ptx) == x_tma and ("cp.async.cg" in ptx) == (tma != "both")
     stage = cfg.block_k * (cfg.block_n + cfg.block_d) * 2
     assert 3 * stage <= k.metadata.shared <= 227 * 1024
-
-
-@pytest.mark.parametrize(
-    ("rows", "dim", "ranks", "experts", "local", "padded", "combine"),
-    [
-        (32, 5120, 16, 16, 1, True, True),  # FBGEMM's E 80 / dp 16 / mp 1 case, the last rank
-        (32, 5120, 16, 16, 1, False, False),
-        (64, 256, 1, 4, 1, False, True),  # one rank, one local expert
-        (4096, 1024, 8, 128, 16, True, True),
-        (4096, 7168, 64, 256, 4, False, False),
-    ],
-)
-def test_reshuffle_default_configs_compile(can_compile, rows, dim, ranks, experts, local, padded,
-                                           combine):  # fmt: skip
-    """``combine_shuffling`` / ``split_shuffling``'s kernel at the launcher's configs, contiguous
-    tokens and counts specialised as the launcher does: its prefix sums over a one-element rank
-    or expert axis failed Triton 3.5's and 3.6's compilers (16 ranks, one local expert; found on
-    an H100 by FBGEMM's test case)."""
-    from moe_kernels._triton import shuffling as tri
-
-    cfg = tri.pick_config(rows, dim, 2, ranks, local)
-    consts = tri.launch_constants(rows, dim, ranks, experts, local, padded, combine, cfg)
-    consts.update(stride_id=1, stride_ce=1)  # unit strides: constants in Triton's launcher
-    sig = dict(in_ptr="*bf16", out_ptr="*bf16", counts_ptr="*i32", counts_out_ptr="*i32")
-    sig.update(dict.fromkeys(["T", "D", "EP", "E", "EG", "start", "B_T", "stride_it",
-                              "stride_cr"], "i32"))  # fmt: skip
-    sizes = dict(T=rows, D=dim, EP=ranks, E=experts, EG=local, stride_it=dim, stride_cr=experts)
-    divisible = ("in_ptr", "out_ptr", "counts_ptr", "counts_out_ptr",
-                 *(n for n, v in sizes.items() if v % 16 == 0))  # fmt: skip
-    _compile(tri._shuffle_kernel, sig, consts, cfg.num_warps, divisible=divisible)

@@ -1,6 +1,7 @@
 """Test helpers for this package and code built on it: guard regions around tensors
 (``guarded``), every public op with small plain-torch arguments (``op_problems``, ``naive_plan``),
-and compiled-from-a-cold-process checks (``cold_compile``, ``run_fresh``)."""
+compiled-from-a-cold-process checks (``cold_compile``, ``run_fresh``), and whether sm_90a kernels
+compile here (``sm90_compiler_missing``)."""
 
 from moe_kernels.testing.cold import (
     FreshRun,
@@ -13,6 +14,7 @@ from moe_kernels.testing.cold import (
 )
 from moe_kernels.testing.guards import GUARD_BYTE, Guarded, guarded
 from moe_kernels.testing.problems import Problem, Sizes, naive_plan, naive_shuffle, op_problems
+from moe_kernels.testing.sm90 import sm90_compiler_missing
 
 __all__ = [
     "GUARD_BYTE",
@@ -29,5 +31,6 @@ __all__ = [
     "run_fresh",
     "same_bits",
     "selected",
+    "sm90_compiler_missing",
     "tensors_of",
 ]
