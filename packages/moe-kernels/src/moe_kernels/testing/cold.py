@@ -49,15 +49,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal within ``torch.testing.assert_close``'s default tolerances of the dtype."""
-    try:
-        torch.testing.assert_close(a, b, equal_nan=True)
-    except AssertionError:
-        return False
-    return True
-
-
 def _fresh(args: tuple, grads: Iterable[int]) -> tuple:
     """A new copy of every tensor argument (some ops write theirs), leaves requiring grad at
     ``grads``; other arguments (plans, ints) as they are."""
@@ -84,8 +75,7 @@ def _run(fn, args: tuple, grads: Sequence[int]) -> list[torch.Tensor]:
 
 def cold_compile(names: Sequence[str], device: str, seed: int = 0) -> dict[str, str | None]:
     """name -> None where ``op_problems(device)[name]`` compiled with ``fullgraph=True`` ran and
-    equals eager bit for bit (within rounding where the problem is not ``exact``), else what
-    went wrong. Every compiled call runs before the first
+    equals eager bit for bit, else what went wrong. Every compiled call runs before the first
     eager one; the arguments are made with plain torch only."""
     from moe_kernels.testing.problems import op_problems
 
@@ -108,8 +98,7 @@ def cold_compile(names: Sequence[str], device: str, seed: int = 0) -> dict[str, 
         if len(got) != len(want):
             results[name] = f"{len(got)} compiled outputs, {len(want)} eager"
             continue
-        same = same_bits if p.exact else _close
-        bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not same(g, w)]
+        bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not same_bits(g, w)]
         results[name] = f"outputs {bad} differ from eager" if bad else None
     return results
 

@@ -54,7 +54,9 @@ def _route_backward_kernel(
     ok = tj_in & (r >= 0) & (r < P)
     e = tl.load(exp_ptr + r, mask=ok, other=-1).to(tl.int64) + start
     ok = ok & (e >= 0) & (e < E)  # (trusted inputs; clamped all the same: memory safety)
-    g = tl.load(grad_ptr + r, mask=ok, other=0.0).to(tl.float32) * scale
+    # fp32 arithmetic on every launcher: Inductor passes a Python float as an fp64 argument
+    # (Triton's launcher as fp32), which would carry the whole quotient rule in fp64
+    g = tl.load(grad_ptr + r, mask=ok, other=0.0).to(tl.float32) * tl.cast(scale, tl.float32)
     e = tl.where(ok, e, -1)
     if RENORM:
         s = tl.load(scores_ptr + t[:, None] * stride_st + e * stride_se, mask=ok, other=0.0)

@@ -294,8 +294,8 @@ def topk_grouped_kernel(
             for j in range(1, K):  # in choice order, as the reference adds
                 wsum = wsum + tl.sum(tl.where(jj[None, :] == j, w, 0.0), axis=1)
             w = tl.math.div_rn(w, wsum[:, None])
-        if SCALED:
-            w = w * scale
+        if SCALED:  # fp32 also where Inductor passes the float as fp64
+            w = w * tl.cast(scale, tl.float32)
         tl.store(scr_w_ptr + out_offs, w, mask=st_mask)
         le = tl.reshape(tl.where(routed, choice - start, HB // 2), [BLOCK_T * K_PAD])
         if OLD_INTERP:
