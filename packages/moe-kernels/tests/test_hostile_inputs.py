@@ -24,8 +24,6 @@ and ``test_routed_experts_errors_name_the_callers_arguments``.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -33,7 +31,7 @@ import moe_kernels as mk
 import moe_kernels.grouped_mm as gmm_mod
 from moe_kernels._dispatch import triton_kernels, use_triton
 from moe_kernels._routing_outputs import RoutingPlan
-from moe_kernels.testing import guarded
+from moe_kernels.testing import GuardHarness
 
 CPU = torch.device("cpu")
 I32_MAX, I32_MIN = 2**31 - 1, -(2**31)
@@ -51,64 +49,18 @@ PUBLIC_MODULES = ("tokens", "grouped_mm", "rope", "router", "_router_split", "ro
 # harness
 
 
-class GuardedAllocs:
-    """Stands in for ``torch`` in a kernel module: every ``torch.empty`` there (the kernels'
-    outputs) is a guarded view; everything else is torch's."""
-
-    def __init__(self) -> None:
-        self.made = []
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-    def empty(self, *size, **kwargs) -> torch.Tensor:
-        g = guarded(torch.empty(*size, **kwargs))
-        self.made.append(g)
-        return g.tensor
-
-
-class Harness:
-    """Guarded inputs, guarded kernel outputs, and the reference path for comparison."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
-        self.mp, self.device = monkeypatch, device
-        self.kernels = use_triton(device)
-        self.inputs = []
-        self.allocs = GuardedAllocs()
-        if self.kernels:
-            for name in KERNEL_MODULES:
-                module = importlib.import_module(f"moe_kernels._triton.{name}")
-                monkeypatch.setattr(module, "torch", self.allocs)
-
-    def g(self, t: torch.Tensor) -> torch.Tensor:
-        """A guarded copy of ``t`` on the device."""
-        gt = guarded(t.to(self.device))
-        self.inputs.append(gt)
-        return gt.tensor
-
-    def intact(self) -> None:
-        assert all(g.intact() for g in self.inputs), "a guard of an input was overwritten"
-        assert all(g.intact() for g in self.allocs.made), "a guard of an output was overwritten"
-
-    def reference(self, fn, *args, **kwargs):
-        """``fn(*args)`` on the reference path (None where that is the path that ran)."""
-        if not self.kernels:
-            return None
-        with self.mp.context() as m:
-            for name in PUBLIC_MODULES:
-                m.setattr(importlib.import_module(f"moe_kernels.{name}"), "use_triton",
-                          lambda device: False)  # fmt: skip
-            return fn(*args, **kwargs)
+def harness(monkeypatch, device: torch.device) -> GuardHarness:
+    return GuardHarness(monkeypatch, device, KERNEL_MODULES, PUBLIC_MODULES)
 
 
 @pytest.fixture
 def cpu(monkeypatch):
-    return Harness(monkeypatch, CPU)
+    return harness(monkeypatch, CPU)
 
 
 @pytest.fixture
 def cuda(monkeypatch):
-    return Harness(monkeypatch, torch.device("cuda"))
+    return harness(monkeypatch, torch.device("cuda"))
 
 
 def on_gpu(fn):
@@ -181,7 +133,7 @@ VTCS = [None, ([-3], torch.int32), ([5], torch.int64), ([2**40], torch.int64),
         ([I32_MIN], torch.int32)]  # fmt: skip
 
 
-def vtc_pair(h: Harness, spec, n: int):
+def vtc_pair(h: GuardHarness, spec, n: int):
     """(hostile valid_token_count, its sanitised twin clamped into [0, n])."""
     if spec is None:
         return None, None
@@ -190,7 +142,7 @@ def vtc_pair(h: Harness, spec, n: int):
     return h.g(torch.tensor(values, dtype=dtype)), clean
 
 
-def check_gather_scatter(h: Harness, spec) -> None:
+def check_gather_scatter(h: GuardHarness, spec) -> None:
     T, D, E = 6, 5, 3
     x, scores = h.g(randn((T, D), 1)), h.g(randn((T, E), 2))
     tok, tok_c = idx(TOK, T)
@@ -236,7 +188,7 @@ def test_gather_scale_no_tokens_or_experts(cpu):
         assert gx.shape == x.shape and gx.eq(0).all() and gs.shape == scores.shape
 
 
-def hostile_plan(h: Harness, T: int = 4, K: int = 2, D: int = 5):
+def hostile_plan(h: GuardHarness, T: int = 4, K: int = 2, D: int = 5):
     """(x, y, hostile plan, its sanitised twin): token indices and inverse out of range."""
     P = T * K
     tok, tok_c = idx([0, 3, -1, T, I32_MIN, 1, 2, I32_MAX], T)
@@ -286,13 +238,13 @@ HOSTILE_OFFSETS = {  # E = 3 groups over P = 12 rows: E+1 offsets
 ROWS = [0, -1, 9, 10, I32_MAX, 3, I32_MIN, 4, 5, -2, 8, 1]  # P = 12 rows of x (T = 10)
 
 
-def offsets_pair(h: Harness, case: str, rows: int):
+def offsets_pair(h: GuardHarness, case: str, rows: int):
     ends, dtype = HOSTILE_OFFSETS[case]
     clean = torch.tensor(group_bounds(ends, rows), dtype=dtype, device=h.device)
     return h.g(torch.tensor(ends, dtype=dtype)), clean
 
 
-def check_gather_grouped_mm(h: Harness, case: str, gathered: bool, backward: bool,
+def check_gather_grouped_mm(h: GuardHarness, case: str, gathered: bool, backward: bool,
                             dtype=torch.float32, tol: float = 1e-5, D: int = 16,
                             N: int = 8) -> None:  # fmt: skip
     E, P = 3, 12
@@ -491,7 +443,7 @@ def test_routed_experts_errors_name_the_callers_arguments():
 SLOTS = [[-1], [3], [I64_MIN, 1], [2, 2**40], [I64_MAX, -5], [1, 1], [2]]  # S = 3
 
 
-def check_rope(h: Harness, slots: list[int], dtype=torch.float32) -> None:
+def check_rope(h: GuardHarness, slots: list[int], dtype=torch.float32) -> None:
     N, H, K, D, L, S = 3, 2, 1, 4, 2, 3
     qkv = randn((N, (H + 2 * K) * D), 1, dtype)
     q, k, v = (h.g(t) for t in qkv.split([H * D, K * D, K * D], dim=1))
@@ -612,7 +564,7 @@ def test_gather_quant_hostile_indices(cpu):
 # routing: valid token counts outside [0, T], special scores and biases
 
 
-def routing_scores(h: Harness, T: int = 10, E: int = 6, dtype=torch.float32) -> torch.Tensor:
+def routing_scores(h: GuardHarness, T: int = 10, E: int = 6, dtype=torch.float32) -> torch.Tensor:
     return h.g(specials((T, E), 5).to(dtype))
 
 

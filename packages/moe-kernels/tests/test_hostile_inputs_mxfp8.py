@@ -26,8 +26,6 @@ whose int64 sums wrapped (padded scatter-add, reshuffles).
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -36,8 +34,7 @@ import moe_kernels.mxfp8 as mx
 import moe_kernels.padded_tokens as pt_mod
 import moe_kernels.shuffling as sh_mod
 import moe_kernels.swiglu as sw_mod
-from moe_kernels._dispatch import use_triton
-from moe_kernels.testing import guarded
+from moe_kernels.testing import GuardHarness
 
 CPU = torch.device("cpu")
 I32_MAX, I32_MIN = 2**31 - 1, -(2**31)
@@ -49,64 +46,18 @@ KERNEL_MODULES = ("mxfp8_layout", "mxfp8_quant", "swiglu", "gather_quant", "padd
 # harness
 
 
-class GuardedAllocs:
-    """Stands in for ``torch`` in a kernel module: every ``torch.empty`` there (the kernels'
-    outputs) is a guarded view; everything else is torch's."""
-
-    def __init__(self) -> None:
-        self.made = []
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-    def empty(self, *size, **kwargs) -> torch.Tensor:
-        g = guarded(torch.empty(*size, **kwargs))
-        self.made.append(g)
-        return g.tensor
-
-
-class Harness:
-    """Guarded inputs, guarded kernel outputs, and the reference path for comparison."""
-
-    def __init__(
-        self, monkeypatch: pytest.MonkeyPatch, device: torch.device, guard_outputs: bool = True
-    ) -> None:
-        self.mp, self.device = monkeypatch, device
-        self.kernels = use_triton(device)
-        self.inputs = []
-        self.allocs = GuardedAllocs()
-        if self.kernels and guard_outputs:
-            for name in KERNEL_MODULES:
-                module = importlib.import_module(f"moe_kernels._triton.{name}")
-                monkeypatch.setattr(module, "torch", self.allocs)
-
-    def g(self, t: torch.Tensor) -> torch.Tensor:
-        """A guarded copy of ``t`` on the device."""
-        gt = guarded(t.to(self.device))
-        self.inputs.append(gt)
-        return gt.tensor
-
-    def intact(self) -> None:
-        assert all(g.intact() for g in self.inputs), "a guard of an input was overwritten"
-        assert all(g.intact() for g in self.allocs.made), "a guard of an output was overwritten"
-
-    def reference(self, module, fn, *args, **kwargs):
-        """``fn(*args)`` on the reference path (None where that is the path that ran)."""
-        if not self.kernels:
-            return None
-        with self.mp.context() as m:
-            m.setattr(module, "use_triton", lambda device: False)
-            return fn(*args, **kwargs)
+def harness(monkeypatch, device: torch.device, guard_outputs: bool = True) -> GuardHarness:
+    return GuardHarness(monkeypatch, device, KERNEL_MODULES, guard_outputs=guard_outputs)
 
 
 @pytest.fixture
 def cpu(monkeypatch):
-    return Harness(monkeypatch, CPU)
+    return harness(monkeypatch, CPU)
 
 
 @pytest.fixture
 def cuda(monkeypatch):
-    return Harness(monkeypatch, torch.device("cuda"))
+    return harness(monkeypatch, torch.device("cuda"))
 
 
 def on_gpu(fn):
@@ -181,7 +132,7 @@ HOSTILE_ENDS = {
 }
 
 
-def check_per_group_2d(h: Harness, case: str, R: int = 64, C: int = 5) -> None:
+def check_per_group_2d(h: GuardHarness, case: str, R: int = 64, C: int = 5) -> None:
     ends, dtype = HOSTILE_ENDS[case]
     G = len(ends)
     scales = h.g(rand_u8((R, C), seed=R + G))
@@ -194,7 +145,7 @@ def check_per_group_2d(h: Harness, case: str, R: int = 64, C: int = 5) -> None:
     want_blocked, want_rows = mx.to_blocked_per_group_2d(scales, clean)
     same_bits(start_rows, want_rows)
     same_bits(blocked[:n], want_blocked[:n])  # rows past start_rows[G] are unspecified
-    ref = h.reference(mx, mx.to_blocked_per_group_2d, scales, offs)
+    ref = h.reference_in((mx,), mx.to_blocked_per_group_2d, scales, offs)
     if ref is not None:
         same_bits(start_rows, ref[1])
         same_bits(blocked[:n], ref[0][:n])
@@ -211,7 +162,7 @@ def test_to_blocked_per_group_2d_no_rows_or_columns(cpu):
         check_per_group_2d(cpu, "end_past_R", R, C)
 
 
-def check_group_offsets(h: Harness, case: str) -> None:
+def check_group_offsets(h: GuardHarness, case: str) -> None:
     ends, dtype = HOSTILE_ENDS[case]
     G = len(ends)
     offs = h.g(torch.tensor(ends, dtype=dtype))
@@ -223,7 +174,7 @@ def check_group_offsets(h: Harness, case: str) -> None:
     for s in want_sizes:
         want_rows.append(want_rows[-1] + -(-s // 128) * 128)
     assert sizes.tolist() == want_sizes and start_rows.tolist() == want_rows
-    ref = h.reference(mx, mx.compute_per_group_blocked_scale_offsets, offs)
+    ref = h.reference_in((mx,), mx.compute_per_group_blocked_scale_offsets, offs)
     if ref is not None:
         same_bits(sizes, ref[0])
         same_bits(start_rows, ref[1])
@@ -255,7 +206,7 @@ def test_to_blocked_per_group_2d_host_checks(monkeypatch):
 LAYOUT_SHAPES = [(1, 1, 1), (2, 130, 5), (3, 0, 4), (0, 7, 3), (1, 129, 0)]
 
 
-def check_layouts(h: Harness) -> None:
+def check_layouts(h: GuardHarness) -> None:
     for shape in LAYOUT_SHAPES:
         s3 = h.g(rand_u8(shape, seed=sum(shape)))
         outs = [mx.to_blocked_per_group_3d(s3), mx.to_blocked(s3[0]) if shape[0] else None]
@@ -263,9 +214,9 @@ def check_layouts(h: Harness) -> None:
         outs.append(mx.to_blocked(strided))
         h.intact()
         refs = [
-            h.reference(mx, mx.to_blocked_per_group_3d, s3),
-            h.reference(mx, mx.to_blocked, s3[0]) if shape[0] else None,
-            h.reference(mx, mx.to_blocked, strided),
+            h.reference_in((mx,), mx.to_blocked_per_group_3d, s3),
+            h.reference_in((mx,), mx.to_blocked, s3[0]) if shape[0] else None,
+            h.reference_in((mx,), mx.to_blocked, strided),
         ]
         for got, ref in zip(outs, refs, strict=True):
             if ref is not None and got is not None:
@@ -287,7 +238,7 @@ def hostile_floats(shape, seed: int) -> torch.Tensor:
     return x
 
 
-def check_casts(h: Harness) -> None:
+def check_casts(h: GuardHarness) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for mode in mx.SCALING_MODES:
             x = h.g(hostile_floats((3, 96), seed=3).to(dtype))
@@ -297,7 +248,7 @@ def check_casts(h: Harness) -> None:
             outs = [fn(arg, scaling_mode=mode) for fn, arg in calls]
             h.intact()
             for got, (fn, arg) in zip(outs, calls, strict=True):
-                ref = h.reference(mx, fn, arg, scaling_mode=mode)
+                ref = h.reference_in((mx,), fn, arg, scaling_mode=mode)
                 if ref is not None:
                     same_bits(u8(got[0]), u8(ref[0]))
                     same_bits(u8(got[1]), u8(ref[1]))
@@ -309,7 +260,7 @@ def check_casts(h: Harness) -> None:
         scale = h.g(torch.tensor([row] * 4, dtype=torch.uint8))
         got = mx.from_mxfp8(data, scale, out_dtype)
         h.intact()
-        ref = h.reference(mx, mx.from_mxfp8, data, scale, out_dtype)
+        ref = h.reference_in((mx,), mx.from_mxfp8, data, scale, out_dtype)
         if ref is not None:
             # the interpreter truncates the bf16 store where the GPU and torch round, and
             # Triton 3.5's drops the sign of -0
@@ -335,7 +286,7 @@ HOSTILE_MM_OFFSETS = {
 }
 
 
-def check_grouped_mm(h: Harness, case: str, backward: bool) -> None:
+def check_grouped_mm(h: GuardHarness, case: str, backward: bool) -> None:
     M, K, E, N = 40, 64, 3, 16
     ends = HOSTILE_MM_OFFSETS[case]
     a = h.g(randn((M, K), 1, torch.bfloat16))
@@ -346,7 +297,7 @@ def check_grouped_mm(h: Harness, case: str, backward: bool) -> None:
     def run(offsets, path=None):
         aa, bb = a.detach().requires_grad_(backward), b.detach().requires_grad_(backward)
         fn = lambda: mx.mxfp8_grouped_mm(aa, bb, offsets)  # noqa: E731
-        out = fn() if path is None else h.reference(mx, fn)
+        out = fn() if path is None else h.reference_in((mx,), fn)
         if out is None:
             return None
         if not backward:
@@ -388,7 +339,7 @@ def test_mxfp8_grouped_mm_no_experts(cpu):
     assert a.grad.eq(0).all() and b.grad.shape == b.shape
 
 
-def check_compiled(h: Harness, case: str) -> None:
+def check_compiled(h: GuardHarness, case: str) -> None:
     """The clamps under ``torch.compile(fullgraph=True)`` (no sync, no graph break; on CUDA the
     layout kernels traced into Inductor's code, the backward's clamp compiled): the eager bits."""
     ends, dtype = HOSTILE_ENDS[case]
@@ -441,7 +392,7 @@ HOSTILE_VTC = [([-5], torch.int32), ([I32_MAX], torch.int32), ([I32_MIN], torch.
                ([3], torch.int32)]  # fmt: skip
 
 
-def silu_inputs(h: Harness, T: int = 5, D: int = 48):
+def silu_inputs(h: GuardHarness, T: int = 5, D: int = 48):
     """x0 in {20, -100}: silu(x0) is exactly x0 or -0 on every path (sigmoid(20) rounds to 1)."""
     pick = torch.rand((T, D), generator=torch.Generator().manual_seed(7)) < 0.8
     x0 = torch.where(pick, 20.0, -100.0)
@@ -454,7 +405,7 @@ def ub_floor(ub: float) -> float:
     return ub if ub != ub else max(ub, e)
 
 
-def check_silu(h: Harness) -> None:
+def check_silu(h: GuardHarness) -> None:
     x0, x1 = silu_inputs(h)
     live_T = None
     for vtc, dtype in HOSTILE_VTC:
@@ -465,8 +416,8 @@ def check_silu(h: Harness) -> None:
         live_T = torch.arange(x0.shape[0], device=h.device) < min(max(vtc[0], 0), x0.shape[0])
         assert y[~live_T].eq(0).all() and q.view(torch.uint8)[~live_T].eq(0).all()
         assert s[~live_T].eq(0).all() and s[live_T].gt(0).all()
-        ref_y = h.reference(sw_mod, sw_mod.silu_mul, x0, x1, v)
-        ref_q = h.reference(sw_mod, sw_mod.silu_mul_quant, x0, x1, None, v)
+        ref_y = h.reference_in((sw_mod,), sw_mod.silu_mul, x0, x1, v)
+        ref_q = h.reference_in((sw_mod,), sw_mod.silu_mul_quant, x0, x1, None, v)
         if ref_y is not None:
             same_bits(y, ref_y)
             check_quant(h, (q, s), ref_q)
@@ -478,10 +429,10 @@ def check_silu(h: Harness) -> None:
         want = sw_mod.silu_mul_quant(x0, x1, torch.tensor([ub_floor(ub)], device=h.device))
         same_bits(u8(q), u8(want[0]))
         same_bits(s, want[1])
-        check_quant(h, (q, s), h.reference(sw_mod, sw_mod.silu_mul_quant, x0, x1, bound))
+        check_quant(h, (q, s), h.reference_in((sw_mod,), sw_mod.silu_mul_quant, x0, x1, bound))
 
 
-def check_quant(h: Harness, got, ref) -> None:
+def check_quant(h: GuardHarness, got, ref) -> None:
     if ref is None:
         return
     if h.device.type == "cpu":  # IEEE division in the interpreter too: the same bits
@@ -517,7 +468,7 @@ GATHER_EXPERTS = [
 ]
 
 
-def check_gather(h: Harness) -> None:
+def check_gather(h: GuardHarness) -> None:
     T, D, E = 6, 40, 3
     x = h.g(randn((T, D), 11) * 50)
     scores = h.g(randn((T, E), 12))
@@ -540,7 +491,7 @@ def check_gather(h: Harness) -> None:
             same_bits(u8(q), u8(want[0]))
             same_bits(s, want[1])
             assert s.ge(0).all()
-            ref = h.reference(gq_mod, gq_mod.gather_scale_quant_dense_tokens, x, t_idx, e_idx,
+            ref = h.reference_in((gq_mod,), gq_mod.gather_scale_quant_dense_tokens, x, t_idx, e_idx,
                               scores, bound, v)  # fmt: skip
             check_quant(h, (q, s), ref)
 
@@ -565,7 +516,7 @@ PADDED_INDICES = [
 ]
 
 
-def check_padded(h: Harness) -> None:
+def check_padded(h: GuardHarness) -> None:
     EP, P, D, T = 3, 8, 16, 6
     in_t = h.g(randn((EP, P, D), 21))
     for counts, cdt in PADDED_COUNTS:
@@ -582,7 +533,7 @@ def check_padded(h: Harness) -> None:
             same_bits(out, want)
             if h.kernels:  # fp32 adds in ascending p on every path: the same bits
                 ref = start.clone()
-                h.reference(pt_mod, pt_mod.scatter_add_padded_tokens, in_t, c_t, i_t, ref)
+                h.reference_in((pt_mod,), pt_mod.scatter_add_padded_tokens, in_t, c_t, i_t, ref)
                 same_bits(out, ref)
 
 
@@ -609,7 +560,7 @@ SHUFFLE_COUNTS = [
 ]
 
 
-def check_shuffling(h: Harness) -> None:
+def check_shuffling(h: GuardHarness) -> None:
     T, D = 12, 8
     tokens = h.g(randn((T, D), 31, torch.bfloat16))
     for counts, cdt in SHUFFLE_COUNTS:
@@ -623,12 +574,12 @@ def check_shuffling(h: Harness) -> None:
                 h.intact()
                 same_bits(out, sh_mod.combine_shuffling(tokens, clean, start, end, padded)[0])
                 same_bits(back, sh_mod.split_shuffling(tokens, clean, start, end, padded))
-                ref = h.reference(sh_mod, sh_mod.combine_shuffling, tokens, c_t, start, end,
+                ref = h.reference_in((sh_mod,), sh_mod.combine_shuffling, tokens, c_t, start, end,
                                   padded)  # fmt: skip
                 if ref is not None:
                     same_bits(out, ref[0])
                     same_bits(counts_out, ref[1])
-                    ref_back = h.reference(sh_mod, sh_mod.split_shuffling, tokens, c_t, start,
+                    ref_back = h.reference_in((sh_mod,), sh_mod.split_shuffling, tokens, c_t, start,
                                            end, padded)  # fmt: skip
                     same_bits(back, ref_back)
 
@@ -664,7 +615,7 @@ def test_gpu_mxfp8_grouped_mm(cuda, case):
 @pytest.mark.parametrize("case", ["end_past_R", "decreasing", "int64_huge"])
 def test_gpu_hostile_offsets_compiled(monkeypatch, case):
     # outputs unguarded: Inductor traces the launchers (and their allocations) on CUDA
-    check_compiled(Harness(monkeypatch, torch.device("cuda"), guard_outputs=False), case)
+    check_compiled(harness(monkeypatch, torch.device("cuda"), guard_outputs=False), case)
 
 
 @on_gpu

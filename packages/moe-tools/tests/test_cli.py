@@ -15,21 +15,6 @@ from moe_tools.env import machine_slug
 from moe_tools.results import SCHEMA, Result
 
 
-def _one_line_error(capsys, argv: list[str], *words: str) -> str:
-    """Run ``argv``: exit status 2, one line on stderr naming ``words``, nothing else."""
-    try:
-        code = cli.main(argv)
-    except SystemExit as exc:  # argparse's errors
-        code = exc.code
-    captured = capsys.readouterr()
-    err = captured.err.strip()
-    assert code == 2, (argv, code, err)
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for word in words:
-        assert word in err, (word, err)
-    return err
-
-
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
@@ -56,13 +41,13 @@ def _one_line_error(capsys, argv: list[str], *words: str) -> str:
         (["kernels", "--json", f"{__file__}/k.json"], ["--json", "cannot write"]),
     ],
 )
-def test_bad_arguments_are_one_line_errors(capsys, argv, words):
-    _one_line_error(capsys, argv, *words)
+def test_bad_arguments_are_one_line_errors(refused, argv, words):
+    refused(argv, *words)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_without_a_gpu_is_refused(capsys):
-    _one_line_error(capsys, ["verify", "--device", "cuda"], "--device", "CUDA is not available")
+def test_cuda_without_a_gpu_is_refused(refused):
+    refused(["verify", "--device", "cuda"], "--device", "CUDA is not available")
 
 
 @pytest.mark.parametrize(
@@ -83,8 +68,8 @@ def test_cuda_without_a_gpu_is_refused(capsys):
         (["matrix", "--device", "cpu", "--preset", "deepseek-v3", "--experts", "12"], ["n_groups"]),
     ],
 )
-def test_bad_combinations_are_one_line_errors(capsys, argv, words):
-    _one_line_error(capsys, argv, *words)
+def test_bad_combinations_are_one_line_errors(refused, argv, words):
+    refused(argv, *words)
 
 
 def test_every_command_has_help_and_a_result_name():
@@ -163,7 +148,7 @@ def test_save_writes_current_data_per_machine_and_replaces_it(tmp_path, capsys):
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
-def test_a_layer_too_large_is_refused_before_allocating(monkeypatch, capsys):
+def test_a_layer_too_large_is_refused_before_allocating(monkeypatch, refused):
     """deepseek-v3's full layer on a machine with 8 GiB free: sized on the meta device, refused
     with its size and how to shrink it, nothing allocated."""
     devices, real = [], matrix.build_layer
@@ -175,7 +160,7 @@ def test_a_layer_too_large_is_refused_before_allocating(monkeypatch, capsys):
     monkeypatch.setattr(matrix, "build_layer", spy)
     monkeypatch.setattr(memory, "available_bytes", lambda device: 8 << 30)
     argv = ["matrix", "--device", "cpu", "--preset", "deepseek-v3"]
-    err = _one_line_error(capsys, argv, "deepseek-v3 layer", "8.0 GiB free", "--experts")
+    err = refused(argv, "deepseek-v3 layer", "8.0 GiB free", "--experts")
     weights = float(re.search(r"\((\S+) GiB of weights in float32", err).group(1))
     # 256 experts of SwiGLU 7168 -> 2 x 2048 -> 7168 and a shared expert in fp32: 45 GB, 42 GiB
     assert 41.5 < weights < 42.5, err
@@ -217,7 +202,7 @@ def test_kernels_plot(tmp_path, capsys):
     assert "torch reference path" in capsys.readouterr().out
 
 
-def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, tmp_path, capsys):
+def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, tmp_path, refused):
     import moe_tools.plots
 
     def missing():
@@ -227,7 +212,7 @@ def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, tmp_path, c
     monkeypatch.setattr(cli, "require_matplotlib", missing)
     monkeypatch.setattr(verify, "run", lambda **kw: ran.append(1))
     argv = ["kernels", "--device", "cpu", "--plot", str(tmp_path / "k.png")]
-    _one_line_error(capsys, argv, "moe-tools[plot]")
+    refused(argv, "moe-tools[plot]")
     assert not ran
 
 

@@ -36,20 +36,6 @@ def no_measuring(monkeypatch):
     monkeypatch.setattr(cli, "plot_format_error", lambda path: None, raising=False)
 
 
-def _refused(capsys, argv: list[str], flag: str) -> str:
-    """``argv`` exits with status 2 and one line on stderr naming ``flag``, nothing measured."""
-    try:
-        code = cli.main(argv)
-    except SystemExit as exc:  # argparse's errors
-        code = exc.code
-    captured = capsys.readouterr()
-    err = captured.err.strip()
-    assert code == 2, (argv, code, err)
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert flag in err, (flag, err)
-    return err
-
-
 @pytest.fixture
 def paths(tmp_path):
     """A folder, a regular file, and a path below the regular file."""
@@ -61,24 +47,24 @@ def paths(tmp_path):
 
 
 # the finding's examples
-def test_verify_json_to_a_folder(no_measuring, capsys, paths):
-    _refused(capsys, ["verify", "--device", "cpu", "--json", paths["dir"]], "--json")
+def test_verify_json_to_a_folder(no_measuring, refused, paths):
+    refused(["verify", "--device", "cpu", "--json", paths["dir"]], "--json")
 
 
-def test_verify_save_to_a_file(no_measuring, capsys, paths):
-    _refused(capsys, ["verify", "--device", "cpu", "--save", paths["file"]], "--save")
+def test_verify_save_to_a_file(no_measuring, refused, paths):
+    refused(["verify", "--device", "cpu", "--save", paths["file"]], "--save")
 
 
-def test_json_empty(no_measuring, capsys):
-    _refused(capsys, ["verify", "--device", "cpu", "--json", ""], "--json")
+def test_json_empty(no_measuring, refused):
+    refused(["verify", "--device", "cpu", "--json", ""], "--json")
 
 
-def test_seed_too_large(no_measuring, capsys):
-    _refused(capsys, ["verify", "--device", "cpu", "--seed", str(2**70)], "--seed")
+def test_seed_too_large(no_measuring, refused):
+    refused(["verify", "--device", "cpu", "--seed", str(2**70)], "--seed")
 
 
-def test_report_out_below_a_file(no_measuring, capsys, paths):
-    _refused(capsys, ["report", "--out", paths["under_file"].replace(".json", ".md")], "--out")
+def test_report_out_below_a_file(no_measuring, refused, paths):
+    refused(["report", "--out", paths["under_file"].replace(".json", ".md")], "--out")
 
 
 # the same kinds, every command and flag
@@ -94,25 +80,25 @@ def test_report_out_below_a_file(no_measuring, capsys, paths):
         ("--save", ""),
     ],
 )
-def test_bad_output_paths(no_measuring, capsys, paths, command, flag, kind):
-    _refused(capsys, [command, "--device", "cpu", flag, paths.get(kind, kind)], flag)
+def test_bad_output_paths(no_measuring, refused, paths, command, flag, kind):
+    refused([command, "--device", "cpu", flag, paths.get(kind, kind)], flag)
 
 
 @pytest.mark.parametrize("command", PLOTS)
 @pytest.mark.parametrize("kind", ["dir", "under_file", ""])
-def test_bad_plot_paths(no_measuring, capsys, paths, command, kind):
-    _refused(capsys, [command, "--device", "cpu", "--plot", paths.get(kind, kind)], "--plot")
+def test_bad_plot_paths(no_measuring, refused, paths, command, kind):
+    refused([command, "--device", "cpu", "--plot", paths.get(kind, kind)], "--plot")
 
 
 @pytest.mark.parametrize("command", MEASURES)
-def test_save_whose_machine_folder_is_a_file(no_measuring, capsys, tmp_path, command):
+def test_save_whose_machine_folder_is_a_file(no_measuring, refused, tmp_path, command):
     (tmp_path / machine_slug("cpu")).write_text("x")
-    _refused(capsys, [command, "--device", "cpu", "--save", str(tmp_path)], "--save")
+    refused([command, "--device", "cpu", "--save", str(tmp_path)], "--save")
 
 
 @pytest.mark.parametrize("flag", ["--json", "--save"])
 @pytest.mark.parametrize("existing", [False, True])
-def test_read_only_paths(no_measuring, monkeypatch, capsys, tmp_path, flag, existing):
+def test_read_only_paths(no_measuring, monkeypatch, refused, tmp_path, flag, existing):
     """A folder (or an existing file or folder) this user may not write (faked: root may)."""
     target = tmp_path / "x"
     if existing:
@@ -120,13 +106,13 @@ def test_read_only_paths(no_measuring, monkeypatch, capsys, tmp_path, flag, exis
     denied = target if existing else tmp_path
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and str(p) != str(denied))
-    _refused(capsys, ["verify", "--device", "cpu", flag, str(target)], flag)
+    refused(["verify", "--device", "cpu", flag, str(target)], flag)
 
 
 @pytest.mark.parametrize("command", MEASURES)
 @pytest.mark.parametrize("seed", [str(2**64), str(-(2**63) - 1), "1.5"])
-def test_bad_seed(no_measuring, capsys, command, seed):
-    _refused(capsys, [command, "--device", "cpu", f"--seed={seed}"], "--seed")
+def test_bad_seed(no_measuring, refused, command, seed):
+    refused([command, "--device", "cpu", f"--seed={seed}"], "--seed")
 
 
 @pytest.mark.parametrize(
@@ -145,9 +131,9 @@ def test_bad_seed(no_measuring, capsys, command, seed):
         ["ep", "--iters", str(2**63)],
     ],
 )
-def test_numbers_out_of_range(no_measuring, capsys, argv):
+def test_numbers_out_of_range(no_measuring, refused, argv):
     flag = next(a for a in reversed(argv) if a.startswith("--"))
-    _refused(capsys, [*argv, "--device", "cpu"], flag)
+    refused([*argv, "--device", "cpu"], flag)
 
 
 # sizes that only the run can check (against the preset's, the machine's memory): refused
@@ -168,11 +154,11 @@ def test_numbers_out_of_range(no_measuring, capsys, argv):
         (["kernels", "--sweep", "routing", "--sweep-T", str(2**40)], "--sweep-T"),
     ],
 )
-def test_sizes_the_run_checks_first(monkeypatch, capsys, argv, flag):
+def test_sizes_the_run_checks_first(monkeypatch, refused, argv, flag):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 8 << 30)
     monkeypatch.setattr(ep, "_spawned_rows", _boom)
     monkeypatch.setattr(routing_sweep, "spin_up", _boom)
-    _refused(capsys, [*argv, "--device", "cpu", "--no-progress"], flag)
+    refused([*argv, "--device", "cpu", "--no-progress"], flag)
 
 
 def test_ep_starts_no_rank_that_would_measure_nothing(monkeypatch, capsys):
@@ -192,16 +178,16 @@ def test_ep_starts_no_rank_that_would_measure_nothing(monkeypatch, capsys):
         ["report", "--results", ""],
     ],
 )
-def test_report_bad_paths(no_measuring, capsys, paths, tmp_path, monkeypatch, argv):
+def test_report_bad_paths(no_measuring, refused, paths, tmp_path, monkeypatch, argv):
     monkeypatch.chdir(tmp_path)
     argv = [a.format(**paths) for a in argv]
-    _refused(capsys, argv, next(a for a in argv if a in ("--out", "--results")))
+    refused(argv, next(a for a in argv if a in ("--out", "--results")))
 
 
-def test_plot_format_is_checked_before_measuring(no_measuring, monkeypatch, capsys, tmp_path):
+def test_plot_format_is_checked_before_measuring(no_measuring, monkeypatch, refused, tmp_path):
     pytest.importorskip("matplotlib")
     monkeypatch.setattr(cli, "plot_format_error", plots.plot_format_error)
-    _refused(capsys, ["kernels", "--device", "cpu", "--plot", str(tmp_path / "k.nope")], "--plot")
+    refused(["kernels", "--device", "cpu", "--plot", str(tmp_path / "k.nope")], "--plot")
 
 
 # a measurement that cannot be written is still printed
@@ -285,6 +271,6 @@ def test_report_out_gone_while_rendering(monkeypatch, capsys, tmp_path):
     assert len(err.splitlines()) == 1 and "--out" in err and "Traceback" not in err, err
 
 
-def test_report_results_is_a_file(capsys, paths):
-    err = _refused(capsys, ["report", "--results", paths["file"]], "--results")
+def test_report_results_is_a_file(refused, paths):
+    err = refused(["report", "--results", paths["file"]], "--results")
     assert "not a folder" in err

@@ -768,17 +768,25 @@ def _rank_first_starts(counts, padded: bool, block: int) -> list[list[int]]:
     return starts
 
 
+def _chunk_pairs(counts, start, end, padded, block):
+    """(rank-first row, expert-first row, rows) of each chunk (r, e), e in [start, end), in
+    expert-first order (compact from row 0); and the rows they cover in all."""
+    starts = _rank_first_starts(counts, padded, block)
+    pairs, row = [], 0
+    for e in range(start, end):
+        for r in range(len(counts)):
+            pairs.append((starts[r][e], row, counts[r][e]))
+            row += counts[r][e]
+    return pairs, starts, row
+
+
 def oracle_combine(tokens_TD, counts, start, end, padded, block):
     """Rank-first chunks of experts [start, end) regrouped expert-first (compact from row 0,
     zeros after), and the per-expert sums then their total."""
-    starts = _rank_first_starts(counts, padded, block)
+    pairs, _, row = _chunk_pairs(counts, start, end, padded, block)
     out = torch.zeros_like(tokens_TD)
-    row = 0
-    for e in range(start, end):
-        for r in range(len(counts)):
-            c = counts[r][e]
-            out[row : row + c] = tokens_TD[starts[r][e] : starts[r][e] + c]
-            row += c
+    for src, dst, c in pairs:
+        out[dst : dst + c] = tokens_TD[src : src + c]
     sums = [sum(counts[r][e] for r in range(len(counts))) for e in range(start, end)]
     return out, [*sums, sum(sums)], row
 
@@ -786,14 +794,10 @@ def oracle_combine(tokens_TD, counts, start, end, padded, block):
 def oracle_split(tokens_TD, counts, start, end, padded, block):
     """Expert-first chunks (compact from row 0) put back at their rank-first rows; zeros
     elsewhere. Also the (first row, rows) each rank's local chunks cover."""
-    starts = _rank_first_starts(counts, padded, block)
+    pairs, starts, row = _chunk_pairs(counts, start, end, padded, block)
     out = torch.zeros_like(tokens_TD)
-    row = 0
-    for e in range(start, end):
-        for r in range(len(counts)):
-            c = counts[r][e]
-            out[starts[r][e] : starts[r][e] + c] = tokens_TD[row : row + c]
-            row += c
+    for dst, src, c in pairs:
+        out[dst : dst + c] = tokens_TD[src : src + c]
     spans = [(starts[r][start], sum(counts[r][start:end])) for r in range(len(counts))]
     return out, spans, row
 

@@ -13,12 +13,14 @@ from moe_kernels.testing.cold import (
     tensors_of,
 )
 from moe_kernels.testing.guards import GUARD_BYTE, Guarded, guarded
+from moe_kernels.testing.harness import GuardHarness
 from moe_kernels.testing.problems import Problem, Sizes, naive_plan, naive_shuffle, op_problems
 from moe_kernels.testing.sm90 import sm90_compiler_missing
 
 __all__ = [
     "GUARD_BYTE",
     "FreshRun",
+    "GuardHarness",
     "Guarded",
     "Problem",
     "Sizes",
