@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_kernels._dispatch import plain_eager, register_op
-from moe_kernels._reference.mxfp8 import clamp_group_ends
+from moe_kernels._reference.grouped_mm import clamp_group_ends
 from moe_kernels.grouped_mm import grouped_weight_grad
 
 BLOCK = 32
@@ -51,12 +51,6 @@ BLOCK = 32
 def setup_context(ctx, inputs, output) -> None:
     a, b, offsets, _out_dtype = inputs
     ctx.save_for_backward(a, b, offsets)
-
-
-def clamp_offsets(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """(E,) int32 end offsets, each clamped into [previous clamped end, num_rows] (0 before the
-    first group): the forward's rule (``moe_kernels.mxfp8_grouped_mm``), sync-free."""
-    return clamp_group_ends(offsets, num_rows).to(torch.int32)
 
 
 def backward(ctx, grad_out: torch.Tensor):
@@ -69,7 +63,7 @@ def backward(ctx, grad_out: torch.Tensor):
             None,
             None,
         )
-    offsets = clamp_offsets(offsets, a.shape[0])
+    offsets = clamp_group_ends(offsets, a.shape[0]).to(torch.int32)  # the forward's rule
     if ctx.needs_input_grad[0]:
         grad_a = grad_input(grad_out, b, offsets, a.dtype)
     if ctx.needs_input_grad[1]:

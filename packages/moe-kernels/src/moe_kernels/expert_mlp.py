@@ -109,23 +109,15 @@ def check_args(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gate
     if tuple(w_out_EDH.shape) != want:
         got = tuple(w_out_EDH.shape)
         raise ValueError(f"w_out_EDH must have shape (E, D, H) = {want}, got {got}")
-    name = n["offsets"]
-    V.tensor(name, offsets)
-    V.dtype(name, offsets, V.INDEX_DTYPES)
-    V.rank(name, offsets, 1)
-    V.same_device(x_name, x_ND, **{name: offsets})
-    V.dim_size(name, offsets, 0, E + 1, "E+1, one more than the weights' experts")
-    name = n["rows"]
-    V.tensor(name, row_indices)
-    V.dtype(name, row_indices, V.INDEX_DTYPES)
-    V.rank(name, row_indices, 1)
-    V.same_device(x_name, x_ND, **{name: row_indices})
-    name = n["inverse"]
-    V.tensor(name, inverse_NK)
-    V.dtype(name, inverse_NK, V.INDEX_DTYPES)
-    V.rank(name, inverse_NK, 2)
-    V.same_device(x_name, x_ND, **{name: inverse_NK})
-    V.dim_size(name, inverse_NK, 0, x_ND.shape[0], f"{n['N']}, the rows of {x_name}")
+    for key, t, rank in (("offsets", offsets, 1), ("rows", row_indices, 1),
+                         ("inverse", inverse_NK, 2)):  # fmt: skip
+        name = n[key]
+        V.tensor(name, t)
+        V.dtype(name, t, V.INDEX_DTYPES)
+        V.rank(name, t, rank)
+        V.same_device(x_name, x_ND, **{name: t})
+    V.dim_size(n["offsets"], offsets, 0, E + 1, "E+1, one more than the weights' experts")
+    V.dim_size(n["inverse"], inverse_NK, 0, x_ND.shape[0], f"{n['N']}, the rows of {x_name}")
 
 
 def expert_mlp(

@@ -24,12 +24,19 @@ def group_bounds(offsets_E1: torch.Tensor, num_rows: int) -> list[int]:
     return bounds
 
 
+def clamp_group_ends(group_end_offsets: torch.Tensor, bound: int) -> torch.Tensor:
+    """(G,) int64: each end offset clamped into [previous clamped end, bound] (0 before the
+    first group), i.e. the running maximum of the offsets clamped into [0, bound]: groups stay
+    non-decreasing and inside [0, bound] whatever the offsets hold (memory safety, no sync)."""
+    return group_end_offsets.to(torch.int64).clamp(0, bound).cummax(0).values
+
+
 def clamp_offsets(offsets_E1: torch.Tensor, num_rows: int) -> torch.Tensor:
     """(E,) int32: the end offsets ``offsets[1:]`` clamped by ``group_bounds``' rule on the
-    device (no sync), for ``torch._grouped_mm``, which reads its offsets unchecked (past the
-    operands' rows, or a negative group size, would be out-of-bounds accesses or a device
-    assert)."""
-    return offsets_E1[1:].clamp(0, num_rows).cummax(0).values.to(torch.int32)
+    device (``clamp_group_ends``, no sync), for ``torch._grouped_mm``, which reads its offsets
+    unchecked (past the operands' rows, or a negative group size, would be out-of-bounds
+    accesses or a device assert)."""
+    return clamp_group_ends(offsets_E1[1:], num_rows).to(torch.int32)
 
 
 def gather_grouped_mm(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_kernels._reference.grouped_mm import clamp_group_ends
+
 BLOCK = 32  # elements per MX block
 E4M3_MAX = 448.0
 E8M0_NAN = 255  # biased e8m0 byte of a NaN scale
@@ -122,13 +124,6 @@ def offsets_bound(num_groups: int) -> int:
     """The largest end offset ``compute_per_group_blocked_scale_offsets`` keeps for G groups:
     then start_rows[G] <= end + 127 G fits in int32."""
     return INT32_MAX - 127 * num_groups
-
-
-def clamp_group_ends(group_end_offsets: torch.Tensor, bound: int) -> torch.Tensor:
-    """(G,) int64: each end offset clamped into [previous clamped end, bound] (0 before the
-    first group), i.e. the running maximum of the offsets clamped into [0, bound]: groups stay
-    non-decreasing and inside [0, bound] whatever the offsets hold (memory safety, no sync)."""
-    return group_end_offsets.to(torch.int64).clamp(0, bound).cummax(0).values
 
 
 def _group_layout(
