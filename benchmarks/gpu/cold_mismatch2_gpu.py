@@ -1,6 +1,6 @@
 """Which piece of the MXFP8 weight gradient differs compiled vs eager (issue 44 device run).
 
-    PYTHONPATH=packages/moe-kernels/src python3 benchmarks/gpu/cold_mismatch2_gpu.py
+PYTHONPATH=packages/moe-kernels/src python3 benchmarks/gpu/cold_mismatch2_gpu.py
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ def check(name, fn, *args):
         if x.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
             x, y = x.view(torch.uint8), y.view(torch.uint8)
         eq = torch.equal(x, y)
-        res.append("eq" if eq else f"DIFF rel {rel(x.float(), y.float()):.2e} strides {x.stride()} vs {y.stride()}")
+        res.append(
+            "eq"
+            if eq
+            else f"DIFF rel {rel(x.float(), y.float()):.2e} strides {x.stride()} vs {y.stride()}"
+        )
     print(f"{name}: {res}", flush=True)
 
 
@@ -48,10 +52,30 @@ check("from_mxfp8(input)", lambda d, s: mk.from_mxfp8(d, s, torch.bfloat16), d, 
 check("dequantized dim1 (input)", lambda x: tr._dequantized(x, True), ap)
 check("dequantized dim1 (in-graph)", lambda x: tr._dequantized(x * 1.0, True), ap)
 check("dequantized dim0 (in-graph)", lambda x: tr._dequantized(x * 1.0, False), ap)
-check("gather + dequantized", lambda a, s, v: tr._dequantized(tr._gather_padded(a, s, v), True), a, src, valid)
+check(
+    "gather + dequantized",
+    lambda a, s, v: tr._dequantized(tr._gather_padded(a, s, v), True),
+    a,
+    src,
+    valid,
+)
 at = tr._dequantized(ap, True)
 dyt = tr._dequantized(tr._gather_padded(dy, src, valid), True)
 check("wgrad(input .t())", lambda x, y, o: mk.grouped_weight_grad(x.t(), y.t(), o), at, dyt, starts)
-check("wgrad(in-graph .t())", lambda x, y, o: mk.grouped_weight_grad((x * 1.0).t(), (y * 1.0).t(), o), at, dyt, starts)
-check("wgrad(dequant in-graph)", lambda x, y, o: mk.grouped_weight_grad(tr._dequantized(x, True).t(), tr._dequantized(y, True).t(), o), ap, tr._gather_padded(dy, src, valid), starts)
+check(
+    "wgrad(in-graph .t())",
+    lambda x, y, o: mk.grouped_weight_grad((x * 1.0).t(), (y * 1.0).t(), o),
+    at,
+    dyt,
+    starts,
+)
+check(
+    "wgrad(dequant in-graph)",
+    lambda x, y, o: mk.grouped_weight_grad(
+        tr._dequantized(x, True).t(), tr._dequantized(y, True).t(), o
+    ),
+    ap,
+    tr._gather_padded(dy, src, valid),
+    starts,
+)
 check("grad_weight", lambda d_, a_, o: tr.grad_weight(d_, a_, o, torch.bfloat16), dy, a, ends)

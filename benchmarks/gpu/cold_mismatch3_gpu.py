@@ -1,6 +1,6 @@
 """Which op of ``_mxfp8_train.padded_rows`` Inductor compiles wrong on CUDA (issue 44 run).
 
-    python3 benchmarks/gpu/cold_mismatch3_gpu.py
+python3 benchmarks/gpu/cold_mismatch3_gpu.py
 """
 
 import torch
@@ -57,11 +57,19 @@ def cmp_sum(offsets):
 
 
 want = cmp_sum(ends)
-for name, fn, arg in [("searchsorted(in-graph slice)", ss, ends), ("searchsorted(contiguous)", ss_contig, ends),
-                      ("searchsorted(input slice)", ss_input, starts_of(ends)), ("index_add+cumsum", counted, ends),
-                      ("scatter amax+cummax", amax_scan, ends), ("compare+sum", cmp_sum, ends)]:
+for name, fn, arg in [
+    ("searchsorted(in-graph slice)", ss, ends),
+    ("searchsorted(contiguous)", ss_contig, ends),
+    ("searchsorted(input slice)", ss_input, starts_of(ends)),
+    ("index_add+cumsum", counted, ends),
+    ("scatter amax+cummax", amax_scan, ends),
+    ("compare+sum", cmp_sum, ends),
+]:
     torch._dynamo.reset()
     c = torch.compile(fn, fullgraph=True)(arg)
     e = fn(arg)
-    print(f"{name}: eager==oracle {torch.equal(e, want)}, compiled==oracle {torch.equal(c, want)}; "
-          f"compiled[:40:4] {c[:40:4].tolist()}", flush=True)
+    print(
+        f"{name}: eager==oracle {torch.equal(e, want)}, compiled==oracle {torch.equal(c, want)}; "
+        f"compiled[:40:4] {c[:40:4].tolist()}",
+        flush=True,
+    )

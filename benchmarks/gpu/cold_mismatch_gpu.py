@@ -61,10 +61,14 @@ def mxfp8_case(M=256, E=8, K=256, N=128, rows=32):
     # unquantised float64 oracle: dB[e] = a_e^T dY_e with dY = out (eager's)
     starts = torch.cat([ends.new_zeros(1), ends]).tolist()
     dy = oe.double()
-    ref_b = torch.stack([a[s:t].double().T @ dy[s:t] for s, t in zip(starts, starts[1:])])
-    print(f"mxfp8 M={M} E={E} rows/expert={rows}: out equal {torch.equal(oc, oe)}, "
-          f"dA equal {torch.equal(gac, gae)}, dB equal {torch.equal(gbc, gbe)}; dB vs "
-          f"unquantised f64: compiled {rel(gbc, ref_b):.2e}, eager {rel(gbe, ref_b):.2e}")
+    ref_b = torch.stack(
+        [a[s:t].double().T @ dy[s:t] for s, t in zip(starts[:-1], starts[1:], strict=True)]
+    )
+    print(
+        f"mxfp8 M={M} E={E} rows/expert={rows}: out equal {torch.equal(oc, oe)}, "
+        f"dA equal {torch.equal(gac, gae)}, dB equal {torch.equal(gbc, gbe)}; dB vs "
+        f"unquantised f64: compiled {rel(gbc, ref_b):.2e}, eager {rel(gbe, ref_b):.2e}"
+    )
 
 
 def wgrad_case(P=480, E=8, K=256, N=128, rows=32, transposed=True):
@@ -83,9 +87,13 @@ def wgrad_case(P=480, E=8, K=256, N=128, rows=32, transposed=True):
     c = torch.compile(f, fullgraph=True)(dy, x, offs)
     e = f(dy, x, offs)
     o = offs.tolist()
-    ref = torch.stack([dy[s:t].double().T @ x[s:t].double() for s, t in zip(o, o[1:])])
-    print(f"grouped_weight_grad P={P} E={E} rows={rows} transposed={transposed}: equal "
-          f"{torch.equal(c, e)}; compiled {rel(c, ref):.2e}, eager {rel(e, ref):.2e}")
+    ref = torch.stack(
+        [dy[s:t].double().T @ x[s:t].double() for s, t in zip(o[:-1], o[1:], strict=True)]
+    )
+    print(
+        f"grouped_weight_grad P={P} E={E} rows={rows} transposed={transposed}: equal "
+        f"{torch.equal(c, e)}; compiled {rel(c, ref):.2e}, eager {rel(e, ref):.2e}"
+    )
 
 
 if __name__ == "__main__":

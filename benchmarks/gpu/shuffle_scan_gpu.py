@@ -26,5 +26,7 @@ for EP, E, start, end, T, D in [(16, 16, 15, 16, 32, 5120), (1, 4, 0, 1, 64, 256
             ok = all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
             print(f"EP={EP} E={E} [{start},{end}) T={T} padded={padded}: {'ok' if ok else 'DIFF'}")
         except Exception as exc:  # the failure is the result
-            print(f"EP={EP} E={E} [{start},{end}) padded={padded}: FAIL {type(exc).__name__}: "
-                  f"{str(exc)[:200]}")
+            print(
+                f"EP={EP} E={E} [{start},{end}) padded={padded}: FAIL {type(exc).__name__}: "
+                f"{str(exc)[:200]}"
+            )
