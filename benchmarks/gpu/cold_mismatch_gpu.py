@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import moe_kernels as mk
-from moe_kernels._reference.routing import route_backward_reference
+from moe_kernels.reference.routing import route_backward_reference
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

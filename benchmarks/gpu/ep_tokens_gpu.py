@@ -65,11 +65,11 @@ from common import (  # noqa: E402
 
 from moe_kernels import padded_tokens as pt  # noqa: E402
 from moe_kernels import shuffling as sh  # noqa: E402
-from moe_kernels._reference import padded_tokens as ref_pt  # noqa: E402
-from moe_kernels._reference import shuffling as ref_sh  # noqa: E402
-from moe_kernels._reference import tokens as ref_tok  # noqa: E402
 from moe_kernels._triton import padded_tokens as tri_pt  # noqa: E402
 from moe_kernels._triton import shuffling as tri_sh  # noqa: E402
+from moe_kernels.reference import padded_tokens as ref_pt  # noqa: E402
+from moe_kernels.reference import shuffling as ref_sh  # noqa: E402
+from moe_kernels.reference import tokens as ref_tok  # noqa: E402
 
 DEV = torch.device("cpu" if DRY else "cuda")
 BIG = (256, 64, 8, 32) if DRY else (65536 * 8, 2048, 8, 128)  # (rows, D, EP, E)

@@ -59,13 +59,13 @@ from common import (  # noqa: E402
     same_bits,
 )
 
-from moe_kernels._reference import fp8_rowwise as ref_q  # noqa: E402
-from moe_kernels._reference import gather_quant as ref_g  # noqa: E402
-from moe_kernels._reference import swiglu as ref_s  # noqa: E402
 from moe_kernels._triton import fp8_rowwise as rows  # noqa: E402
 from moe_kernels._triton import gather_quant as tri_g  # noqa: E402
 from moe_kernels._triton import swiglu as tri_s  # noqa: E402
 from moe_kernels.gather_quant import gather_scale_quant_dense_tokens  # noqa: E402
+from moe_kernels.reference import fp8_rowwise as ref_q  # noqa: E402
+from moe_kernels.reference import gather_quant as ref_g  # noqa: E402
+from moe_kernels.reference import swiglu as ref_s  # noqa: E402
 from moe_kernels.swiglu import silu_mul, silu_mul_quant  # noqa: E402
 
 DEV = torch.device("cpu" if DRY else "cuda")

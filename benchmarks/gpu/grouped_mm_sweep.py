@@ -49,9 +49,9 @@ from common import FAILS, compile_sm90, forbid_host_sync, poison  # noqa: E402
 from common import graph_us as _graph_us  # noqa: E402
 
 import moe_kernels  # noqa: E402
-from moe_kernels._reference import grouped_mm as ref  # noqa: E402
 from moe_kernels._triton import grouped_mm as tri  # noqa: E402
 from moe_kernels.grouped_mm import gather_grouped_mm  # noqa: E402
+from moe_kernels.reference import grouped_mm as ref  # noqa: E402
 
 dev = torch.device("cpu" if DRY or PTX else "cuda")
 if DRY:

@@ -24,8 +24,8 @@ from persistent_grouped_mm_gpu import SHAPES, TINY
 import moe_kernels as mk
 from moe_kernels import _grouped_mm_rules as rules
 from moe_kernels._grouped_mm_rules import WgradConfig as C
-from moe_kernels._reference.grouped_mm import grouped_weight_grad as reference
 from moe_kernels._triton.grouped_weight_grad import grouped_weight_grad
+from moe_kernels.reference.grouped_mm import grouped_weight_grad as reference
 
 OTHER_CONFIGS = [
     C(tma="none"),

@@ -23,7 +23,7 @@ import torch
 from common import FAILS, bench_us, clone_of, graph_us, host_us
 
 from moe_kernels import mxfp8 as mx
-from moe_kernels._reference import mxfp8 as ref
+from moe_kernels.reference import mxfp8 as ref
 
 DRY = os.environ.get("LAYOUT_SWEEP_DRY_RUN") == "1"
 dev = torch.device("cpu" if DRY else "cuda")

@@ -35,8 +35,8 @@ from common import FAILS, bench_us, capture, check, clone_of, forbid_host_sync, 
 from common import same_bits as same  # noqa: E402
 
 from moe_kernels import mxfp8 as mx  # noqa: E402
-from moe_kernels._reference import mxfp8 as ref  # noqa: E402
 from moe_kernels._triton import mxfp8_quant as tq  # noqa: E402
+from moe_kernels.reference import mxfp8 as ref  # noqa: E402
 
 T0 = time.perf_counter()
 dev = torch.device("cpu" if DRY else "cuda")

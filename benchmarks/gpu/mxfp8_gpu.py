@@ -37,9 +37,9 @@ from common import (
 )
 
 from moe_kernels import mxfp8 as mx
-from moe_kernels._reference import mxfp8 as ref
 from moe_kernels._triton import mxfp8_layout as tlay
 from moe_kernels._triton import mxfp8_quant as tq
+from moe_kernels.reference import mxfp8 as ref
 
 DRY = os.environ.get("MXFP8_GPU_DRY_RUN") == "1"
 dev = torch.device("cpu" if DRY else "cuda")

@@ -60,8 +60,8 @@ from common import (  # noqa: E402
 from common import graph_us as _graph_us  # noqa: E402
 
 from moe_kernels import qk_norm_rope  # noqa: E402
-from moe_kernels._reference import rope as ref  # noqa: E402
 from moe_kernels._triton import rope as tri  # noqa: E402
+from moe_kernels.reference import rope as ref  # noqa: E402
 from moe_model.rope import apply_rope  # noqa: E402
 
 DEV = torch.device("cpu" if DRY else "cuda")

@@ -49,8 +49,8 @@ import torch  # noqa: E402
 from common import FAILS, compile_sm90, forbid_host_sync, poison, torch_router_scores  # noqa: E402
 from common import graph_us as _graph_us  # noqa: E402
 
-from moe_kernels._reference import router as ref  # noqa: E402
 from moe_kernels._triton import router as tri  # noqa: E402
+from moe_kernels.reference import router as ref  # noqa: E402
 from moe_kernels.router import router_scores  # noqa: E402
 
 dev = torch.device("cpu" if DRY or PTX else "cuda")

@@ -29,10 +29,10 @@ import triton
 from common import FAILS, check, poison
 from common import same_bits as same
 
-from moe_kernels._reference.routing import index_shuffling_reference, route_reference
 from moe_kernels._triton.routing import eager as lane
 from moe_kernels._triton.routing.launch import device_of, problem_of, run
 from moe_kernels._triton.routing.plan import Constraints, choose_plan
+from moe_kernels.reference.routing import index_shuffling_reference, route_reference
 from moe_kernels.routing import index_shuffling, route
 
 DRY = os.environ.get("ROUTING_GPU_DRY_RUN") == "1"

@@ -24,9 +24,9 @@ import time
 import common
 import torch
 
-from moe_kernels._reference.routing import index_shuffling_reference, route_reference
 from moe_kernels._triton.routing.launch import device_of, problem_of, run
 from moe_kernels._triton.routing.plan import Constraints, Problem, choose_plan
+from moe_kernels.reference.routing import index_shuffling_reference, route_reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

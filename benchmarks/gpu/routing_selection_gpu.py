@@ -22,7 +22,7 @@ import torch
 from common import FAILS, check, forbid_host_sync, graph_us, same_bits
 
 from moe_kernels import route
-from moe_kernels._reference.routing import route_reference
+from moe_kernels.reference.routing import route_reference
 
 
 def scores_of(T: int, E: int, dtype: torch.dtype, kind: str, seed: int) -> torch.Tensor:

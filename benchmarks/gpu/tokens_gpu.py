@@ -31,8 +31,8 @@ from common import (
 from common import same_bits as bitwise
 
 from moe_kernels import tokens as tk
-from moe_kernels._reference import tokens as ref
 from moe_kernels._triton import tokens as tri
+from moe_kernels.reference import tokens as ref
 from moe_kernels.routing import RoutingPlan
 
 DRY = os.environ.get("TOKENS_GPU_DRY_RUN") == "1"  # CPU + TRITON_INTERPRET=1 smoke run

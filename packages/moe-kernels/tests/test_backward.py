@@ -72,8 +72,8 @@ def test_route_backward_kernel_equals_reference(renormalize, dtype):
     """The Triton kernel (interpreter: numpy fp32, no FMA contraction) bit for bit against the
     torch formula in fp32, on a plan with unrouted tokens, a scale and 40 experts (two column
     blocks)."""
-    from moe_kernels._reference.routing import route_backward_reference
     from moe_kernels._triton.routing.backward import route_backward
+    from moe_kernels.reference.routing import route_backward_reference
 
     n_tok, n_exp, k = 37, 40, 5
     s = torch.rand(n_tok, n_exp, generator=_g(5)).to(dtype)
@@ -98,10 +98,10 @@ def test_route_backward_and_router_split_kernels_on_cuda():
     without renormalize), the split router's weight pieces bit for bit against ``split3`` and its
     dlogits' pieces summing to the formula within fp32 rounding (the compiled elementwise math
     differs from torch's in the last bit on some elements, seen on the H200)."""
-    from moe_kernels._reference.routing import route_backward_reference
     from moe_kernels._router_split import logits_grad, split3
     from moe_kernels._triton.router_split import split_grad, split_weight
     from moe_kernels._triton.routing.backward import route_backward
+    from moe_kernels.reference.routing import route_backward_reference
 
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)

@@ -26,8 +26,8 @@ from test_swiglu import (
 
 from moe_kernels import gather_quant as gq
 from moe_kernels._dispatch import INTERPRET
-from moe_kernels._reference import gather_quant as ref
 from moe_kernels.gather_quant import gather_scale_quant_dense_tokens
+from moe_kernels.reference import gather_quant as ref
 from moe_kernels.swiglu import Fp8Rows
 
 

@@ -267,8 +267,8 @@ def test_compile_fullgraph_matches_eager():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("tma", [False, True])
 def test_cuda_matches_reference_no_sync_graph_compile(tma):
-    from moe_kernels._reference import grouped_mm as ref
     from moe_kernels._triton import grouped_mm as tri
+    from moe_kernels.reference import grouped_mm as ref
 
     dev = torch.device("cuda")
     num_tokens, dim, n, counts = 96, 256, 192, [100, 0, 37, 130]

@@ -101,7 +101,7 @@ def _chain(exc: BaseException):
 
 
 def _plan():
-    from moe_kernels._reference.routing import route_reference
+    from moe_kernels.reference.routing import route_reference
 
     scores = torch.randn(T, E).softmax(-1)
     return scores, route_reference(scores, K, None, 0, E, False)
@@ -109,7 +109,7 @@ def _plan():
 
 def _cases():
     import moe_kernels as mk
-    from moe_kernels._reference import mxfp8 as ref_mx
+    from moe_kernels.reference import mxfp8 as ref_mx
 
     g = torch.Generator().manual_seed(0)
     scores, plan = _plan()

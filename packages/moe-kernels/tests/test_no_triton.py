@@ -19,7 +19,7 @@ import sys
 sys.modules["triton"] = None  # `import triton` now raises ImportError
 import torch
 import moe_kernels as mk
-from moe_kernels._reference import mxfp8 as RM, routing as RR, tokens as RT
+from moe_kernels.reference import mxfp8 as RM, routing as RR, tokens as RT
 assert "triton" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
 """
 

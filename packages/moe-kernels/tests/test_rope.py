@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from moe_kernels._dispatch import INTERPRET, use_triton
-from moe_kernels._reference import rope as ref
+from moe_kernels.reference import rope as ref
 from moe_kernels.rope import qk_norm_rope
 
 CPU = torch.device("cpu")

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from moe_kernels._dispatch import use_triton
-from moe_kernels._reference import router as ref
+from moe_kernels.reference import router as ref
 from moe_kernels.router import router_scores
 
 CPU = torch.device("cpu")

@@ -26,7 +26,7 @@ from test_shuffling import compile_launches  # the sm_90a launch recorder
 
 from moe_kernels import swiglu as sm
 from moe_kernels._dispatch import INTERPRET, use_triton
-from moe_kernels._reference import swiglu as ref
+from moe_kernels.reference import swiglu as ref
 from moe_kernels.swiglu import Fp8Rows, silu_mul, silu_mul_quant
 
 CPU = torch.device("cpu")

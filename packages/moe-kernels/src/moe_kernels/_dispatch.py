@@ -48,6 +48,15 @@ def use_triton(device: torch.device) -> bool:
     return device.type == "cpu" and INTERPRET
 
 
+def execution_path(device: torch.device) -> str:
+    """Where the public ops run on ``device``: "triton" (CUDA), "interpreter" (CPU tensors under
+    ``TRITON_INTERPRET=1``) or "reference" (the torch reference: a CPU, or
+    ``MOE_KERNELS_BACKEND=reference``)."""
+    if not use_triton(device):
+        return "reference"
+    return "triton" if device.type == "cuda" else "interpreter"
+
+
 TRITON_MISSING = (
     "moe_kernels needs Triton to run its kernels on {where}, and `import triton` failed ({why}). "
     "Install it (`pip install triton` on Linux, `pip install triton-windows` on Windows), or run "

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_kernels._dispatch import plain_eager, register_op
-from moe_kernels._reference.grouped_mm import clamp_group_ends
 from moe_kernels.grouped_mm import grouped_weight_grad
+from moe_kernels.reference.grouped_mm import clamp_group_ends
 
 BLOCK = 32
 

@@ -21,7 +21,7 @@ from moe_kernels._dispatch import (
     triton_kernels,
     use_triton,
 )
-from moe_kernels._reference import activation as _ref
+from moe_kernels.reference import activation as _ref
 
 __all__ = ["expert_activation"]
 

@@ -27,8 +27,8 @@ import torch
 
 from moe_kernels import _validate as V
 from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
-from moe_kernels._reference import gather_quant as _ref
-from moe_kernels._reference.fp8_rowwise import FP8_DTYPE
+from moe_kernels.reference import gather_quant as _ref
+from moe_kernels.reference.fp8_rowwise import FP8_DTYPE
 from moe_kernels.swiglu import Fp8Rows
 
 __all__ = ["gather_scale_quant_dense_tokens"]

@@ -27,8 +27,8 @@ from moe_kernels._dispatch import (
     triton_kernels,
     use_triton,
 )
-from moe_kernels._reference import grouped_mm as _ref
-from moe_kernels._reference import tokens as _ref_tokens
+from moe_kernels.reference import grouped_mm as _ref
+from moe_kernels.reference import tokens as _ref_tokens
 
 __all__ = ["ACTIVATIONS", "gather_grouped_mm", "grouped_weight_grad"]
 
@@ -146,7 +146,7 @@ def gather_grouped_mm(
     (not checked, that would sync). Every path clamps them by one rule, so any offsets are
     memory-safe and give the same result on each path: offsets[0] reads as 0 and each later
     offset is clamped into [the previous clamped offset, P] (the running maximum of the offsets
-    clamped into [0, P]; ``_reference.grouped_mm.group_bounds``). E = 0 (no experts) gives
+    clamped into [0, P]; ``reference.grouped_mm.group_bounds``). E = 0 (no experts) gives
     zeros.
 
     Differentiable in x_TD and w_END (backward: two grouped GEMMs, plus one that recomputes the
@@ -315,7 +315,7 @@ def grouped_weight_grad(
         if row_indices is None:
             x_PD = x_TD
         else:  # the sorted rows CUTLASS reads (zero where the index is outside [0, T))
-            live = _ref_tokens._row_mask(row_indices, x_TD.shape[0], None)
+            live = _ref_tokens.row_mask(row_indices, x_TD.shape[0], None)
             x_PD = _ref_tokens.gather_rows(x_TD, row_indices, None, live)
         offs = _ref.clamp_offsets(offsets, dy_PN.shape[0])
         return torch._grouped_mm(dy_PN.mT, x_PD, offs=offs).to(out_dtype)

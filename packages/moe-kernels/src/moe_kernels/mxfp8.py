@@ -35,7 +35,7 @@ import torch
 from . import _mxfp8_train as _train
 from . import _validate as v
 from ._dispatch import eager_direct, register_op, triton_kernels, use_triton
-from ._reference import mxfp8 as _ref
+from .reference import mxfp8 as _ref
 
 __all__ = [
     "SCALING_MODES",

@@ -14,7 +14,7 @@ import torch
 
 from moe_kernels import _validate as V
 from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
-from moe_kernels._reference import padded_tokens as _ref
+from moe_kernels.reference import padded_tokens as _ref
 
 __all__ = ["scatter_add_padded_tokens"]
 

@@ -18,7 +18,7 @@ import torch
 
 from moe_kernels import _validate as V
 from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
-from moe_kernels._reference import rope as _ref
+from moe_kernels.reference import rope as _ref
 
 __all__ = ["qk_norm_rope"]
 
@@ -164,7 +164,7 @@ def qk_norm_rope(
     times G + g, so ``q_out.view(K, G*N, D)`` is the folded-GQA query of SDPA, G = H // K), or
     an empty (0, N, D) tensor when q is None.
 
-    The kernel matches the reference (``moe_kernels._reference.rope``) except for the order of
+    The kernel matches the reference (``moe_kernels.reference.rope``) except for the order of
     the fp32 sum over D: a normed value may land one ulp of x's dtype away, so an output within
     a couple of ulps at its pair's magnitude (``tests/test_rope.py`` states the bound);
     bitwise reproducible run to run.

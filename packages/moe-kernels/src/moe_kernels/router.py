@@ -31,7 +31,7 @@ from moe_kernels._dispatch import (
     triton_kernels,
     use_triton,
 )
-from moe_kernels._reference import router as _ref
+from moe_kernels.reference import router as _ref
 
 __all__ = ["SCORE_FNS", "router_scores"]
 

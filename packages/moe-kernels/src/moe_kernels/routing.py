@@ -6,7 +6,7 @@ expert, so a row of all -inf still picks ``top_k`` distinct experts 0..k-1) and 
 then token. Rows at or past ``valid_token_count`` (a one-element device tensor, clamped to [0, T],
 never read on the host) are not routed. CUDA runs the Triton kernels of ``_triton/routing/``
 (one to four launches of the plan ``_triton/routing/plan.py`` chooses; no sync), CPU the torch
-reference of ``_reference/routing.py``. Eager CUDA calls of a kind seen before take the fast lane
+reference of ``reference/routing.py``. Eager CUDA calls of a kind seen before take the fast lane
 of ``_triton/routing/eager.py`` before anything else: one allocation and the launches.
 """
 
@@ -27,12 +27,12 @@ from ._dispatch import (
     triton_kernels,
     use_triton,
 )
-from ._reference.routing import (
+from ._routing_outputs import RoutingPlan, Selection, ShuffledIndices
+from .reference.routing import (
     index_shuffling_reference,
     route_backward_reference,
     route_reference,
 )
-from ._routing_outputs import RoutingPlan, Selection, ShuffledIndices
 
 __all__ = ["RoutingPlan", "ShuffledIndices", "index_shuffling", "route"]
 

@@ -38,7 +38,7 @@ import torch
 
 from moe_kernels import _validate as V
 from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
-from moe_kernels._reference import shuffling as _ref
+from moe_kernels.reference import shuffling as _ref
 
 __all__ = ["CombinedTokens", "combine_shuffling", "split_shuffling"]
 

@@ -15,7 +15,7 @@ Differences from FBGEMM, all deliberate:
   (its ``silu_mul_quant`` even writes some of them: it checks the count per block of rows);
 * none in the quantisation's arithmetic: on the GPU it divides like FBGEMM (``div.full.f32``, up
   to 2 ulp from the IEEE quotient), so its scales and data are FBGEMM's bit for bit; the CPU
-  reference (and the interpreter) divides with IEEE division, see ``_reference/fp8_rowwise.py``;
+  reference (and the interpreter) divides with IEEE division, see ``reference/fp8_rowwise.py``;
 * NaN products quantise to the NaN byte 0x7F (FBGEMM's clamp turns them into +-448) and NaN
   elements are left out of the row maximum (as the GPU's max does in FBGEMM).
 
@@ -30,8 +30,8 @@ import torch
 
 from moe_kernels import _validate as V
 from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
-from moe_kernels._reference import swiglu as _ref
-from moe_kernels._reference.fp8_rowwise import FP8_DTYPE
+from moe_kernels.reference import swiglu as _ref
+from moe_kernels.reference.fp8_rowwise import FP8_DTYPE
 
 __all__ = ["Fp8Rows", "silu_mul", "silu_mul_quant"]
 

@@ -26,7 +26,7 @@ from moe_kernels._dispatch import (
     triton_kernels,
     use_triton,
 )
-from moe_kernels._reference import tokens as _ref
+from moe_kernels.reference import tokens as _ref
 from moe_kernels.routing import RoutingPlan
 
 __all__ = ["combine", "dispatch", "gather_scale_dense_tokens", "scatter_add_dense_tokens"]
@@ -82,7 +82,7 @@ def _gather_scale_backward(ctx, grad_ND):
         grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         grad_s = torch.zeros_like(scores) if ctx.needs_input_grad[3] else None
         return grad_x, None, None, grad_s, None
-    live = _ref._row_mask(tok, T, vtc) & (exp >= 0) & (exp < E)
+    live = _ref.row_mask(tok, T, vtc) & (exp >= 0) & (exp < E)
     dead = torch.full_like(tok, -1)
     safe_tok = torch.where(live, tok, 0).long()
     grad32 = grad_ND.float()
@@ -194,7 +194,7 @@ def _scatter_added_setup(ctx, inputs, output):
 def _scatter_added_backward(ctx, grad_TD):
     """d out_tokens = grad; d in_tokens[i] = grad[tok[i]] (zero for skipped entries)."""
     tok, vtc = ctx.saved_tensors
-    live = _ref._row_mask(tok, grad_TD.shape[0], vtc)
+    live = _ref.row_mask(tok, grad_TD.shape[0], vtc)
     grad_in = _ref.gather_rows(grad_TD, tok, None, live).to(ctx.in_dtype)
     return grad_TD, grad_in, None, None
 

@@ -1,5 +1,5 @@
 """``moe-bench verify``: every public op of moe-kernels (the op registry) on random problems,
-against (a) its torch reference twin in ``moe_kernels._reference`` and (b) an independent naive
+against (a) its torch reference twin in ``moe_kernels.reference`` and (b) an independent naive
 oracle (loops and float64, in ``moe_tools.ops``), plus a determinism check (two calls, bitwise);
 then every MoE implementation against the baseline layer.
 
@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
+from moe_kernels.testing import execution_path
 from moe_tools import command as cmd
 from moe_tools import tables
 from moe_tools.ops import REGISTRY, CheckFailed, OpSpec
-from moe_tools.ops.spec import E4M3_STEP, ULP, bitwise_equal, execution_path, expect_equal
+from moe_tools.ops.spec import E4M3_STEP, ULP, bitwise_equal, expect_equal
 from moe_tools.results import Result, slug
 from moe_tools.tables import Row, short_error
 from moe_tools.timing import default_device
@@ -42,7 +43,7 @@ class Ctx:
     device: torch.device
     gen: torch.Generator  # on the CPU: the same values on every device
     rng: random.Random
-    path: str  # "triton", "interpreter" or "reference" (kernels.execution_path)
+    path: str  # "triton", "interpreter" or "reference" (moe_kernels.testing.execution_path)
 
     @property
     def large(self) -> bool:

@@ -2,7 +2,7 @@
 ``_triton/gather_quant.py``, and the launch shape of their row kernels (one heuristic, one
 typed override: ``RowConfig``).
 
-The formula is ``moe_kernels._reference.fp8_rowwise``'s, step for step: NaN-free row maxima, the
+The formula is ``moe_kernels.reference.fp8_rowwise``'s, step for step: NaN-free row maxima, the
 1e-12 floor, the optional bound read on the device (floored at 1e-12 too), ``s = 448 / m`` and
 ``1 / s``, then ``e4m3fn(clamp(v * s, -448, 448))`` with 0x7F for NaN products. NaNs are handled
 with explicit selects: the GPU's min/max ignore NaN operands and the interpreter's propagate them
@@ -30,7 +30,7 @@ import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET
 from moe_kernels._triton.blocks import next_pow2
-from moe_kernels._triton.mxfp8_quant import _e4m3_bits_rne
+from moe_kernels._triton.mxfp8_quant import e4m3_bits_rne
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def e4m3_bits(v, s, NATIVE_CAST: tl.constexpr):
     if NATIVE_CAST:
         bits = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
-        bits = _e4m3_bits_rne(c)
+        bits = e4m3_bits_rne(c)
     return tl.where(y != y, 0x7F, bits).to(tl.uint8)
 
 

@@ -51,7 +51,7 @@ def group_tiles(raw_start, raw_end, idx, E, P, BM: tl.constexpr, TAIL: tl.conste
     """(start, end, m-tiles, their inclusive cumulative sum) of the (BLOCK_E,) segments idx,
     from the loaded offsets ``raw_start[i] = offsets[i]`` (1 <= i <= E) and ``raw_end[i] =
     offsets[i + 1]`` (i < E), any value elsewhere. The clamping rule (memory safety whatever
-    the offsets hold; ``_reference.grouped_mm.group_bounds``): offsets[0] reads as 0 and each
+    the offsets hold; ``reference.grouped_mm.group_bounds``): offsets[0] reads as 0 and each
     later offset is clamped into [the previous clamped offset, P], i.e. the running maximum of
     the offsets clamped into [0, P], taken in int64 (int64 values past int32 saturate, never
     wrap), so the segments are disjoint, in order and inside [0, P). Segment e < E is group e;

@@ -49,7 +49,7 @@ def _group_layout(ends, prev, gmask, bound):
     """(starts, sizes, cum) as (GP,) int32 from the loaded (GP,) end offsets ``ends`` and
     ``prev`` (the previous group's end, 0 for the first): group g holds input rows [starts[g],
     starts[g] + sizes[g]), cum[g] = start_rows[g + 1]. Each end is clamped into [previous
-    clamped end, bound] (``_reference.grouped_mm.clamp_group_ends``): the running maximum of the
+    clamped end, bound] (``reference.grouped_mm.clamp_group_ends``): the running maximum of the
     offsets clamped into [0, bound], in the offsets' own dtype before the int32 cast (int64
     values past int32 saturate, never wrap). (The kernels load the offsets themselves: a
     helper's results derived from a pointer argument make Inductor's mutation analysis count
@@ -202,7 +202,7 @@ def group_offsets(group_end_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.
     dev = group_end_offsets.device
     sizes = torch.empty(G, dtype=torch.int32, device=dev)
     start_rows = torch.empty(G + 1, dtype=torch.int32, device=dev)
-    bound = 2**31 - 1 - 127 * G  # _reference.mxfp8.offsets_bound
+    bound = 2**31 - 1 - 127 * G  # reference.mxfp8.offsets_bound
     _group_offsets.launch(
         (1,), (group_end_offsets, sizes, start_rows, G, bound), dict(GP=max(2, next_pow2(G)))
     )

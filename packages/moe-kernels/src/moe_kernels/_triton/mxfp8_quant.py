@@ -20,7 +20,7 @@ _MX_BLOCK = 32
 
 
 @triton.jit
-def _e4m3_bits_rne(q):
+def e4m3_bits_rne(q):
     """uint8-valued int32 e4m3fn bits of fp32 ``q`` (|q| <= 448, not NaN), round to nearest even."""
     qb = q.to(tl.int32, bitcast=True)
     sign = (qb >> 24) & 0x80
@@ -62,7 +62,7 @@ def _mx_encode_raw(x, e, NATIVE_CAST: tl.constexpr, CLAMP: tl.constexpr = True):
     if NATIVE_CAST:
         qbits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
-        qbits = _e4m3_bits_rne(q)
+        qbits = e4m3_bits_rne(q)
     return qbits
 
 

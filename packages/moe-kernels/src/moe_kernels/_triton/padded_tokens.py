@@ -6,8 +6,8 @@
   minimum) and adds ``in[rank(p), p]``. The index scan is repeated by every program, so its cost
   grows with T x T_K: the launcher keeps it to small problems.
 * ``sorted`` (everything else): positions mapped to rows of in_tokens seen as (EP * T_K, D)
-  (``moe_kernels._reference.padded_tokens.position_rows``), grouped by destination with the dense
-  scatter-add's stable device sort (``moe_kernels._reference.tokens.scatter_order``), then added
+  (``moe_kernels.reference.padded_tokens.position_rows``), grouped by destination with the dense
+  scatter-add's stable device sort (``moe_kernels.reference.tokens.scatter_order``), then added
   by its kernel (``moe_kernels._triton.tokens.scatter_add_sorted``): no new kernel.
 
 Both add each row's contributions in ascending position, in fp32 rounded to out's dtype after
@@ -24,11 +24,11 @@ import triton
 import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET
-from moe_kernels._reference import padded_tokens as _ref
-from moe_kernels._reference import tokens as _tokens_ref
 from moe_kernels._triton import tokens as _tokens_tri
 from moe_kernels._triton.blocks import cdiv, next_pow2
 from moe_kernels._triton.launch import FastKernel
+from moe_kernels.reference import padded_tokens as _ref
+from moe_kernels.reference import tokens as _tokens_ref
 
 
 @triton.jit

@@ -3,7 +3,7 @@ and its launcher.
 
 One kernel for both directions, one launch, no host sync: a program owns BLOCK_T output rows and
 a range of D_ITERS * BLOCK_D columns. It first finds each of its rows' source from the counts
-(read on the device; the row map is ``moe_kernels._reference.shuffling``'s, rule for rule):
+(read on the device; the row map is ``moe_kernels.reference.shuffling``'s, rule for rule):
 
 1. one pass over the whole (EP, E) count matrix: each rank's rows over all experts and over the
    experts before ``start`` (the rank-first offsets);
@@ -232,7 +232,7 @@ def shuffle(
     config: ShuffleConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out (T, D) in tokens' dtype, counts_out (EG + 1,) or None when not ``combine``): the
-    reshuffle of ``moe_kernels._reference.shuffling`` in one launch."""
+    reshuffle of ``moe_kernels.reference.shuffling`` in one launch."""
     num_rows, dim = tokens_TD.shape
     num_ranks, num_experts = counts_RE.shape
     num_local = end - start

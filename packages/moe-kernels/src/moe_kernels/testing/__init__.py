@@ -1,8 +1,9 @@
 """Test helpers for this package and code built on it: guard regions around tensors
 (``guarded``), every public op with small plain-torch arguments (``op_problems``, ``naive_plan``),
 compiled-from-a-cold-process checks (``cold_compile``, ``run_fresh``), and whether sm_90a kernels
-compile here (``sm90_compiler_missing``)."""
+compile here (``sm90_compiler_missing``), and where the ops run on a device (``execution_path``)."""
 
+from moe_kernels._dispatch import execution_path
 from moe_kernels.testing.cold import (
     FreshRun,
     cold_compile,
@@ -26,6 +27,7 @@ __all__ = [
     "Sizes",
     "cold_compile",
     "cold_main",
+    "execution_path",
     "guarded",
     "naive_plan",
     "naive_shuffle",

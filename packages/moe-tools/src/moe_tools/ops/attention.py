@@ -92,7 +92,7 @@ def _oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
 
 
 def _reference(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, layer, slots, eps=EPS):
-    from moe_kernels._reference.rope import qk_norm_rope
+    from moe_kernels.reference.rope import qk_norm_rope
 
     return qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, layer, slots, eps)
 

@@ -149,7 +149,7 @@ def _shuffle_oracle(combine: bool):
 
 
 def _ref_shuffling():
-    from moe_kernels._reference import shuffling
+    from moe_kernels.reference import shuffling
 
     return shuffling
 
@@ -291,7 +291,7 @@ def _padded_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
 def _padded_native(p: Problem):
     """Each live position's row (gathered on the device), then ``index_add_`` (atomics, any
     order: not deterministic)."""
-    from moe_kernels._reference.padded_tokens import position_rows
+    from moe_kernels.reference.padded_tokens import position_rows
 
     in_tokens, counts, indices, out = p.args
     EP, positions, D = in_tokens.shape
@@ -308,7 +308,7 @@ def _padded_native(p: Problem):
 
 
 def _padded_reference(in_tokens, token_counts, token_indices, out_tokens):
-    from moe_kernels._reference import padded_tokens
+    from moe_kernels.reference import padded_tokens
 
     padded_tokens.scatter_add_padded_tokens(in_tokens, token_counts, token_indices, out_tokens)
 

@@ -126,8 +126,8 @@ def _native(p: Problem):
 def _reference(x, w_in, w_out, offsets, row_indices, inverse, gated=False, save_rows=True):
     """The references of its steps: the gathered first GEMM (SiLU on its fp32 accumulator), the
     SwiGLU, the second GEMM."""
-    from moe_kernels._reference.activation import activation
-    from moe_kernels._reference.grouped_mm import gather_grouped_mm
+    from moe_kernels.reference.activation import activation
+    from moe_kernels.reference.grouped_mm import gather_grouped_mm
 
     h = gather_grouped_mm(x, w_in, offsets, row_indices, None if gated else "silu")
     return gather_grouped_mm(activation(h, True) if gated else h, w_out, offsets, None, None)
@@ -204,7 +204,7 @@ def _routed_native(p: Problem):
 
 def _routed_reference(x, w_in, w_out, plan, gated=False, out_dtype=None, save_rows=True):
     """expert_mlp's reference, then combine's."""
-    from moe_kernels._reference.tokens import combine
+    from moe_kernels.reference.tokens import combine
 
     y = _reference(x, w_in, w_out, plan.offsets, plan.token_indices, plan.inverse, gated)
     return combine(y, plan.inverse, plan.weights, True, out_dtype or x.dtype)

@@ -158,7 +158,7 @@ def _gemm_flops(p: Problem) -> int:
 
 
 def _gather_mm_reference(x, w, offsets, row_indices=None, activation=None):
-    from moe_kernels._reference.grouped_mm import gather_grouped_mm
+    from moe_kernels.reference.grouped_mm import gather_grouped_mm
 
     return gather_grouped_mm(x, w, offsets, row_indices, activation)
 
@@ -227,7 +227,7 @@ def _wgrad_native(p: Problem):
 
 
 def _wgrad_reference(dy, x, offsets, row_indices=None, out_dtype=None):
-    from moe_kernels._reference.grouped_mm import grouped_weight_grad
+    from moe_kernels.reference.grouped_mm import grouped_weight_grad
 
     return grouped_weight_grad(dy, x, offsets, row_indices, out_dtype or dy.dtype)
 
@@ -291,7 +291,7 @@ def _activation_native(p: Problem):
 
 
 def _activation_reference(h, gated=False):
-    from moe_kernels._reference.activation import activation
+    from moe_kernels.reference.activation import activation
 
     return activation(h, gated)
 

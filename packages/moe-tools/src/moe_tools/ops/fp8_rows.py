@@ -218,7 +218,7 @@ def _silu_quant_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
 
 
 def _ref_swiglu():
-    from moe_kernels._reference import swiglu
+    from moe_kernels.reference import swiglu
 
     return swiglu
 
@@ -331,7 +331,7 @@ def _gather_quant_native(p: Problem):
 def _gather_quant_reference(
     x, token_indices, expert_indices, scores, scale_ub=None, valid_token_count=None
 ):
-    from moe_kernels._reference import gather_quant
+    from moe_kernels.reference import gather_quant
 
     return gather_quant.gather_scale_quant_dense_tokens(
         x, token_indices, expert_indices, scores, scale_ub, valid_token_count

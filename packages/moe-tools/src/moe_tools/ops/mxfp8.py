@@ -74,7 +74,7 @@ def oracle_dequant(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _ref():
-    from moe_kernels._reference import mxfp8
+    from moe_kernels.reference import mxfp8
 
     return mxfp8
 

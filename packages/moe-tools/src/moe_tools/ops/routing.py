@@ -93,13 +93,13 @@ def _shuffling_bytes(p: Problem) -> int:
 
 
 def _route_reference(scores, top_k, **_):
-    from moe_kernels._reference.routing import route_reference
+    from moe_kernels.reference.routing import route_reference
 
     return route_reference(scores, top_k, None, 0, scores.shape[1], False)
 
 
 def _shuffling_reference(scores, top_k=1, **_):
-    from moe_kernels._reference.routing import index_shuffling_reference
+    from moe_kernels.reference.routing import index_shuffling_reference
 
     return index_shuffling_reference(scores, 0, scores.shape[1], None, top_k)
 
@@ -210,7 +210,7 @@ def _router_native(p: Problem):
 
 
 def _router_reference(x, w, score_fn="softmax"):
-    from moe_kernels._reference.router import router_scores
+    from moe_kernels.reference.router import router_scores
 
     return router_scores(x, w, score_fn)
 
@@ -361,7 +361,7 @@ def _topk_native(p: Problem):
 
 
 def _topk_reference(scores, top_k, **options):
-    """The op is itself route's torch formula (``_reference.routing`` calls it): the same
+    """The op is itself route's torch formula (``reference.routing`` calls it): the same
     function, on every device."""
     from moe_kernels.selection import topk_choices
 

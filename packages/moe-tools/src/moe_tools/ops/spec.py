@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from moe_kernels.testing import execution_path
+
 Sizes = Mapping[str, Any]  # one problem's sizes and options, e.g. {"T": 4096, "E": 16, "k": 8}
 Thunk = Callable[[], object]
 SIZE_CLASSES = ("quick", "full")  # the benchmark shapes: small (CPU, --quick) and full (CUDA)
@@ -45,7 +47,7 @@ class OpSpec:
     * ``sizes``: per size class (``SIZE_CLASSES``) the benchmark problems' sizes;
       ``draw(rng, large)``: the sizes of one random verify problem (``large`` on CUDA).
     * ``make(sizes, gen, device)``: the :class:`Problem` (random values drawn with ``gen``).
-    * ``reference``: the ``moe_kernels._reference`` twin, called like the op.
+    * ``reference``: the ``moe_kernels.reference`` twin, called like the op.
     * ``oracle(problem, outputs)``: an independent naive computation (loops, float64) checked
       against the op's outputs; raises :class:`CheckFailed`, returns the largest error it saw.
     * ``bytes_moved(problem)``: the minimum bytes one call reads + writes; ``flops`` for GEMMs.
@@ -107,20 +109,7 @@ def tensors(result: Any) -> tuple[torch.Tensor, ...]:
 def interpreted(t: torch.Tensor) -> bool:
     """Whether ops on ``t``'s device run the Triton kernels in the interpreter (CPU tensors
     under ``TRITON_INTERPRET=1``): bf16 stores there truncate, fp8 casts may be a step off."""
-    from moe_kernels import _dispatch
-
-    return t.device.type == "cpu" and _dispatch.use_triton(t.device)
-
-
-def execution_path(device: torch.device) -> str:
-    """Where the public ops run on ``device``: "triton" (CUDA), "interpreter" (CPU tensors under
-    ``TRITON_INTERPRET=1``) or "reference" (the torch reference: a CPU, or
-    ``MOE_KERNELS_BACKEND=reference``)."""
-    from moe_kernels import _dispatch
-
-    if not _dispatch.use_triton(device):
-        return "reference"
-    return "triton" if device.type == "cuda" else "interpreter"
+    return execution_path(t.device) == "interpreter"
 
 
 @functools.cache

@@ -85,7 +85,7 @@ def _dispatch_native(p: Problem):
 
 
 def _dispatch_reference(x, plan, scale=False):
-    from moe_kernels._reference import tokens
+    from moe_kernels.reference import tokens
 
     return tokens.dispatch(x, plan.token_indices, plan.weights, scale)
 
@@ -147,7 +147,7 @@ def _combine_native(p: Problem):
 
 
 def _combine_reference(y, plan, weighted=True, out_dtype=None):
-    from moe_kernels._reference import tokens
+    from moe_kernels.reference import tokens
 
     return tokens.combine(y, plan.inverse, plan.weights, weighted, out_dtype or y.dtype)
 
@@ -195,7 +195,7 @@ def _gather_native(p: Problem):
 
 
 def _gather_reference(x, token_indices, expert_indices, scores, valid_token_count=None):
-    from moe_kernels._reference import tokens
+    from moe_kernels.reference import tokens
 
     return tokens.gather_scale_dense_tokens(
         x, token_indices, expert_indices, scores, valid_token_count
@@ -244,7 +244,7 @@ def _scatter_native(p: Problem):
 
 
 def _scatter_reference(out_tokens, in_tokens, token_indices, valid_token_count=None):
-    from moe_kernels._reference import tokens
+    from moe_kernels.reference import tokens
 
     tokens.scatter_add_dense_tokens(out_tokens, in_tokens, token_indices, valid_token_count)
 

@@ -1,7 +1,7 @@
 """Triton routing: each token's top-k experts, and the (expert, token) pairs sorted by expert.
 
 Two to four launches, no host sync, no atomics but a cooperative launch's grid barrier; the
-result is a pure function of the inputs (the oracle: ``moe_kernels._reference.routing``).
+result is a pure function of the inputs (the oracle: ``moe_kernels.reference.routing``).
 
 - A, top-k (``topk_rows``, ``topk_columns``): per program of tokens, every token's choices and
   the program's count per local expert into ``hist[expert, program]``. The row families rank

@@ -8,7 +8,7 @@ that are not route's). Plain weights: d_j = g_j. With ``RENORM`` (every choice r
 full expert range) the quotient rule of w_j = s_j / S, S = s_0 + s_1 + ... in choice order (the
 forward's sum): d_j = (g_j - sum_i g_i w_i) / S, that sum in choice order too. The row is written
 whole: d_j at column e_j (a token's experts are distinct), zero elsewhere. No atomics, no host
-reads; the oracle is ``moe_kernels._reference.routing.route_backward_reference``.
+reads; the oracle is ``moe_kernels.reference.routing.route_backward_reference``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 
-def _row_mask(
+def row_mask(
     token_indices_N: torch.Tensor, num_tokens: int, valid_token_count: torch.Tensor | None
 ) -> torch.Tensor:
     """(N,) bool: row i is live when 0 <= token_indices[i] < T and i < valid_token_count."""
@@ -30,7 +30,7 @@ def gather_rows(
     live_N: torch.Tensor,
 ) -> torch.Tensor:
     """out[i] = x[token_indices[i]] (* row_scale[i] in fp32) where live, else 0; x's dtype.
-    ``live`` must be False where the index is outside [0, T) (``_row_mask``)."""
+    ``live`` must be False where the index is outside [0, T) (``row_mask``)."""
     if x_TD.shape[0] == 0:  # nothing to read: every row is dead (index_select would raise)
         return x_TD.new_zeros((token_indices_N.shape[0], x_TD.shape[1]))
     safe_N = torch.where(live_N, token_indices_N.long(), 0)
@@ -54,7 +54,7 @@ def gather_scale_dense_tokens(
     """
     num_tokens, num_experts = scores_TE.shape
     exp_N = expert_indices_N.long()
-    live_N = _row_mask(token_indices_N, num_tokens, valid_token_count)
+    live_N = row_mask(token_indices_N, num_tokens, valid_token_count)
     live_N &= (exp_N >= 0) & (exp_N < num_experts)
     safe_tok_N = torch.where(live_N, token_indices_N.long(), 0)
     safe_exp_N = torch.where(live_N, exp_N, 0)
@@ -68,7 +68,7 @@ def dispatch(
     x_TD: torch.Tensor, token_indices_N: torch.Tensor, weights_N: torch.Tensor, scale: bool
 ) -> torch.Tensor:
     """(N, D): x[token_indices[p]] (times weights[p] in fp32 when scale); tail rows (-1) zero."""
-    live_N = _row_mask(token_indices_N, x_TD.shape[0], None)
+    live_N = row_mask(token_indices_N, x_TD.shape[0], None)
     if x_TD.shape[0] == 0:
         return x_TD.new_zeros((token_indices_N.shape[0], x_TD.shape[1]))
     return gather_rows(x_TD, token_indices_N, weights_N if scale else None, live_N)
@@ -83,7 +83,7 @@ def scatter_order(
     num_rows = token_indices_N.shape[0]
     small = max(num_rows, num_tokens) < 2**31 - 1
     key_dtype = torch.int32 if small else torch.int64
-    live_N = _row_mask(token_indices_N, num_tokens, valid_token_count)
+    live_N = row_mask(token_indices_N, num_tokens, valid_token_count)
     key_N = torch.where(live_N, token_indices_N, num_tokens).to(key_dtype)
     key_sorted_N, src_N = torch.sort(key_N, stable=True)
     queries = torch.arange(num_tokens + 1, device=key_N.device, dtype=key_dtype)
@@ -157,7 +157,7 @@ def gather_dots(
     """(rows, dots): ``rows[p] = w[p] * b[tok[p]]`` in fp32 cast to ``rows_dtype`` (unscaled
     without w; None without rows_dtype), ``dots[p] = sum_d a[p, d] * b[tok[p], d]`` in fp32 (None
     without a); zero where tok[p] is outside [0, T)."""
-    live_P = _row_mask(tok_P, b_TD.shape[0], None)
+    live_P = row_mask(tok_P, b_TD.shape[0], None)
     b_PD = gather_rows(b_TD, tok_P, None, live_P).float()
     rows = dots = None
     if rows_dtype is not None:

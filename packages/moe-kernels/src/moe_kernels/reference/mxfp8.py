@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_kernels._reference.grouped_mm import clamp_group_ends
+from moe_kernels.reference.grouped_mm import clamp_group_ends
 
 BLOCK = 32  # elements per MX block
 E4M3_MAX = 448.0

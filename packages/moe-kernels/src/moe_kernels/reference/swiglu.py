@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_kernels._reference.fp8_rowwise import live_rows, quantize_rows
+from moe_kernels.reference.fp8_rowwise import live_rows, quantize_rows
 
 
 def silu_mul_fp32(

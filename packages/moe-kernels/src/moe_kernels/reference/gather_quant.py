@@ -1,13 +1,13 @@
 """Pure-torch reference of ``gather_scale_quant_dense_tokens`` (the CPU path and the tests'
-oracle): exact fp32 products, then the row-wise quantisation of ``_reference.fp8_rowwise``, so
+oracle): exact fp32 products, then the row-wise quantisation of ``reference.fp8_rowwise``, so
 the Triton kernel (``moe_kernels._triton.gather_quant``) matches it bit for bit."""
 
 from __future__ import annotations
 
 import torch
 
-from moe_kernels._reference.fp8_rowwise import FP8_DTYPE, quantize_rows
-from moe_kernels._reference.tokens import _row_mask
+from moe_kernels.reference.fp8_rowwise import FP8_DTYPE, quantize_rows
+from moe_kernels.reference.tokens import row_mask
 
 
 def gather_scale_quant_dense_tokens(
@@ -24,7 +24,7 @@ def gather_scale_quant_dense_tokens(
     num_tokens, num_experts = scores_TE.shape
     num_rows, dim = token_indices_N.shape[0], x_TD.shape[1]
     exp_N = expert_indices_N.long()
-    live_N = _row_mask(token_indices_N, num_tokens, valid_token_count)
+    live_N = row_mask(token_indices_N, num_tokens, valid_token_count)
     live_N &= (exp_N >= 0) & (exp_N < num_experts)
     if num_tokens == 0 or num_experts == 0:  # every row is dead
         q = torch.zeros((num_rows, dim), dtype=FP8_DTYPE, device=x_TD.device)

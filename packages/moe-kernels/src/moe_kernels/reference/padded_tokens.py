@@ -3,7 +3,7 @@
 Position p of the padded buffers belongs to the expert whose cumulative-count range holds it and
 to that expert's rank ``e // (E // EP)``; its row is ``in_tokens[rank, p]``. The positions are
 mapped to rows of ``in_tokens`` seen as (EP * T_K, D) (``position_rows``), then added with the
-dense scatter-add's reference (``moe_kernels._reference.tokens``: ascending p for each
+dense scatter-add's reference (``moe_kernels.reference.tokens``: ascending p for each
 destination row, each add in fp32 rounded to out's dtype, exact for integers). Like it, this
 reads one value back to the host (its loop bound), on the CPU path only; ``position_rows`` is
 sync-free and is shared with the Triton path.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_kernels._reference import tokens as _tokens
+from moe_kernels.reference import tokens as _tokens
 
 
 def position_rows(
