@@ -2,11 +2,12 @@
 model (diffusion transformer + KV ring buffer) built on moe-kernels."""
 
 from moe_model.config import PRESETS, WorldModelConfig
-from moe_model.engine import WorldEngine, count_parameters
+from moe_model.engine import WorldEngine
 from moe_model.expert_parallel import ExpertParallelMoE
 from moe_model.impls import IMPL_ALIASES, IMPLS, MOE_IMPLS, MoEImpl
 from moe_model.moe import MoELayer
 from moe_model.presets import MOE_PRESETS
+from moe_model.world import count_parameters
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,5 @@
-"""``WorldEngine``: a frame-autoregressive diffusion transformer with a KV ring buffer.
+"""``WorldEngine``: the runtime of the world model (``world.py``): KV ring buffer, seeded noise,
+controller state, eager / compiled / CUDA-graph passes, frame-by-frame rollout, checkpoints.
 
 Per frame: ``denoise_steps`` rectified-flow Euler steps of a new latent, from seeded noise
 (sigma 1 -> 0), each one a denoise pass that reads the KV cache (only the scratch slot is written);
@@ -11,25 +12,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import math
 import numbers
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.profiler import record_function
 
 from moe_model._checks import check_device
 from moe_model._moe_options import check_bool
-from moe_model.autoencoder import LatentDecoder
-from moe_model.blocks import Block
 from moe_model.config import WorldModelConfig
 from moe_model.impls import KERNEL_DTYPES, check_dtype, check_impl
 from moe_model.kv_cache import KVRingCache
-from moe_model.moe import MoELayer
-from moe_model.rope import Rope3D
+from moe_model.world import WorldModel, _check_config, _counts
 
 Ctrl = Mapping[str, object] | None
 
@@ -37,105 +33,6 @@ Ctrl = Mapping[str, object] | None
 # rollout --profile`` attributes kernels by; near free when no profiler runs).
 FRAME_SCOPE = "moe_model::frame"
 DECODE_SCOPE = "moe_model::decode"
-
-
-def timestep_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sinusoidal embedding (dim,) fp32 of a 0-d noise level in [0, 1] (scaled by 1000)."""
-    half = dim // 2
-    freqs = torch.exp(
-        -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=sigma.device) / half
-    )
-    ang = sigma.float() * 1000.0 * freqs
-    return torch.cat([torch.cos(ang), torch.sin(ang)])
-
-
-class WorldModel(nn.Module):
-    """The transformer: patch embedding, conditioning, blocks, final layer, decoder."""
-
-    def __init__(self, cfg: WorldModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        d, c = cfg.d_model, cfg.cond_dim
-        self.patch_embed = nn.Linear(cfg.patch_dim, d)
-        self.t_embed = nn.Sequential(nn.Linear(cfg.freq_dim, c), nn.SiLU(), nn.Linear(c, c))
-        self.button_embed = nn.Linear(cfg.n_buttons, c, bias=False)
-        self.mouse_embed = nn.Linear(2, c)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.final_mod = nn.Linear(c, 2 * d)
-        self.final_proj = nn.Linear(d, cfg.patch_dim)
-        self.rope = Rope3D(cfg.head_dim, cfg.grid_h, cfg.grid_w, cfg.rope_theta)
-        self.decoder = LatentDecoder(cfg.latent_channels, cfg.decoder_channels)
-
-    def init_weights(self) -> None:
-        """Random weights (draws from the global RNG: seed it first)."""
-        for name, m in self.named_modules():
-            if isinstance(m, MoELayer):
-                m.reset_parameters()
-            elif isinstance(m, nn.Linear):
-                std = 0.02 if ("modulation" in name or "final_mod" in name) else None
-                nn.init.normal_(m.weight, std=std or 1.0 / math.sqrt(m.in_features))
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Conv2d):
-                fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
-                nn.init.normal_(m.weight, std=1.0 / math.sqrt(fan_in))
-                nn.init.zeros_(m.bias)
-        self.rope.init_buffers()
-
-    def patchify(self, z_Chw: torch.Tensor) -> torch.Tensor:
-        cfg, p = self.cfg, self.cfg.patch_size
-        z = z_Chw.view(cfg.latent_channels, cfg.grid_h, p, cfg.grid_w, p)
-        return z.permute(1, 3, 0, 2, 4).reshape(cfg.tokens_per_frame, cfg.patch_dim)
-
-    def unpatchify(self, x_NP: torch.Tensor) -> torch.Tensor:
-        cfg, p = self.cfg, self.cfg.patch_size
-        z = x_NP.view(cfg.grid_h, cfg.grid_w, cfg.latent_channels, p, p)
-        return z.permute(2, 0, 3, 1, 4).reshape(cfg.latent_channels, cfg.latent_h, cfg.latent_w)
-
-    def cond(self, sigma: torch.Tensor, buttons: torch.Tensor, mouse: torch.Tensor) -> torch.Tensor:
-        """Conditioning vector (cond_dim,): noise level + pressed buttons + mouse delta, SiLU."""
-        dtype = self.patch_embed.weight.dtype
-        c = self.t_embed(timestep_embedding(sigma, self.cfg.freq_dim).to(dtype))
-        c = c + self.button_embed(buttons.to(dtype)) + self.mouse_embed(mouse.to(dtype))
-        return torch.nn.functional.silu(c)
-
-    def forward(
-        self,
-        z_Chw: torch.Tensor,
-        sigma: torch.Tensor,
-        buttons: torch.Tensor,
-        mouse: torch.Tensor,
-        cache: KVRingCache,
-        *,
-        commit: bool,
-        masked: bool = True,
-    ) -> torch.Tensor | None:
-        """Velocity (C, h, w) fp32 of latent ``z`` at noise level ``sigma`` (denoise pass), or,
-        with ``commit``, write the frame's keys/values into the ring and return None.
-        ``masked=False`` skips the mask of unfilled ring slots: only valid once the ring is full
-        (``cache.frame >= window``)."""
-        dtype = self.patch_embed.weight.dtype
-        x_ND = self.patch_embed(self.patchify(z_Chw).to(dtype))
-        c_C = self.cond(sigma, buttons, mouse)
-        rope = self.rope(cache.frame)
-        bias_S = cache.attn_bias(dtype) if masked else None
-        last = len(self.blocks) - 1
-        for l, block in enumerate(self.blocks):
-            x_ND = block(
-                x_ND, c_C, rope, cache, l, bias_S, commit=commit, kv_only=commit and l == last
-            )
-        if commit:
-            return None
-        shift, scale = self.final_mod(c_C).view(2, -1).float().unbind(0)
-        h = self.blocks[0].norm1(x_ND).float() * (1 + scale) + shift
-        return self.unpatchify(self.final_proj(h.to(dtype)).float())
-
-
-def _check_config(config: object, name: str = "config") -> None:
-    """TypeError unless a WorldModelConfig; validated again (its fields may have changed)."""
-    if not isinstance(config, WorldModelConfig):
-        raise TypeError(f"{name} must be a WorldModelConfig, got {type(config).__name__}")
-    config.validate()
 
 
 def _check_device(device: object) -> torch.device:
@@ -171,24 +68,6 @@ def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None
     if value < lo or (hi is not None and value >= hi):
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
         raise ValueError(f"{name} must be {bounds}, got {value}")
-
-
-def count_parameters(cfg: WorldModelConfig) -> tuple[int, int]:
-    """(total, active) parameter counts of a config, built on the meta device (no memory)."""
-    _check_config(cfg, "cfg")
-    with torch.device("meta"):
-        model = WorldModel(cfg)
-    return _counts(model, cfg)
-
-
-def _counts(model: WorldModel, cfg: WorldModelConfig) -> tuple[int, int]:
-    total = sum(p.numel() for p in model.parameters())
-    inactive = 0
-    if cfg.mlp == "moe":
-        for block in model.blocks:
-            per_expert = block.mlp.in_proj[0].numel() + block.mlp.out_proj[0].numel()
-            inactive += (cfg.n_experts - cfg.top_k) * per_expert
-    return total, total - inactive
 
 
 def _ctrl_tensors(ctrl: Ctrl, n_buttons: int) -> tuple[torch.Tensor, torch.Tensor]:
