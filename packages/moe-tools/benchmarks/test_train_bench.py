@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_tools.tables import short_error
-from moe_tools.train import PRESETS, build_layer, reference_grads, rel_err
+from moe_tools.train.measure import PRESETS, build_layer, reference_grads, rel_err
 
 CUDA = torch.cuda.is_available()
 

@@ -12,8 +12,10 @@ import math
 import pytest
 import torch
 
-from moe_tools import cli, report, train, train_report
+from moe_tools import cli, report
 from moe_tools.results import SCHEMA
+from moe_tools.train import measure
+from moe_tools.train import report as train_report
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 IMPLS = ["baseline", "torch", "triton_bf16", "triton_fp32", "mxfp8", "fbgemm"]
@@ -95,48 +97,48 @@ def test_parser():
 
 
 def test_layer_config_and_defaults():
-    assert train.layer_config("seed-moe") == dict(
+    assert measure.layer_config("seed-moe") == dict(
         tokens=2048, d_model=2048, n_experts=16, top_k=8, hidden=1024, gated=False,
         renormalize=False,
     )  # fmt: skip
-    cfg = train.layer_config("training", tokens=128, gated=True)
+    cfg = measure.layer_config("training", tokens=128, gated=True)
     assert (cfg["tokens"], cfg["n_experts"], cfg["hidden"], cfg["gated"]) == (128, 128, 768, True)
     with pytest.raises(ValueError):
-        train.layer_config("nope")
-    assert train.default_lr(64) == pytest.approx(0.01)
+        measure.layer_config("nope")
+    assert measure.default_lr(64) == pytest.approx(0.01)
 
 
 def test_rel_err():
     ref = torch.tensor([1.0, -4.0, 2.0])
-    assert train.rel_err(ref.clone(), ref) == 0.0
-    assert train.rel_err(torch.tensor([1.0, -4.0, 3.0]), ref) == pytest.approx(0.25)
-    assert train.rel_err(None, ref) == math.inf
-    assert train.rel_err(ref[:2], ref) == math.inf
-    assert train.rel_err(torch.tensor([1.0, math.nan, 2.0]), ref) == math.inf
-    assert train.rel_err(ref, None) is None
-    assert train.rel_err(torch.tensor([0.5]), torch.zeros(1)) == 0.5  # zero ref: absolute
+    assert measure.rel_err(ref.clone(), ref) == 0.0
+    assert measure.rel_err(torch.tensor([1.0, -4.0, 3.0]), ref) == pytest.approx(0.25)
+    assert measure.rel_err(None, ref) == math.inf
+    assert measure.rel_err(ref[:2], ref) == math.inf
+    assert measure.rel_err(torch.tensor([1.0, math.nan, 2.0]), ref) == math.inf
+    assert measure.rel_err(ref, None) is None
+    assert measure.rel_err(torch.tensor([0.5]), torch.zeros(1)) == 0.5  # zero ref: absolute
 
 
 def test_cli_prints_table_and_writes_json(train_run):
     stdout, doc, out = train_run
     assert "# torch" in stdout  # the environment header
     assert "grad_router_err" in stdout and "bitwise" in stdout
-    assert "# graph, every impl measured: " + train.CPU_GRAPH_STATUS in stdout
+    assert "# graph, every impl measured: " + measure.CPU_GRAPH_STATUS in stdout
     assert "# loss torch at steps 0," in stdout
     assert f"# wrote {out / 'train.json'}" in stdout
     assert f"# wrote {out / 'train.png'}" in stdout or not HAS_MPL
     assert doc["schema"] == SCHEMA and doc["command"] == "train"
-    assert doc["columns"] == train.COLUMNS
+    assert doc["columns"] == measure.COLUMNS
     assert [r["impl"] for r in doc["rows"]] == IMPLS
     for r in doc["rows"]:
-        assert set(r) == set(train.COLUMNS)
+        assert set(r) == set(measure.COLUMNS)
     extra = doc["extra"]
     assert extra["tokens"] == 64 and extra["dtype"] == "float32" and extra["steps"] == STEPS
     assert extra["layer"] == dict(
         d_model=64, n_experts=8, top_k=2, hidden=32, gated=False, renormalize=False
     )
     assert extra["compile_backend"] == "aot_eager" and extra["lr"] == pytest.approx(0.01)
-    assert extra["error_measure"] == train.ERROR_MEASURE
+    assert extra["error_measure"] == measure.ERROR_MEASURE
     if HAS_MPL:
         assert extra["plot"] == str(out / "train.png") and (out / "train.png").stat().st_size > 0
     assert doc["args"]["command"] == "train"
@@ -147,7 +149,7 @@ def test_baseline_and_torch_rows(train_run):
     base, tor = rows["baseline"], rows["torch"]
     # the baseline in fp32 is the reference itself: no error, repeatable, not fullgraph-compilable
     assert base["status"] == "ok", base["status"]
-    for col in ("y_err", *train.ERR_COLUMNS.values()):
+    for col in ("y_err", *measure.ERR_COLUMNS.values()):
         assert base[col] == 0.0, col
         assert 0.0 <= tor[col] < 1e-5, (col, tor[col])
     assert base["bitwise"] is True and tor["bitwise"] is True
@@ -158,7 +160,7 @@ def test_baseline_and_torch_rows(train_run):
     assert tor["eager_ms"] > 0 and tor["compiled_ms"] > 0 and tor["compile_s"] > 0
     assert tor["speedup"] == pytest.approx(tor["eager_ms"] / tor["compiled_ms"])
     for r in (base, tor):
-        assert r["graph_ms"] is None and r["graph_status"] == train.CPU_GRAPH_STATUS
+        assert r["graph_ms"] is None and r["graph_status"] == measure.CPU_GRAPH_STATUS
 
 
 def test_loss_decreases(train_run):
@@ -190,7 +192,7 @@ def test_kernel_impls_as_they_stand(train_run, impl, tol):
         assert impl not in train_run[1]["extra"]["loss_curves"]
         return
     assert row["status"] == "ok", row["status"]
-    for col in ("y_err", *train.ERR_COLUMNS.values()):
+    for col in ("y_err", *measure.ERR_COLUMNS.values()):
         assert 0.0 <= row[col] < tol, (col, row[col])
     assert row["bitwise"] is True  # the moe-kernels paths are deterministic
     assert row["eager_ms"] > 0 and row["compile_status"] == "ok"
@@ -232,7 +234,7 @@ def test_backward_failure_and_non_repeatability_are_caught(monkeypatch):
         return y
 
     monkeypatch.setattr(MoELayer, "forward", patched)
-    res = train.run(
+    res = measure.run(
         device="cpu",
         impls=["torch", "triton_fp32", "baseline"],
         warmup=1,
@@ -262,7 +264,7 @@ def test_report_renders_train_section(train_run, tmp_path):
     assert "| step | " + " | ".join(doc["extra"]["loss_curves"]) + " |" in text
     if HAS_MPL:
         assert f"![moe-bench train loss curves]({(out / 'train.png').as_posix()})" in text
-    assert f"* errors (*_err): {train.ERROR_MEASURE}" in text
+    assert f"* errors (*_err): {measure.ERROR_MEASURE}" in text
     # through the CLI too, and without the figure no image link
     (tmp_path / "train.json").write_text(json.dumps(doc))
     md = tmp_path / "BENCH.md"

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_tools import cli, train, train_roofline, train_sweep
+from moe_tools import cli
+from moe_tools.train import command as train_command
+from moe_tools.train import measure
+from moe_tools.train import roofline as train_roofline
+from moe_tools.train import sweep as train_sweep
 
 
 def test_expert_flops_reproduce_the_issue_table():
@@ -46,7 +50,7 @@ def test_six_gemms_are_the_layers_per_expert_products(gated):
 
 
 def test_roofline_columns_on_cpu(tmp_path):
-    res = train.run(
+    res = measure.run(
         device="cpu", impls=["baseline", "torch"], steps=0, warmup=1, iters=1, roofline=True,
         progress=False,
     )  # fmt: skip
@@ -87,7 +91,7 @@ def test_sweep_points_one_axis_at_a_time():
 
 
 def test_sweep_rows_and_report(tmp_path):
-    from moe_tools import train_report
+    from moe_tools.train import report as train_report
 
     center = dict(tokens=16, d_model=16, n_experts=4, top_k=2, hidden=8)
     res = train_sweep.run(
@@ -121,12 +125,12 @@ def test_sweep_axes():
     args = cli.build_parser().parse_args(["train", "--sweep", "--sweep-axes", "top_k,hidden"])
     assert args.sweep_axes == ["top_k", "hidden"]
     args.device = torch.device("cpu")
-    assert train.result_name(args) == "train-tiny-sweep+top_k+hidden"  # its own saved file
+    assert train_command.result_name(args) == "train-tiny-sweep+top_k+hidden"  # its own saved file
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["train", "--sweep", "--sweep-axes", "width"])
     args = cli.build_parser().parse_args(["train", "--sweep-axes", "top_k"])
     with pytest.raises(command.UsageError, match="--sweep-axes needs --sweep"):
-        train.run_cli(args)
+        train_command.run_cli(args)
 
 
 def test_sweep_plot(tmp_path):

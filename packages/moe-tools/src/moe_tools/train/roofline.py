@@ -23,7 +23,7 @@ import torch
 
 from moe_tools.tables import Row, short_error
 from moe_tools.timing import GIB, time_fn
-from moe_tools.train_step import captured, copy_layer, peak_gib
+from moe_tools.train.step import captured, copy_layer, peak_gib
 
 MODES = ("eager", "compiled", "graph")
 # per impl: forward + backward ms per mode, the best of them, its TFLOP/s and ratio to the six

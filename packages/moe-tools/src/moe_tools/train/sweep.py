@@ -3,8 +3,8 @@ GEMMs over a grid of shapes, one axis at a time around a centre (to find cliffs)
 
 The default centre is the Qwen3-30B-A3B layer at 8192 tokens (d_model 2048, hidden 768, E=128,
 top-8); the axes are the issue's ranges: tokens 2048-32768, hidden 256-1536, experts 16-256,
-top_k 2-8. Each point is one :func:`moe_tools.train_roofline.measure` per impl on a fresh seeded
-layer, beside :func:`moe_tools.train_roofline.time_six_gemms` on its expert groups.
+top_k 2-8. Each point is one :func:`moe_tools.train.roofline.measure` per impl on a fresh seeded
+layer, beside :func:`moe_tools.train.roofline.time_six_gemms` on its expert groups.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from moe_tools import train_roofline
 from moe_tools.plots import pyplot, save_figure
 from moe_tools.results import Result
 from moe_tools.tables import Row, format_table, short_error
+from moe_tools.train import roofline as train_roofline
 
 CENTER: dict[str, int] = dict(tokens=8192, d_model=2048, n_experts=128, top_k=8, hidden=768)
 GRID: dict[str, tuple[int, ...]] = {
@@ -56,7 +56,7 @@ def run(
     plot: str | None = None,
 ) -> Result:
     """One row per (point, impl); a point that does not fit or fails says so in ``status``."""
-    from moe_tools.train_step import build_layer, check_training_fits
+    from moe_tools.train.step import build_layer, check_training_fits
 
     center, grid = dict(center or CENTER), dict(grid or GRID)
     modes = tuple(m for m in modes if m != "graph" or device.type == "cuda")

@@ -21,7 +21,7 @@ REFERENCE = "baseline"  # the gradient reference (run in fp32) and the layer bui
 def build_layer(
     cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int, impl: str = REFERENCE
 ) -> torch.nn.Module:
-    """A trainable ``MoELayer`` of ``cfg`` (see ``train.layer_config``): ``matrix.build_layer``'s
+    """A trainable ``MoELayer`` of ``cfg`` (see ``measure.layer_config``): ``matrix.build_layer``'s
     seeded layer (expert weights in ``dtype``, the router in fp32), in train mode, every parameter
     requiring grad."""
     from moe_tools.matrix import build_layer as build_eval_layer
