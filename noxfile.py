@@ -1,5 +1,5 @@
 """Developer sessions: ``tests`` (every torch version, and the newest Triton), ``benchmarks``,
-``lint``, ``build``.
+``gpu`` (the GPU tests, on a CUDA machine), ``lint``, ``build``.
 
 Kernel tests run on the torch reference path and on the Triton kernels through the interpreter
 (``TRITON_INTERPRET=1``), so CI exercises the kernels without a GPU; ``TEST_MATRIX`` says which
@@ -178,6 +178,19 @@ def benchmarks(session: nox.Session) -> None:
         env={"TRITON_INTERPRET": "0"},
     )
     session.log(f"results: {out}")
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU tests (``-m gpu``: packages/*/tests/gpu and the ``gpu`` cases elsewhere) in this
+    interpreter, nothing installed: the three packages' sources on PYTHONPATH, as on the device
+    machine. ``MOE_GPU_FULL=1`` adds the large cases; posargs go to pytest (``-k``, ``-x``)."""
+    src = os.pathsep.join(str(ROOT / "packages" / pkg / "src") for pkg in PACKAGES)
+    session.run(
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+        *session.posargs, "packages/moe-kernels/tests", "packages/moe-model/tests",
+        env={"PYTHONPATH": src, "TRITON_INTERPRET": "0"}, external=True,
+    )  # fmt: skip
 
 
 @nox.session

@@ -1,7 +1,9 @@
 """Test helpers for this package and code built on it: guard regions around tensors
 (``guarded``), every public op with small plain-torch arguments (``op_problems``, ``naive_plan``),
 compiled-from-a-cold-process checks (``cold_compile``, ``run_fresh``), and whether sm_90a kernels
-compile here (``sm90_compiler_missing``), and where the ops run on a device (``execution_path``)."""
+compile here (``sm90_compiler_missing``), and where the ops run on a device (``execution_path``);
+checks on a CUDA device (``moe_kernels.testing.gpu``: no host sync, poisoned outputs, bitwise
+equality with NaN == NaN, CUDA-graph replay, compiled code)."""
 
 from moe_kernels._dispatch import execution_path
 from moe_kernels.testing.cold import (
@@ -12,6 +14,19 @@ from moe_kernels.testing.cold import (
     same_bits,
     selected,
     tensors_of,
+)
+from moe_kernels.testing.gpu import (
+    bits_equal,
+    capture,
+    cloned,
+    compile_fresh,
+    forbid_host_sync,
+    full_run,
+    gpu_test_device,
+    inductor_code,
+    launched_by_inductor,
+    poison,
+    replay_mismatches,
 )
 from moe_kernels.testing.guards import GUARD_BYTE, Guarded, guarded
 from moe_kernels.testing.harness import GuardHarness
@@ -25,13 +40,24 @@ __all__ = [
     "Guarded",
     "Problem",
     "Sizes",
+    "bits_equal",
+    "capture",
+    "cloned",
+    "compile_fresh",
     "cold_compile",
     "cold_main",
     "execution_path",
+    "forbid_host_sync",
+    "full_run",
+    "gpu_test_device",
     "guarded",
+    "inductor_code",
+    "launched_by_inductor",
     "naive_plan",
     "naive_shuffle",
     "op_problems",
+    "poison",
+    "replay_mismatches",
     "run_fresh",
     "same_bits",
     "selected",
