@@ -7,8 +7,9 @@ on C's counting placement with a (tokens, 1) count tensor, an expert range of <=
 on an H200). So every launch plan the GPU launchers pick for a spread of shapes is compiled to a
 cubin (Triton's bundled ptxas): here the launches only eager calls make (the cooperative one) and
 the forced variants, in ``test_inductor_graph.py`` the separate launches of every plan of
-``PLANS`` and ``SELECTION_PLANS`` as Inductor writes them. Skipped under ``TRITON_INTERPRET=1``
-(the launchers pick interpreter plans there) and where Triton cannot compile for CUDA at all.
+``ROUTING_PLANS`` and ``SELECTION_PLANS`` (moe_kernels.testing) as Inductor writes them.
+Skipped under ``TRITON_INTERPRET=1`` (the launchers pick interpreter plans there) and where
+Triton cannot compile for CUDA at all.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 pytest.importorskip("triton")  # compiles with Triton: nothing to test without it
 
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels.testing import ROUTING_PLANS, SELECTION_PLANS
 
 pytestmark = pytest.mark.skipif(INTERPRET, reason="GPU launch plans only without the interpreter")
 
@@ -42,29 +44,11 @@ def can_compile():
         pytest.skip(missing)
 
 
-# (T, E, top_k, start, end, scores dtype kind: 0 fp32 / 1 bf16 / 2 fp16, renormalize)
-PLANS = [
-    (4096, 16, 8, 0, 16, 1, False),  # small: ranks in A, scan in C, one cooperative launch
-    (4096, 128, 8, 0, 128, 0, True),
-    (65536, 128, 8, 0, 128, 1, False),  # columns
-    (65536, 16, 1, 0, 16, 1, False),  # counted / prefix after a scan launch
-    (1 << 20, 128, 8, 0, 128, 1, False),  # columns: scan launch and D
-    (1 << 20, 256, 8, 0, 256, 2, False),  # sorted, packed weights
-    (1 << 20, 32, 8, 0, 32, 1, False),  # index_shuffling: prefix sums
-    (100000, 2048, 8, 0, 2048, 0, False),  # many experts
-    (1 << 20, 16, 8, 0, 16, 1, False),  # counted (route), prefix sums (IS)
-    (300000, 16, 4, 0, 16, 0, True),
-    (300000, 64, 12, 0, 64, 0, False),  # top_k > 8: rounds of row maxima, sorted
-    (300000, 128, 8, 32, 32, 1, False),  # empty expert range (L = 0)
-    (300000, 128, 8, 32, 33, 1, False),  # L = 1
-    (300000, 128, 8, 32, 36, 2, False),  # L = 4
-    (300000, 128, 8, 32, 40, 1, True),  # L = 8
-    (300000, 64, 6, 16, 48, 0, False),  # L = 32
-    (300000, 64, 3, 0, 64, 2, False),  # index_shuffling: threshold top-k of 64 fp16 scores
-]
+# ROUTING_PLANS, SELECTION_PLANS (moe_kernels.testing): (T, E, top_k, start, end, scores dtype
+# kind: 0 fp32 / 1 bf16 / 2 fp16, renormalize[, bias, n_groups, topk_groups, scaled])
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=str)
+@pytest.mark.parametrize("plan", ROUTING_PLANS, ids=str)
 @pytest.mark.parametrize("route", [False, True], ids=["index_shuffling", "route"])
 def test_routing_plans_cooperative_launch_compiles(can_compile, plan, route):
     """The launch eager calls make of A and C joined by a grid barrier, where the plan has it.
@@ -104,22 +88,6 @@ def test_columns_plan_with_c_writing_the_pairs_compiles(can_compile):
 
     p = _compile_plan((1 << 20, 128, 8, 0, 128, 1, False), True, Constraints(scan_in_c=True))
     assert p.placement == "columns" and not p.expert_runs
-
-
-# route's selection options: (T, E, top_k, start, end, kind, renormalize, bias, n_groups,
-# topk_groups, scaled)
-SELECTION_PLANS = [
-    (4096, 256, 8, 0, 256, 0, True, True, 8, 4, True),  # DeepSeek-V3
-    (1 << 20, 256, 8, 0, 256, 1, True, True, 8, 4, True),
-    (65536, 256, 8, 32, 64, 0, True, True, 8, 4, True),  # an expert-parallel rank's range
-    (64, 128, 8, 0, 128, 2, False, True, 1, 1, False),  # bias alone
-    (300000, 16, 2, 0, 16, 0, False, False, 4, 2, True),  # counted
-    (65536, 96, 6, 0, 96, 1, True, True, 3, 2, False),  # 32 experts a group, 3 groups
-    (4096, 60, 4, 0, 60, 0, False, True, 12, 3, False),  # 5 experts a group (padded tile)
-    (1000, 8, 2, 0, 8, 0, True, True, 8, 2, False),  # one expert a group
-    (100, 2048, 8, 0, 2048, 0, False, True, 64, 8, True),  # 64 groups: the tile
-    (70000, 64, 12, 0, 64, 1, True, True, 4, 2, False),  # top_k > 8: tile
-]
 
 
 @pytest.mark.parametrize("plan", SELECTION_PLANS, ids=str)
@@ -305,7 +273,7 @@ def test_persistent_grouped_mm_default_config_compiles_to_wgmma_and_tma(can_comp
     """The persistent grouped GEMM's GPU config (128 x 256 x 64, flattened, A and B through TMA
     descriptors) compiles for sm_90a to wgmma and bulk tensor copies, within the shared memory
     of one multiprocessor (227 KiB)."""
-    from moe_kernels._grouped_mm_rules import persistent_config
+    from moe_kernels._gemm_plan import persistent_config
     from moe_kernels._triton.persistent_grouped_mm import _persistent_grouped_mm_kernel as kern
 
     cfg = persistent_config(65536, 2048, 1536, 128, interpret=False)
@@ -332,7 +300,7 @@ def test_weight_grad_default_config_compiles_to_pipelined_wgmma(can_compile, tma
     sm_90a to wgmma, its loads software-pipelined across the hand-flattened tile loop (bulk
     tensor copies of the ragged descriptors, or cp.async, into 3 buffers of each operand), within
     one multiprocessor's shared memory (227 KiB)."""
-    from moe_kernels._grouped_mm_rules import WgradConfig, wgrad_config
+    from moe_kernels._gemm_plan import WgradConfig, wgrad_config
     from moe_kernels._triton.grouped_weight_grad import _grouped_weight_grad_kernel as kern
 
     cfg = wgrad_config(1536, 2048, interpret=False)._replace(tma=tma)

@@ -5,7 +5,8 @@ import warnings
 import torch
 
 from moe_kernels import _dispatch
-from moe_kernels._dispatch import INTERPRET, eager_direct, op_name, use_triton
+from moe_kernels._dispatch import INTERPRET, op_name, use_triton
+from moe_kernels.activation import expert_activation_op
 
 
 def test_use_triton_by_device():
@@ -17,28 +18,28 @@ def test_op_name():
     assert op_name("route") == "moe_kernels::route"
 
 
-def test_eager_direct_never_for_cpu_tensors():
-    assert eager_direct(torch.zeros(2)) is False
-    assert eager_direct(None, torch.zeros(2)) is False
+def test_route_never_direct_for_cpu_tensors():
+    assert expert_activation_op.route(torch.zeros(2), False) == "op"
+    assert expert_activation_op.route(None, torch.zeros(2)) == "op"
 
 
-def test_eager_direct_never_under_compile():
+def test_route_never_direct_under_compile():
     seen = []
 
     def f(x):
-        seen.append(eager_direct())  # no tensors: the rule is decided by the mode alone
+        seen.append(expert_activation_op.route())  # no tensors: the mode alone decides
         return x + 1
 
-    assert eager_direct() is True  # plain eager, nothing to check
+    assert expert_activation_op.route() == "impl"  # plain eager, nothing to check
     torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(2))
-    assert seen == [False]
+    assert seen == ["op"]
 
 
-def test_eager_direct_never_under_fake_tensors():
+def test_route_never_direct_under_fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        assert eager_direct() is False
+        assert expert_activation_op.route() == "op"
 
 
 def test_sm_major_traces_without_warning(monkeypatch):

@@ -1,7 +1,7 @@
-"""The eager autograd path (``_dispatch.register_autograd``): what plain-eager CUDA calls that
+"""The eager autograd path (``KernelOp.register_autograd``): what plain-eager CUDA calls that
 record gradients run instead of the registered op. Called directly here (on CPU the public
 functions take the op), it must give the op's outputs and gradients bit for bit, and
-``_dispatch.pick`` must choose it only for plain eager CUDA calls that record gradients.
+``KernelOp.route`` must choose it only for plain eager CUDA calls that record gradients.
 
 Runs on the reference path and under ``TRITON_INTERPRET=1``.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import moe_kernels as mk
-from moe_kernels import _dispatch, activation, grouped_mm, router, routing, tokens
+from moe_kernels import activation, dense_tokens, grouped_mm, router, routing, tokens
 
 T, E, K, D, H = 9, 6, 2, 16, 8
 
@@ -44,19 +44,25 @@ def _cases():
     w = torch.randn(E, H, D, generator=_g(4)) / D**0.5
     h = torch.randn(T, 2 * H, generator=_g(5))
     rw = torch.randn(E, D, generator=_g(6))
-    return {
-        "route": (routing._route_op, routing._route_eager,
-                  ((s,), (K, None, 0, E, True, None, 1, 1, 1.0))),
-        "router_scores": (router._router_op, router._router_eager, ((x, rw), ("softmax",))),
-        "combine": (tokens._combine_op, tokens._combine_eager,
-                    ((y, plan.inverse, plan.token_indices, plan.weights),
-                     (True, torch.float32))),
-        "dispatch": (tokens._dispatch_op, tokens._dispatch_eager,
-                     ((x, plan.token_indices, plan.weights, plan.inverse), (True,))),
-        "gather_grouped_mm": (grouped_mm._op, grouped_mm._eager,
+    scores = torch.rand(T, E, generator=_g(7))
+    out = torch.randn(T, D, generator=_g(8))
+    cases = {
+        "route": (routing.route_op, ((s,), (K, None, 0, E, True, None, 1, 1, 1.0))),
+        "router_scores": (router.router_scores_op, ((x, rw), ("softmax",))),
+        "combine": (tokens.combine_op, ((y, plan.inverse, plan.token_indices, plan.weights),
+                                        (True, torch.float32))),
+        "dispatch": (tokens.dispatch_op, ((x, plan.token_indices, plan.weights, plan.inverse),
+                                          (True,))),
+        "gather_grouped_mm": (grouped_mm.gather_grouped_mm_op,
                               ((x, w, plan.offsets, plan.token_indices), ("silu",))),
-        "expert_activation": (activation._op, activation._eager, ((h,), (True,))),
+        "expert_activation": (activation.expert_activation_op, ((h,), (True,))),
+        "gather_scale_dense_tokens": (dense_tokens.gather_scale_dense_tokens_op,
+                                      ((x, plan.token_indices, plan.expert_indices, scores),
+                                       (None,))),
+        "scatter_added_dense_tokens": (dense_tokens.scatter_added_dense_tokens_op,
+                                       ((out, y, plan.token_indices), (None,))),
     }  # fmt: skip
+    return {name: (kop.op, kop.eager_autograd, inputs) for name, (kop, inputs) in cases.items()}
 
 
 @pytest.mark.parametrize("name", list(_cases()))
@@ -68,14 +74,16 @@ def test_eager_autograd_equals_the_op(name):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_pick():
-    op, impl, eager = object(), object(), object()
+def test_route():
+    op = activation.expert_activation_op  # has an eager autograd path
+    no_autograd = activation.expert_activation_backward_op
     cpu = torch.zeros(2, requires_grad=True)
-    assert _dispatch.pick(op, impl, eager, cpu) is op  # CPU: the registered op
+    assert op.route(cpu, True) == "op"  # CPU: the registered op
     if torch.cuda.is_available():
         t = torch.zeros(2, device="cuda")
-        assert _dispatch.pick(op, impl, eager, t, None) is impl
-        assert _dispatch.pick(op, impl, eager, t.requires_grad_()) is eager
-        assert _dispatch.pick(op, impl, eager, torch.nn.Parameter(t)) is eager
+        assert op.route(t, None) == "impl"
+        assert op.route(t.requires_grad_()) == "eager_autograd"
+        assert op.route(torch.nn.Parameter(t)) == "eager_autograd"
+        assert no_autograd.route(t, t) == "op"
         with torch.no_grad():
-            assert _dispatch.pick(op, impl, eager, t) is impl
+            assert op.route(t) == "impl"

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import moe_kernels as mk
+from moe_kernels.activation import activation_grad_and_out_op
+from moe_kernels.testing import oracle_expert_mlp_formula
 
 T, E, K, D, H = 11, 4, 3, 32, 16
 
@@ -47,26 +48,6 @@ def _ours(plan, gated, save_rows=True):
     return fn
 
 
-def _formula(plan, gated):
-    """Row by row in float64 with torch autograd: find the row's expert, gather, two matmuls."""
-    bounds = [int(b) for b in plan.offsets]
-    rows = [int(r) for r in plan.token_indices]
-
-    def fn(x, w_in, w_out):
-        out = []
-        for r, src in enumerate(rows):
-            e = next((e for e in range(E) if bounds[e] <= r < bounds[e + 1]), None)
-            if e is None or src < 0:
-                out.append(x.new_zeros(D))
-                continue
-            h = w_in[e] @ x[src]
-            a = F.silu(h[:H]) * h[H:] if gated else F.silu(h)
-            out.append(w_out[e] @ a)
-        return torch.stack(out)
-
-    return fn
-
-
 def _chain(plan, gated):
     """The chain of public differentiable ops that expert_mlp replaces."""
 
@@ -81,7 +62,13 @@ def _chain(plan, gated):
 def test_matches_float64_formula(gated):
     x, w_in, w_out, plan, dy = _problem(gated=gated)
     ours = _run(_ours(plan, gated), x, w_in, w_out, dy)
-    want = _run(_formula(plan, gated), x.double(), w_in.double(), w_out.double(), dy.double())
+    want = _run(
+        oracle_expert_mlp_formula(plan, gated),
+        x.double(),
+        w_in.double(),
+        w_out.double(),
+        dy.double(),
+    )
     for a, b in zip(ours, want, strict=True):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5)
     assert plan.counts[E - 1] == 0 and ours[2][E - 1].abs().sum() == 0  # no rows, no gradient
@@ -122,13 +109,6 @@ def test_no_grad_forward(gated):
     torch.testing.assert_close(y, y_grad, atol=1e-5, rtol=1e-5)
 
 
-def test_no_grad_variant_rule():
-    from moe_kernels.expert_mlp import FUSED_GATHER_MAX_X, gather_in_gemm
-
-    assert gather_in_gemm(FUSED_GATHER_MAX_X, True) and gather_in_gemm(4096, False)
-    assert not gather_in_gemm(FUSED_GATHER_MAX_X + 16, True)
-
-
 def test_only_some_gradients():
     x, w_in, w_out, plan, dy = _problem(seed=4)
     w_in = w_in.requires_grad_()
@@ -151,7 +131,7 @@ def test_opcheck_grad_and_out():
     go = torch.randn(T, H, generator=_g(2))
     torch.library.opcheck(torch.ops.moe_kernels.expert_activation_grad_and_out.default,
                           (go, h, True), test_utils=("test_schema", "test_faketensor"))  # fmt: skip
-    dh, a = mk.expert_mlp.__globals__["_act"].activation_grad_and_out(go, h, True)
+    dh, a = activation_grad_and_out_op.call(go, h, True)
     assert torch.equal(a, mk.expert_activation(h, True))
     hh = h.clone().requires_grad_()
     mk.expert_activation(hh, True).backward(go)

@@ -2,7 +2,7 @@
 (TRITON_INTERPRET=0) and on the Triton kernel in the interpreter (TRITON_INTERPRET=1): exact on
 both (fp32 products, IEEE divisions, the kernel's integer e4m3 rounding in the interpreter); the
 sm_90a compiles of every GPU launch the launcher picks (no GPU needed; skipped in the interpreter).
-The oracles and comparisons are test_swiglu's.
+The oracles and comparisons are moe_kernels.testing's (test_swiglu.py's too).
 """
 
 from __future__ import annotations
@@ -11,38 +11,32 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_shuffling import compile_launches  # the sm_90a launch recorder
-from test_swiglu import (
-    FLOATS,
-    IEEE_DIV_PTX,
-    INF,
-    NAN,
-    assert_quant,
-    assert_same_bits,
-    needs_kernels,
-    quant_oracle,
-    rand,
-)
 
+from moe_kernels import _dispatch
 from moe_kernels import gather_quant as gq
-from moe_kernels._dispatch import INTERPRET
+from moe_kernels._dispatch import INTERPRET, use_triton
 from moe_kernels.gather_quant import gather_scale_quant_dense_tokens
 from moe_kernels.reference import gather_quant as ref
 from moe_kernels.swiglu import Fp8Rows
+from moe_kernels.testing import (
+    IEEE_DIV_PTX,
+    assert_quant,
+    assert_same_bits,
+    compile_launches,
+    oracle_gather_quant,
+    written_arguments,
+)
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+INF, NAN = float("inf"), float("nan")
+needs_kernels = pytest.mark.skipif(
+    not use_triton(torch.device("cpu")), reason="runs the Triton launchers: needs INTERPRET"
+)
 
 
-def gather_oracle(x, tok, exp, scores, ub=None, vtc=None):
-    """(q bytes, scale) of the rows x[t] * scores[t, e], a Python loop deciding which rows live."""
-    n, (num_tokens, num_experts) = tok.shape[0], scores.shape
-    v = torch.zeros(n, x.shape[1])
-    live = []
-    for i in range(n):
-        t, e = int(tok[i]), int(exp[i])
-        ok = 0 <= t < num_tokens and 0 <= e < num_experts and (vtc is None or i < vtc)
-        live.append(ok)
-        if ok:
-            v[i] = x[t].float() * scores[t, e].float()
-    return quant_oracle(v, live, ub)
+def rand(shape, dtype, seed, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
 
 
 def check(x, tok, exp, scores, ub=None, vtc=None, vtc_dtype=torch.int64):
@@ -50,7 +44,7 @@ def check(x, tok, exp, scores, ub=None, vtc=None, vtc_dtype=torch.int64):
     vtc_t = None if vtc is None else torch.tensor([vtc], dtype=vtc_dtype)
     got = gather_scale_quant_dense_tokens(x, tok, exp, scores, ub_t, vtc_t)
     assert isinstance(got, Fp8Rows) and got.data.shape == (tok.shape[0], x.shape[1])
-    assert_quant(got, *gather_oracle(x, tok, exp, scores, ub, vtc))
+    assert_quant(got, *oracle_gather_quant(x, tok, exp, scores, ub, vtc))
     return got
 
 
@@ -94,7 +88,7 @@ def test_fbgemm_call_form(num_experts, colmajor, ub):
     ub_t = None if ub is None else torch.tensor([ub])
     got = gather_scale_quant_dense_tokens(x, tok, exp, scores, ub_t)
     q, s = got  # a plain tuple's unpacking
-    assert_quant((q, s), *gather_oracle(x, tok, exp, scores, ub))
+    assert_quant((q, s), *oracle_gather_quant(x, tok, exp, scores, ub))
     assert s.gt(0).all()
 
 
@@ -230,7 +224,7 @@ def test_kernel_launch_configs(config):
     scores = rand((3, 7), torch.float16, 12).t()
     tok, exp = routing(7, 3, 13, 13, torch.int64)
     vtc = torch.tensor([11], dtype=torch.int32)
-    want = gather_oracle(x, tok, exp, scores, 2.0, 11)
+    want = oracle_gather_quant(x, tok, exp, scores, 2.0, 11)
     for ieee in (True, False):
         got = tri.gather_scale_quant(x, tok, exp, scores, torch.tensor([2.0]), vtc, config=cfg,
                                      ieee_div=ieee)  # fmt: skip
@@ -240,7 +234,7 @@ def test_kernel_launch_configs(config):
     ones = torch.ones(3, 1)
     t3, e3 = torch.arange(3), torch.zeros(3, dtype=torch.int64)
     got = tri.gather_scale_quant(xe, t3, e3, ones, None, None, config=cfg, native_cast=True)
-    assert_quant(got, *gather_oracle(xe, t3, e3, ones))
+    assert_quant(got, *oracle_gather_quant(xe, t3, e3, ones))
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,8 +277,8 @@ def test_direct_eager_path_matches_custom_op(monkeypatch):
     scores = torch.rand(7, 2)
     tok, exp = routing(7, 2, 12, 20)
     want = gather_scale_quant_dense_tokens(x, tok, exp, scores, torch.tensor([2.0]))
-    monkeypatch.setattr(gq, "eager_direct", lambda *tensors: True)
-    monkeypatch.setattr(gq, "_op", None)  # not reached
+    monkeypatch.setattr(_dispatch, "DIRECT_DEVICES", ("cuda", "cpu"))  # the direct path on CPU
+    monkeypatch.setattr(gq.gather_scale_quant_dense_tokens_op, "op", None)  # not reached
     got = gather_scale_quant_dense_tokens(x, tok, exp, scores, torch.tensor([2.0]))
     assert_same_bits(got.data, want.data)
     assert_same_bits(got.scale, want.scale)
@@ -344,8 +338,7 @@ def test_bad_input_raises_naming_argument_before_any_launch(case, monkeypatch):
     def never(*args):
         raise AssertionError("launched")
 
-    monkeypatch.setattr(gq, "_impl", never)
-    monkeypatch.setattr(gq, "_op", never)
+    monkeypatch.setattr(gq.gather_scale_quant_dense_tokens_op, "call", never)
     name, exc, fn = _bad_cases()[case]
     with pytest.raises(exc, match=name):
         fn()
@@ -389,8 +382,6 @@ def test_launches_compile_for_sm90(monkeypatch):
 @pytest.mark.skipif(INTERPRET, reason="GPU launch plans only without INTERPRET")
 def test_kernel_writes_only_its_outputs(monkeypatch):
     pytest.importorskip("triton")
-    from test_swiglu import written_arguments
-
     from moe_kernels._triton import gather_quant as tri
 
     x, scores = rand((64, 256), torch.bfloat16, 1), torch.rand(64, 4)

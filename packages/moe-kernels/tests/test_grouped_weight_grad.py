@@ -2,7 +2,7 @@
 float64 per-group oracle: empty groups, groups of one row and of many K steps, rows past the
 groups, a gather with -1 and out-of-range indices, strided operands, several tile configs and
 persistent grids with more tiles than programs; bitwise repeatability; its rule and config
-(``_grouped_mm_rules``); on CUDA, every TMA mode against the oracle and CUTLASS, the public op
+(``_gemm_plan``); on CUDA, every TMA mode against the oracle and CUTLASS, the public op
 taking it, no host syncs and CUDA-graph replay.
 
 The kernel tests run in Triton's interpreter (``TRITON_INTERPRET=1``) and on CUDA; the rule
@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_kernels import _grouped_mm_rules as rules
+from moe_kernels import _gemm_plan as rules
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels.testing import oracle_grouped_weight_grad
 
 CUDA = torch.cuda.is_available()
 needs_kernel = pytest.mark.skipif(not (INTERPRET or CUDA), reason="needs Triton's interpreter")
@@ -31,21 +32,6 @@ def rand(shape, dtype, seed, scale=0.3, device=DEV):
 def make_offsets(counts, device=DEV):
     return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32,
                         device=device)  # fmt: skip
-
-
-def oracle(dy, x, counts, rows=None):
-    """float64: out[e] = sum over the group's rows p of outer(dy[p], x[src p]), src outside
-    [0, T) skipped."""
-    out = torch.zeros(len(counts), dy.shape[1], x.shape[1], dtype=torch.float64)
-    dy, x = dy.double().cpu(), x.double().cpu()
-    start = 0
-    for e, c in enumerate(counts):
-        for p in range(start, start + c):
-            src = p if rows is None else int(rows[p])
-            if 0 <= src < x.shape[0]:
-                out[e] += torch.outer(dy[p], x[src])
-        start += c
-    return out
 
 
 def assert_close(out, want, k):
@@ -76,7 +62,7 @@ def test_matches_oracle(dtype, case):
     dy, x = rand((rows + tail, n), dtype, 1), rand((rows + tail, d), dtype, 2)
     out = grouped_weight_grad(dy, x, make_offsets(counts), None, dtype)
     assert out.shape == (len(counts), n, d) and out.dtype == dtype
-    assert_close(out, oracle(dy, x, counts), max(counts))
+    assert_close(out, oracle_grouped_weight_grad(dy, x, make_offsets(counts)), max(counts))
     assert torch.equal(out, grouped_weight_grad(dy, x, make_offsets(counts), None, dtype))
 
 
@@ -93,7 +79,9 @@ def test_gather_and_strided_operands():
     x = rand((num_tokens, 56), torch.bfloat16, 5)[:, 8:]
     out = grouped_weight_grad(dy, x, make_offsets(counts), rows, torch.float32)
     assert out.dtype == torch.float32
-    assert_close(out, oracle(dy, x, counts, rows.cpu()), max(counts))
+    assert_close(
+        out, oracle_grouped_weight_grad(dy, x, make_offsets(counts), rows.cpu()), max(counts)
+    )
 
 
 @needs_kernel
@@ -114,7 +102,7 @@ def test_tile_configs_match_oracle(cfg):
     counts = [33, 0, 20, 1, 16]
     dy, x = rand((75, 40), torch.float32, 6), rand((75, 48), torch.float32, 7)
     out = grouped_weight_grad(dy, x, make_offsets(counts), None, torch.float32, cfg)
-    assert_close(out, oracle(dy, x, counts), 33)
+    assert_close(out, oracle_grouped_weight_grad(dy, x, make_offsets(counts)), 33)
 
 
 @needs_kernel
@@ -211,7 +199,7 @@ def test_cuda_tma_modes_cutlass_no_sync_graph():
     offsets = make_offsets(counts)
     dy = rand((sum(counts) + 40, 384), torch.bfloat16, 10)
     x = rand((sum(counts) + 40, 512), torch.bfloat16, 11)
-    want = oracle(dy, x, counts)
+    want = oracle_grouped_weight_grad(dy, x, make_offsets(counts))
     # Non-finite rows past the groups, and at group 4's first row (the row after group 3's
     # last K step ends), reach no other group's result.
     x_bad, dy_bad = x.clone(), dy.clone()

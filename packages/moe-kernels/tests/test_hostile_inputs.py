@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import moe_kernels as mk
-import moe_kernels.grouped_mm as gmm_mod
+import moe_kernels._gemm_plan as plan_mod
 from moe_kernels._dispatch import triton_kernels, use_triton
 from moe_kernels._routing_outputs import RoutingPlan
 from moe_kernels.testing import GuardHarness
@@ -321,7 +321,8 @@ def test_zero_experts_gather_grouped_mm(cpu, monkeypatch):
     ref = []
     for kernels in (False, True):
         with monkeypatch.context() as m:
-            m.setattr(gmm_mod, "use_triton", lambda device, k=kernels: k)
+            path = "interpreter" if kernels else "reference"
+            m.setattr(plan_mod, "execution_path", lambda device, p=path: p)
             outs = grads_of(lambda a, b: mk.gather_grouped_mm(a, b, offs), (x, w))
             silu = lambda a, b: mk.gather_grouped_mm(a, b, offs, rows, activation="silu")  # noqa: E731
             outs += grads_of(silu, (x, w))
@@ -627,13 +628,13 @@ def test_gpu_dispatch_and_combine(cuda):
 def test_gpu_grouped_mm_hostile_offsets(cuda, monkeypatch, case, kernel):
     """bf16, 16-aligned: sorted rows take the persistent GEMM (sm90) or CUTLASS (forced by a
     zero rows-per-expert bound), whose offsets are clamped before torch._grouped_mm reads them."""
-    from moe_kernels import _grouped_mm_rules as rules
+    from moe_kernels import _gemm_plan as rules
 
     if kernel != "persistent":
         monkeypatch.setattr(rules, "PERSISTENT_MAX_ROWS_PER_EXPERT", 0)
         monkeypatch.setattr(rules, "WGRAD_MAX_ROWS_PER_EXPERT", 0)
     if kernel == "triton":
-        monkeypatch.setattr(gmm_mod, "_cutlass_bf16", lambda *a: False)
+        monkeypatch.setattr(rules, "_cutlass", lambda *a: False)
     check_gather_grouped_mm(cuda, case, gathered=False, backward=True, dtype=torch.bfloat16,
                             tol=3e-2, D=32, N=32)  # fmt: skip
     check_gather_grouped_mm(cuda, case, gathered=True, backward=True, dtype=torch.bfloat16,

@@ -190,8 +190,7 @@ def test_to_blocked_per_group_2d_host_checks(monkeypatch):
         raise AssertionError("the op ran: its int32 row arithmetic would overflow")
 
     # a missing check must fail here, not allocate the (2**31 + 128, 4) output
-    monkeypatch.setattr(mx, "_blocked_2d_impl", reached)
-    monkeypatch.setattr(mx, "_blocked_2d_op", reached)
+    monkeypatch.setattr(mx.to_blocked_per_group_2d_op, "call", reached)
     s = torch.zeros(1, 1, dtype=torch.uint8).expand(2**31, 1)  # no memory behind the rows
     with pytest.raises(ValueError, match="scales' rows plus 128 per group"):
         mx.to_blocked_per_group_2d(s, torch.tensor([5]))

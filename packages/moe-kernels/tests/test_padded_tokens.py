@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_shuffling import compile_launches  # the sm_90a launch recorder (tests/ is on sys.path)
 
+from moe_kernels import _dispatch
 from moe_kernels._dispatch import INTERPRET, use_triton
 from moe_kernels.padded_tokens import scatter_add_padded_tokens
+from moe_kernels.testing import (
+    compile_launches,
+    oracle_fbgemm_scatter_add_padded,
+    oracle_scatter_add_padded,
+)
 
 CPU = torch.device("cpu")
 KERNEL = use_triton(CPU)  # the interpreter runs the kernels; else the reference
@@ -41,44 +46,8 @@ def rand_ints(lo, hi, shape, seed, dtype=torch.int64):
     return torch.randint(lo, hi, shape, generator=g).to(dtype)
 
 
-def oracle(in_tokens, counts, indices, out):
-    """The documented loop: positions in ascending order, expert by cumulative counts (negatives
-    as 0), rank = expert // (E // EP), one fp32 add rounded to out's dtype each (exact ints)."""
-    out = out.clone()
-    num_ranks, num_positions, _ = in_tokens.shape
-    per_rank = counts.shape[0] // num_ranks
-    p = 0
-    for e, n in enumerate(counts.tolist()):
-        for _ in range(min(max(n, 0), num_positions - p)):  # positions past T_K are skipped
-            t = int(indices[p])
-            if 0 <= t < out.shape[0]:
-                row = in_tokens[e // per_rank, p]
-                if out.dtype.is_floating_point:
-                    out[t] = (out[t].float() + row.float()).to(out.dtype)
-                else:
-                    out[t] = out[t] + row.to(out.dtype)
-            p += 1
-    return out
-
-
-def fbgemm_reference(in_tokens, counts, indices, out):
-    """FBGEMM's test reference: rank r's positions [cumsum[r * E/EP], cumsum[(r+1) * E/EP]) of
-    in_tokens[r], scatter-added at their indices."""
-    out = out.clone()
-    num_ranks, _, dim = in_tokens.shape
-    cum = [0, *torch.cumsum(counts, 0).tolist()]
-    per_rank = counts.shape[0] // num_ranks
-    idx = indices.long()
-    for r in range(num_ranks):
-        lo, hi = cum[per_rank * r], cum[per_rank * (r + 1)]
-        if lo < hi:
-            src = in_tokens[r, lo:hi]
-            out.scatter_add_(0, idx[lo:hi, None].expand(-1, dim), src)
-    return out
-
-
 def run(in_tokens, counts, indices, out):
-    expected = oracle(in_tokens, counts, indices, out)
+    expected = oracle_scatter_add_padded(in_tokens, counts, indices, out)
     scatter_add_padded_tokens(in_tokens, counts, indices, out)
     return expected
 
@@ -129,7 +98,7 @@ def test_fbgemm_call_form(num_ranks, balanced):
     else:
         counts = torch.bincount(rand_ints(0, num_experts, (num_tokens,), 6), minlength=num_experts)
     indices = torch.randperm(num_tokens, generator=torch.Generator().manual_seed(7)).int()
-    want = fbgemm_reference(in_tokens, counts, indices, out)
+    want = oracle_fbgemm_scatter_add_padded(in_tokens, counts, indices, out)
     expected = run(in_tokens, counts, indices, out)
     assert torch.equal(expected, want)
     assert_matches(out, want)
@@ -262,7 +231,7 @@ def test_plans(cfg):
     for out_dtype in (torch.float32, torch.int32):
         src = in_tokens if out_dtype.is_floating_point else (in_tokens * 100).int()
         out = rand((10, 50), torch.float32, 24).to(out_dtype)
-        expected = oracle(src, counts, indices, out)
+        expected = oracle_scatter_add_padded(src, counts, indices, out)
         tri.scatter_add_padded(out, src, counts, indices, config=config)
         assert torch.equal(out, expected)
 
@@ -307,13 +276,12 @@ def test_compile_fullgraph_matches_eager():
 
 
 def test_direct_eager_path_matches_custom_op(monkeypatch):
-    from moe_kernels import padded_tokens
 
     in_tokens = rand((2, 9, 6), torch.bfloat16, 29)
     counts, indices = torch.tensor([4, 5]), rand_ints(0, 5, (9,), 30)
     out_op = torch.zeros(5, 6)
     scatter_add_padded_tokens(in_tokens, counts, indices, out_op)
-    monkeypatch.setattr(padded_tokens, "eager_direct", lambda *tensors: True)
+    monkeypatch.setattr(_dispatch, "DIRECT_DEVICES", ("cuda", "cpu"))  # the direct path on CPU
     out = torch.zeros(5, 6)
     version = out._version
     scatter_add_padded_tokens(in_tokens, counts, indices, out)
@@ -359,8 +327,7 @@ def test_bad_input_raises_naming_argument(case, monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("ran before the arguments were checked")
 
-    monkeypatch.setattr(padded_tokens, "_impl", never)
-    monkeypatch.setattr(padded_tokens, "_op", never)
+    monkeypatch.setattr(padded_tokens.scatter_add_padded_tokens_op, "call", never)
     out, cases = _bad_cases()
     before = out.clone()
     name, exc, fn = cases[case]

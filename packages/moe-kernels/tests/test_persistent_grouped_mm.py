@@ -1,7 +1,7 @@
 """The persistent grouped GEMM over expert-sorted rows (``_triton/persistent_grouped_mm.py``)
 against a float64 per-group oracle, both weight layouts, several tile configs, groups that are
 empty or span several m-tiles, and a tail of rows past the groups; its choice rule and config
-(``_grouped_mm_rules``); on CUDA, its bits against ``torch._grouped_mm`` (CUTLASS), the public
+(``_gemm_plan``); on CUDA, its bits against ``torch._grouped_mm`` (CUTLASS), the public
 op taking it, no host syncs and CUDA-graph replay.
 
 The kernel tests run in Triton's interpreter (``TRITON_INTERPRET=1``) and on CUDA; the rule
@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_kernels import _grouped_mm_rules as rules
+from moe_kernels import _gemm_plan as rules
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels.testing import oracle_gather_grouped_mm
 
 CUDA = torch.cuda.is_available()
 needs_kernel = pytest.mark.skipif(not (INTERPRET or CUDA), reason="needs Triton's interpreter")
@@ -32,14 +33,10 @@ def make_offsets(counts, device=DEV):
                         device=device)  # fmt: skip
 
 
-def oracle(a, w_nk, counts):
-    """float64: rows of group e times w[e].T; rows past the groups are not compared."""
-    out = torch.zeros(a.shape[0], w_nk.shape[1], dtype=torch.float64, device=a.device)
-    start = 0
-    for e, c in enumerate(counts):
-        out[start : start + c] = a[start : start + c].double() @ w_nk[e].double().T
-        start += c
-    return out
+def expected64(a, w_nk, counts):
+    """float64 on a's device: rows of group e times w[e].T (``oracle_gather_grouped_mm``);
+    rows past the groups are not compared."""
+    return oracle_gather_grouped_mm(a, w_nk, make_offsets(counts, "cpu")).to(a.device)
 
 
 def assert_close(c, expected64, k, rows):
@@ -76,7 +73,7 @@ def test_matches_oracle(dtype, case, layout):
     w = rand((len(counts), n, k), dtype, 2)
     c = persistent_grouped_mm(a, _layouts(w)[layout], make_offsets(counts), layout)
     assert c.shape == (rows + tail, n) and c.dtype == dtype
-    assert_close(c, oracle(a, w, counts), k, rows)
+    assert_close(c, expected64(a, w, counts), k, rows)
 
 
 @needs_kernel
@@ -99,7 +96,7 @@ def test_tile_configs_match_oracle(cfg):
     w = rand((4, 40, 48), torch.float32, 4)
     for layout, wl in _layouts(w).items():
         c = persistent_grouped_mm(a, wl, make_offsets(counts), layout, cfg)
-        assert_close(c, oracle(a, w, counts), 48, 54)
+        assert_close(c, expected64(a, w, counts), 48, 54)
 
 
 @needs_kernel
@@ -169,7 +166,7 @@ def test_cuda_bits_equal_cutlass_no_sync_graph(layout):
     for cfg in (None, rules.PersistentConfig(64, 128, 64, 4, 4), rules.PersistentConfig()):
         c = persistent_grouped_mm(a, wl, offsets, layout, cfg)
         assert torch.equal(c[:rows], cutlass[:rows]), cfg
-    assert_close(c, oracle(a, w, counts), 512, rows)
+    assert_close(c, expected64(a, w, counts), 512, rows)
     torch.cuda.set_sync_debug_mode("error")
     try:
         y = gather_grouped_mm(a, w_end, offsets)

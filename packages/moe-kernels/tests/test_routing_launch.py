@@ -13,6 +13,7 @@ import moe_kernels._triton.launch as launch
 import moe_kernels._triton.routing.eager as lane
 import moe_kernels._triton.routing.launch as R
 import moe_kernels.routing as MR
+from moe_kernels import _dispatch
 from moe_kernels._triton.routing.plan import Constraints, Device, choose_plan
 
 pytestmark = pytest.mark.skipif(launch._HOOKS is None, reason="this Triton has no launch knobs")
@@ -244,7 +245,7 @@ def public(calls, monkeypatch):
     """The public ops on CPU tensors through the eager path and the lane; returns the recorded
     launches and the names of the calls that ran the argument checks."""
     monkeypatch.setattr(MR, "_LANE_ON_CPU", True)
-    monkeypatch.setattr(MR, "eager_direct", lambda *tensors: True)
+    monkeypatch.setattr(_dispatch, "DIRECT_DEVICES", ("cuda", "cpu"))  # the direct path on CPU
     monkeypatch.setattr(MR, "use_triton", lambda device: True)
     checked: list = []
     check = MR._check

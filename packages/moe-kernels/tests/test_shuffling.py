@@ -12,8 +12,16 @@ import re
 import pytest
 import torch
 
+from moe_kernels import _dispatch
 from moe_kernels._dispatch import INTERPRET, use_triton
 from moe_kernels.shuffling import CombinedTokens, combine_shuffling, split_shuffling
+from moe_kernels.testing import (
+    compile_launches,
+    oracle_fbgemm_combine_shuffling,
+    oracle_shuffle,
+    oracle_shuffle_chunks,
+    oracle_shuffle_counts,
+)
 
 CPU = torch.device("cpu")
 KERNEL = use_triton(CPU)  # the interpreter runs the kernel; else the reference
@@ -45,71 +53,18 @@ def padded_counts(block, num_ranks, num_cols, seed, dtype=torch.int32):
 
 
 # --------------------------------------------------------------------------------------------
-# oracles: python loops over (rank, expert) chunks, row by row; the documented rules for counts
-# that break the contract (negatives as 0; rows outside the tensor or the rank's padded block
-# are not copied)
-
-
-def chunk_offsets(counts, start, end, num_rows, padded):
-    """{(r, e): (rank-first row, expert-first row, rows copied)} for the local experts."""
-    k = [[max(c, 0) for c in row] for row in counts.tolist()]
-    num_ranks = len(k)
-    block = num_rows // num_ranks if padded else None
-    b, off = {}, 0
-    for r in range(num_ranks):
-        pre = 0
-        for e, c in enumerate(k[r]):
-            if padded:
-                b[r, e] = (r * block + min(pre, block), max(0, min(c, block - pre)))
-            else:
-                b[r, e] = (off, c)
-            pre += c
-            off += c
-    table, a = {}, 0
-    for e in range(start, end):
-        for r in range(num_ranks):
-            table[r, e] = (b[r, e][0], a, b[r, e][1])
-            a += k[r][e]
-    return table
-
-
-def oracle(tokens, counts, start, end, padded, combine):
-    num_rows = tokens.shape[0]
-    out = torch.zeros_like(tokens)
-    for b, a, n in chunk_offsets(counts, start, end, num_rows, padded).values():
-        src, dst = (b, a) if combine else (a, b)
-        for j in range(min(n, num_rows)):  # rows past T are not copied
-            if src + j < num_rows and dst + j < num_rows:
-                out[dst + j] = tokens[src + j]
-    return out
-
-
-def counts_oracle(counts, start, end):
-    per = [sum(counts[r, e].item() for r in range(counts.shape[0])) for e in range(start, end)]
-    return torch.tensor([*per, sum(per)], dtype=torch.int64).to(counts.dtype)
-
-
-def fbgemm_style_combine(tokens, counts, start, end):
-    """FBGEMM's test reference: slice rank-major over all columns, keep the local experts'
-    chunks, concatenate them expert-major."""
-    chunks, offset = [[] for _ in range(counts.shape[1])], 0
-    for per_rank in counts.tolist():
-        for e, n in enumerate(per_rank):
-            if start <= e < end:
-                chunks[e].append(tokens[offset : offset + n])
-            offset += n
-    flat = [c for per_expert in chunks for c in per_expert]
-    return torch.cat(flat) if flat else tokens[:0]
+# the oracles: moe_kernels.testing's oracle_shuffle (python loops over (rank, expert)
+# chunks, row by row; the documented rules for counts that break the contract)
 
 
 def check(tokens, counts, start=None, end=None, padded=False):
     s = 0 if start is None else start
     e = counts.shape[1] if end is None else end
     out, out_counts = combine_shuffling(tokens, counts, start, end, padded)
-    assert torch.equal(out, oracle(tokens, counts, s, e, padded, True))
-    assert torch.equal(out_counts, counts_oracle(counts, s, e))
+    assert torch.equal(out, oracle_shuffle(tokens, counts, s, e, padded, True))
+    assert torch.equal(out_counts, oracle_shuffle_counts(counts, s, e))
     back = split_shuffling(tokens, counts, start, end, padded)
-    assert torch.equal(back, oracle(tokens, counts, s, e, padded, False))
+    assert torch.equal(back, oracle_shuffle(tokens, counts, s, e, padded, False))
     return out, back
 
 
@@ -135,7 +90,7 @@ def test_matches_oracle(dtype, num_rows, dim, num_ranks, num_cols, start, end, c
     tokens = rand((num_rows, dim), dtype, num_rows)
     counts = random_counts(num_rows, num_ranks, num_cols, dim, counts_dtype)
     out, _ = check(tokens, counts, start, end)
-    fb = fbgemm_style_combine(tokens, counts, start, end)
+    fb = oracle_fbgemm_combine_shuffling(tokens, counts, start, end)
     assert torch.equal(out[: fb.shape[0]], fb)  # FBGEMM's own check: the rows it writes
     assert not out[fb.shape[0] :].any()  # ours: the rest is zero
 
@@ -158,7 +113,7 @@ def test_split_undoes_combine():
     back = split_shuffling(combined, counts, start, end)
     # back: the local chunks of tokens at their rank-first rows, zero elsewhere
     mask = torch.zeros(60, dtype=torch.bool)
-    for b, _, n in chunk_offsets(counts, start, end, 60, False).values():
+    for b, _, n in oracle_shuffle_chunks(counts, start, end, 60, False).values():
         mask[b : b + n] = True
     assert 0 < int(mask.sum()) < 60
     assert torch.equal(back[mask], tokens[mask]) and not back[~mask].any()
@@ -214,8 +169,12 @@ def test_any_dtype_is_copied_bit_for_bit(dtype):
     for padded in (False, True):
         out = combine_shuffling(raw[:18].view(dtype), counts, 1, 3, padded).tokens
         back = split_shuffling(raw[:18].view(dtype), counts, 1, 3, padded)
-        assert torch.equal(out.view(torch.uint8), oracle(raw[:18], counts, 1, 3, padded, True))
-        assert torch.equal(back.view(torch.uint8), oracle(raw[:18], counts, 1, 3, padded, False))
+        assert torch.equal(
+            out.view(torch.uint8), oracle_shuffle(raw[:18], counts, 1, 3, padded, True)
+        )
+        assert torch.equal(
+            back.view(torch.uint8), oracle_shuffle(raw[:18], counts, 1, 3, padded, False)
+        )
 
 
 def test_bool_tokens():
@@ -255,18 +214,18 @@ def test_fbgemm_call_forms():
     tokens = rand((num_tokens, 40), torch.bfloat16, 13)
     dense = random_counts(num_tokens, num_ranks, num_experts // num_ranks, 14)
     out, counts = combine_shuffling(tokens, dense, expert_start=0, expert_end=4)
-    assert torch.equal(out[:num_tokens], fbgemm_style_combine(tokens, dense, 0, 4))
+    assert torch.equal(out[:num_tokens], oracle_fbgemm_combine_shuffling(tokens, dense, 0, 4))
     assert torch.equal(counts[:-1], dense.sum(0).int()) and counts[-1] == num_tokens
     assert torch.equal(split_shuffling(out, dense, expert_start=0, expert_end=4), tokens)
     sparse_tokens = rand((num_tokens * num_ranks, 40), torch.bfloat16, 15)
     sparse = random_counts(num_tokens * num_ranks, num_ranks, num_experts, 16)
     out, counts = combine_shuffling(sparse_tokens, sparse, 1, 1 + num_experts // num_ranks, False)
     n = int(counts[-1])
-    assert torch.equal(out[:n], fbgemm_style_combine(sparse_tokens, sparse, 1, 5))
+    assert torch.equal(out[:n], oracle_fbgemm_combine_shuffling(sparse_tokens, sparse, 1, 5))
     back = split_shuffling(sparse_tokens, sparse, 1, 5, False, True)  # init_with_zeros
     assert torch.equal(back, split_shuffling(sparse_tokens, sparse, 1, 5))
     # FBGEMM's sparse split check: re-slicing the output rank-major gives back the input rows
-    assert torch.equal(fbgemm_style_combine(back, sparse, 1, 5), sparse_tokens[:n])
+    assert torch.equal(oracle_fbgemm_combine_shuffling(back, sparse, 1, 5), sparse_tokens[:n])
 
 
 def test_named_result_and_is_balanced_alias():
@@ -321,9 +280,9 @@ def check_kernel(tokens, counts, start, end, padded, config=None):
 
     for combine in (True, False):
         out, c = tri.shuffle(tokens, counts, start, end, padded, combine, config=config)
-        assert torch.equal(out, oracle(tokens, counts, start, end, padded, combine))
+        assert torch.equal(out, oracle_shuffle(tokens, counts, start, end, padded, combine))
         if combine:
-            assert torch.equal(c, counts_oracle(counts, start, end))
+            assert torch.equal(c, oracle_shuffle_counts(counts, start, end))
 
 
 @needs_kernel
@@ -384,12 +343,11 @@ def test_compile_fullgraph_matches_eager(device):
 
 
 def test_direct_eager_path_matches_custom_op(monkeypatch):
-    from moe_kernels import shuffling
 
     tokens = rand((18, 6), torch.bfloat16, 29)
     counts = random_counts(18, 3, 3, 30)
     expected = (combine_shuffling(tokens, counts, 0, 2), split_shuffling(tokens, counts, 1, 3))
-    monkeypatch.setattr(shuffling, "eager_direct", lambda *tensors: True)
+    monkeypatch.setattr(_dispatch, "DIRECT_DEVICES", ("cuda", "cpu"))  # the direct path on CPU
     got = (combine_shuffling(tokens, counts, 0, 2), split_shuffling(tokens, counts, 1, 3))
     assert all(torch.equal(a, b) for a, b in zip(expected[0], got[0], strict=True))
     assert torch.equal(expected[1], got[1])
@@ -442,54 +400,6 @@ def test_bad_input_raises_naming_argument(case, monkeypatch):
 
 # --------------------------------------------------------------------------------------------
 # sm_90a: every GPU launch the launcher picks compiles, 16-byte vectors where they can be
-
-
-def compile_launches(kernels, calls, monkeypatch):
-    """Run ``calls`` (launcher calls on meta tensors) with ``kernels``' launches recorded instead
-    of run, then compile each distinct launch for sm_90a as Triton specialises it on the GPU
-    (16-byte aligned tensors, ints divisible by 16 marked, ints equal to 1 constexpr).
-    Returns [(constexprs, {argument name: value}, ptx)]."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from moe_kernels.testing import sm90_compiler_missing
-
-    missing = sm90_compiler_missing()  # a skip for a Triton without the compiler only
-    if missing:
-        pytest.skip(missing)
-
-    recorded = []
-    for fk in kernels:
-        monkeypatch.setattr(fk, "launch", lambda grid, args, consts, fk=fk, **opts:
-                            recorded.append((fk.fn, args, consts, opts)))  # fmt: skip
-    for call in calls:
-        call()
-    types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-             torch.float64: "fp64", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32",
-             torch.int64: "i64"}  # fmt: skip
-    done, out = set(), []
-    for fn, args, consts, opts in recorded:
-        sig, attrs, cx = {}, {}, dict(consts)
-        for i, (name, a) in enumerate(zip(fn.arg_names, args, strict=False)):
-            if isinstance(a, torch.Tensor):
-                sig[name] = "*" + types[a.dtype]
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif a == 1:
-                sig[name], cx[name] = "constexpr", 1
-            else:
-                sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
-                if a % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        sig.update(dict.fromkeys(consts, "constexpr"))
-        key = (fn.__name__, tuple(sig.items()), tuple(cx.items()), tuple(attrs), opts["num_warps"])
-        if key in done:
-            continue
-        done.add(key)
-        src = ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(opts))
-        out.append((cx, dict(zip(fn.arg_names, args, strict=False)), k.asm["ptx"]))
-    return out
 
 
 # (T, D, dtype, EP, counts columns, start, end, padded): FBGEMM's test shapes, the big EP shape,

@@ -2,9 +2,9 @@
 (TRITON_INTERPRET=0) and on the Triton kernels in the interpreter (TRITON_INTERPRET=1); the sm_90a
 compiles of every GPU launch the launchers pick (no GPU needed; skipped in the interpreter).
 
-The quantisation oracle (``quant_oracle``, shared with test_gather_quant.py) is a per-row numpy
+The quantisation oracle (``oracle_quant_rows`` of moe_kernels.testing) is a per-row numpy
 loop: NaN-free maximum, fp32 IEEE divisions, e4m3 rounding by nearest-value search over the code
-table (test_mxfp8_quant's). Everything after the SiLU value is exact on every path, so quantised
+table (``oracle_e4m3_bits``). Everything after the SiLU value is exact on every path, so quantised
 results are compared bit for bit. The SiLU value itself uses exp, whose fp32 result differs
 between torch (the reference) and numpy (the interpreter) by up to 2 ulp; through
 ``1 / (1 + e)`` and the two products (each rounded on both sides) that is at most
@@ -21,13 +21,22 @@ import re
 import numpy as np
 import pytest
 import torch
-from test_mxfp8_quant import oracle_e4m3_bits
-from test_shuffling import compile_launches  # the sm_90a launch recorder
 
+from moe_kernels import _dispatch
 from moe_kernels import swiglu as sm
 from moe_kernels._dispatch import INTERPRET, use_triton
 from moe_kernels.reference import swiglu as ref
 from moe_kernels.swiglu import Fp8Rows, silu_mul, silu_mul_quant
+from moe_kernels.testing import (
+    IEEE_DIV_PTX,
+    assert_quant,
+    assert_same_bits,
+    assert_within_ulps,
+    compile_launches,
+    oracle_quant_rows,
+    oracle_silu_mul,
+    written_arguments,
+)
 
 CPU = torch.device("cpu")
 KERNELS = use_triton(CPU)  # the Triton kernels, in the interpreter
@@ -37,83 +46,12 @@ needs_kernels = pytest.mark.skipif(not KERNELS, reason="runs the Triton launcher
 INF, NAN = float("inf"), float("nan")
 
 
-# --------------------------------------------------------------------------------------------
-# oracles
-
-
-def quant_oracle(v: torch.Tensor, live: list[bool] | None, ub: float | None):
-    """(q bytes (N, D) uint8, scale (N,) fp32) of fp32 ``v``: one numpy row at a time."""
-    v32 = v.float().numpy()
-    n, d = v32.shape
-    q, scale = np.zeros((n, d), np.uint8), np.zeros(n, np.float32)
-    with np.errstate(all="ignore"):
-        for i in range(n):
-            if live is not None and not live[i]:
-                continue
-            row = v32[i]
-            finite = np.abs(row[~np.isnan(row)])
-            m = np.float32(max(float(finite.max()) if finite.size else 0.0, np.float32(1e-12)))
-            if ub is not None and ub < m:  # a bound below the 1e-12 floor acts as the floor
-                m = np.float32(max(np.float32(ub), np.float32(1e-12)))
-            s = np.float32(448.0) / m
-            scale[i] = np.float32(1.0) / s
-            y = row * s
-            bits = oracle_e4m3_bits(np.clip(y, -448.0, 448.0).astype(np.float64))
-            q[i] = np.where(np.isnan(y), 0x7F, bits)
-    return torch.from_numpy(q), torch.from_numpy(scale)
-
-
-def silu_oracle(x0: torch.Tensor, x1: torch.Tensor, vtc: int | None = None) -> torch.Tensor:
-    """fp32 (T, D): (x0 * (1 / (1 + exp(-x0)))) * x1 one row at a time; rows >= vtc zero."""
-    out = torch.zeros(x0.shape, dtype=torch.float32)
-    for t in range(x0.shape[0] if vtc is None else min(vtc, x0.shape[0])):
-        a = x0[t].float()
-        out[t] = (a * torch.reciprocal(1.0 + torch.exp(-a))) * x1[t].float()
-    return out
-
-
 def live_list(n: int, vtc: int | None) -> list[bool] | None:
     return None if vtc is None else [i < vtc for i in range(n)]
 
 
 # --------------------------------------------------------------------------------------------
-# comparisons
-
-
-def int_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]).long()
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Bitwise equal (NaN == NaN whatever its payload)."""
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
-    nan = a.isnan() if a.dtype.is_floating_point and a.element_size() > 1 else None
-    if nan is not None:
-        assert torch.equal(nan, b.isnan())
-        a, b = a[~nan], b[~nan]
-    diff = int_bits(a) != int_bits(b)
-    assert not diff.any(), (a[diff][:8], b[diff][:8])
-
-
-def assert_within_ulps(a: torch.Tensor, b: torch.Tensor, ulps: int) -> None:
-    """Equal bits, or finite values of one sign at most ``ulps`` codes apart (float8 too)."""
-    assert a.shape == b.shape and a.dtype == b.dtype
-    fa, fb = a.float(), b.float()
-    same = (int_bits(a) == int_bits(b)) | (fa.isnan() & fb.isnan())
-    near = (int_bits(a) - int_bits(b)).abs() <= ulps
-    close = (fa.signbit() == fb.signbit()) & fa.isfinite() & fb.isfinite() & near
-    bad = ~(same | close)
-    assert not bad.any(), (fa[bad][:8], fb[bad][:8])
-
-
-def assert_quant(got, want_q: torch.Tensor, want_scale: torch.Tensor) -> None:
-    """``got`` (data, scale) equal to (q bytes, scale) bit for bit."""
-    assert isinstance(got, tuple) and len(got) == 2
-    q, scale = got
-    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
-    assert q.is_contiguous() and q.shape == want_q.shape and scale.shape == want_scale.shape
-    assert torch.equal(q.view(torch.uint8), want_q), (q.view(torch.uint8) != want_q).nonzero()[:8]
-    assert_same_bits(scale, want_scale)
+# comparisons (bitwise ones: moe_kernels.testing)
 
 
 def assert_silu(got: torch.Tensor, want32: torch.Tensor) -> None:
@@ -167,7 +105,7 @@ def test_silu_mul_matches_oracle(dtype, num_tokens, dim, layout, vtc):
     t_vtc, k = count(vtc, num_tokens, torch.int32 if vtc == 0 else torch.int64)
     got = silu_mul(x0, x1, t_vtc)
     assert got.shape == (num_tokens, dim) and got.dtype == dtype
-    assert_silu(got, silu_oracle(x0, x1, k))
+    assert_silu(got, oracle_silu_mul(x0, x1, k))
 
 
 @pytest.mark.parametrize("dim", [5120, 7168])
@@ -176,7 +114,7 @@ def test_silu_mul_fbgemm_call_forms(dim, num_tokens):
     """FBGEMM's test forms: bf16 column halves of a (T, 2D) tensor, and contiguous halves."""
     x = rand((num_tokens, 2 * dim), torch.bfloat16, dim)
     for x0, x1 in ((x[:, :dim], x[:, dim:]), (x[:, :dim].contiguous(), x[:, dim:].contiguous())):
-        assert_silu(silu_mul(x0, x1), silu_oracle(x0, x1))
+        assert_silu(silu_mul(x0, x1), oracle_silu_mul(x0, x1))
 
 
 def test_silu_mul_special_values_and_dead_rows():
@@ -225,11 +163,11 @@ def check_silu_quant(x0, x1, ub, vtc_t, k):
     live = live_list(x0.shape[0], k)
     ub_f = None if ub is None else float(ub)
     if not KERNELS:
-        assert_quant(got, *quant_oracle(silu_oracle(x0, x1), live, ub_f))
+        assert_quant(got, *oracle_quant_rows(oracle_silu_mul(x0, x1), live, ub_f))
         return
     # exact against the kernel's own fp32 SiLU values, within a step of the reference
     v = silu_mul(x0.float(), x1.float())
-    assert_quant(got, *quant_oracle(v, live, ub_f))
+    assert_quant(got, *oracle_quant_rows(v, live, ub_f))
     want_q, want_s = ref.silu_mul_quant(x0, x1, ub, vtc_t)
     assert_within_ulps(got.data, want_q, 1)
     assert_within_ulps(got.scale, want_s, FP32_ULPS + 2)  # m's ulps, then 448 / m and 1 / s
@@ -284,9 +222,9 @@ def test_silu_mul_quant_special_values(ub):
     x0, x1 = special_rows()
     ub_t = None if ub is None else torch.tensor([ub])
     got = silu_mul_quant(x0, x1, ub_t)
-    v = silu_oracle(x0, x1)
+    v = oracle_silu_mul(x0, x1)
     assert_same_bits(silu_mul(x0, x1), v)  # exact SiLU on every path
-    assert_quant(got, *quant_oracle(v, None, ub))
+    assert_quant(got, *oracle_quant_rows(v, None, ub))
     ref_q, ref_s = ref.silu_mul_quant(x0, x1, ub_t)
     assert_quant(got, ref_q.view(torch.uint8), ref_s)
     q = got.data.view(torch.uint8)
@@ -322,11 +260,11 @@ def test_silu_kernels_launch_configs(config):
     x0[3, 5] = NAN
     vtc = torch.tensor([5])
     y = tri.silu_mul(x0, x1, vtc, config=cfg)
-    assert_silu(y, silu_oracle(x0, x1, 5))
+    assert_silu(y, oracle_silu_mul(x0, x1, 5))
     q, s = tri.silu_mul_quant(x0, x1, torch.tensor([3.0]), vtc, config=cfg)
-    assert_quant((q, s), *quant_oracle(silu_mul(x0.float(), x1.float()), live_list(7, 5), 3.0))
+    assert_quant((q, s), *oracle_quant_rows(silu_mul(x0.float(), x1.float()), live_list(7, 5), 3.0))
     q2, s2 = tri.silu_mul_quant(x0, x1, None, None, config=cfg, ieee_div=True)
-    assert_quant((q2, s2), *quant_oracle(silu_mul(x0.float(), x1.float()), None, None))
+    assert_quant((q2, s2), *oracle_quant_rows(silu_mul(x0.float(), x1.float()), None, None))
 
 
 def test_row_config_override_is_checked():
@@ -383,9 +321,9 @@ def test_direct_eager_path_matches_custom_op(monkeypatch):
     x0, x1 = pair(7, 24, torch.float16, 13)
     ub, vtc = torch.tensor([2.0]), torch.tensor([5])
     want = silu_mul(x0, x1, vtc), silu_mul_quant(x0, x1, ub, vtc)
-    monkeypatch.setattr(sm, "eager_direct", lambda *tensors: True)
-    monkeypatch.setattr(sm, "_silu_mul_op", None)  # not reached
-    monkeypatch.setattr(sm, "_silu_mul_quant_op", None)
+    monkeypatch.setattr(_dispatch, "DIRECT_DEVICES", ("cuda", "cpu"))  # the direct path on CPU
+    monkeypatch.setattr(sm.silu_mul_op, "op", None)  # not reached
+    monkeypatch.setattr(sm.silu_mul_quant_op, "op", None)
     y, (q, s) = silu_mul(x0, x1, vtc), silu_mul_quant(x0, x1, ub, vtc)
     assert_same_bits(y, want[0])
     assert_same_bits(q, want[1].data)
@@ -440,8 +378,8 @@ def test_bad_input_raises_naming_argument_before_any_launch(case, monkeypatch):
     def never(*args):
         raise AssertionError("launched")
 
-    for name in ("_silu_mul_impl", "_silu_mul_op", "_silu_mul_quant_impl", "_silu_mul_quant_op"):
-        monkeypatch.setattr(sm, name, never)
+    for op in (sm.silu_mul_op, sm.silu_mul_quant_op):
+        monkeypatch.setattr(op, "call", never)
     name, exc, fn = _bad_cases()[case]
     with pytest.raises(exc, match=name):
         fn()
@@ -460,9 +398,6 @@ def meta_pair(num_tokens, dim, dtype, layout):
     return x[:, :dim].contiguous(), x[:, dim:].contiguous()
 
 
-# tl.math.div_rn: div.rn.f32 (Triton 3.6, 3.8), div.rn.ftz.f32 (3.5); the flush never changes a
-# result here (448 / m and 1 / s have normal operands and results, or overflow either way)
-IEEE_DIV_PTX = re.compile(r"div\.rn(\.ftz)?\.f32")
 SHAPES = [(1, 7168), (128, 5120), (4096, 7168), (65536, 2048), (300, 130), (64, 16384)]
 needs_gpu_plans = pytest.mark.skipif(INTERPRET, reason="GPU launch plans only without INTERPRET")
 
@@ -511,26 +446,6 @@ def test_silu_mul_quant_launches_compile_for_sm90(monkeypatch):
     for cx, _, ptx in compiled:
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert bool(IEEE_DIV_PTX.search(ptx)) == cx["IEEE_DIV"], cx
-
-
-def written_arguments(kern, args, consts, monkeypatch) -> list[str]:
-    """The arguments Inductor's TTIR analysis says ``kern`` writes (what decides which inputs a
-    compiled graph copies before the launch), run here with a stand-in sm_90 driver."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    tkw = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
-    if not hasattr(tkw, "identify_accessed_tensors"):
-        pytest.skip("this torch has no identify_accessed_tensors")
-
-    class _Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90())
-    kwargs = dict(zip(kern.arg_names, args, strict=False), **consts)
-    accesses = tkw.identify_accessed_tensors(kern, kwargs, {})
-    return sorted(d.name for d in accesses.read_writes.writes)
 
 
 @needs_gpu_plans

@@ -14,15 +14,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_kernels import routing
+from moe_kernels import _dispatch, routing
 from moe_kernels._dispatch import INTERPRET, use_triton
+from moe_kernels.dense_tokens import gather_scale_dense_tokens, scatter_add_dense_tokens
 from moe_kernels.routing import RoutingPlan
-from moe_kernels.tokens import (
-    combine,
-    dispatch,
-    gather_scale_dense_tokens,
-    scatter_add_dense_tokens,
+from moe_kernels.testing import (
+    oracle_combine,
+    oracle_dispatch,
+    oracle_gather_scale,
+    oracle_scatter_add,
+    oracle_token_plan,
 )
+from moe_kernels.tokens import combine, dispatch
 
 CPU = torch.device("cpu")
 # bf16 rounding differs from the GPU only when the kernels run in the interpreter.
@@ -47,73 +50,8 @@ def rand(shape, dtype, seed):
     return (torch.randn(shape, generator=g) + 0.25).to(dtype)  # random, almost never zero
 
 
-# --------------------------------------------------------------------------------------------
-# naive oracles (python loops)
-
-
-def naive_plan(scores_TE: torch.Tensor, k: int, start: int = 0, end: int | None = None):
-    """top_k by descending score, ties to the lower expert; pairs with expert in [start, end)
-    sorted by (expert, token); tail marked -1."""
-    num_tokens, num_experts = scores_TE.shape
-    end = num_experts if end is None else end
-    choices = []  # (expert, token, j, weight)
-    for t in range(num_tokens):
-        order = sorted(range(num_experts), key=lambda e, t=t: (-float(scores_TE[t, e]), e))
-        for j, e in enumerate(order[:k]):
-            choices.append((e, t, j, float(scores_TE[t, e])))
-    n = num_tokens * k
-    local = sorted(c for c in choices if start <= c[0] < end)
-    tok, exp = torch.full((n,), -1, dtype=torch.int32), torch.full((n,), -1, dtype=torch.int32)
-    w = torch.zeros(n)
-    inv = torch.full((num_tokens, k), -1, dtype=torch.int32)
-    counts = torch.zeros(end - start, dtype=torch.int32)
-    for p, (e, t, j, wt) in enumerate(local):
-        tok[p], exp[p], w[p], inv[t, j] = t, e - start, wt, p
-        counts[e - start] += 1
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()])
-    return RoutingPlan(counts, offsets, exp, tok, w, inv)
-
-
-def gather_oracle(x, tok, exp, scores, vtc=None):
-    out = torch.zeros(tok.shape[0], x.shape[1], dtype=x.dtype)
-    limit = tok.shape[0] if vtc is None else int(vtc.reshape(()))
-    for i in range(min(limit, tok.shape[0])):
-        t, e = int(tok[i]), int(exp[i])
-        if t >= 0:
-            out[i] = (x[t].float() * scores[t, e].float()).to(x.dtype)
-    return out
-
-
-def scatter_oracle(out, src, tok, vtc=None):
-    out = out.clone()
-    limit = tok.shape[0] if vtc is None else int(vtc.reshape(()))
-    for i in range(min(limit, tok.shape[0])):
-        t = int(tok[i])
-        if t >= 0:
-            out[t] = (out[t].float() + src[i].float()).to(out.dtype)
-    return out
-
-
-def dispatch_oracle(x, plan, scale):
-    out = torch.zeros(plan.token_indices.shape[0], x.shape[1], dtype=x.dtype)
-    for p, t in enumerate(plan.token_indices.tolist()):
-        if t >= 0:
-            out[p] = (x[t].float() * plan.weights[p]).to(x.dtype) if scale else x[t]
-    return out
-
-
-def combine_oracle(y, plan, weighted, out_dtype):
-    num_tokens, k = plan.inverse.shape
-    out = torch.zeros(num_tokens, y.shape[1])
-    for t in range(num_tokens):
-        acc = torch.zeros(y.shape[1])
-        for j in range(k):
-            p = int(plan.inverse[t, j])
-            if p >= 0:
-                term = y[p].float()
-                acc = acc + (plan.weights[p] * term if weighted else term)
-        out[t] = acc
-    return out.to(out_dtype)
+# the naive oracles (python loops): moe_kernels.testing's oracle_token_plan, oracle_gather_scale,
+# oracle_scatter_add, oracle_dispatch, oracle_combine
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,13 +65,13 @@ def combine_oracle(y, plan, weighted, out_dtype):
 @pytest.mark.parametrize("vtc", [None, 0, "partial"])
 def test_gather_scale_matches_oracle(dtype, num_tokens, dim, num_experts, k, vtc):
     scores = rand((num_tokens, num_experts), torch.float32, 1).softmax(-1)
-    plan = naive_plan(scores, k, 0, max(1, num_experts - 1))  # a tail of -1 rows
+    plan = oracle_token_plan(scores, k, 0, max(1, num_experts - 1))  # a tail of -1 rows
     x = rand((num_tokens, dim), dtype, 2)
     n = plan.token_indices.shape[0]
     count = None if vtc is None else torch.tensor([0 if vtc == 0 else n // 2 + 1])
     tok, exp = plan.token_indices, plan.expert_indices + 0  # local == global: start is 0
     got = gather_scale_dense_tokens(x, tok, exp, scores, count)
-    assert_matches(got, gather_oracle(x, tok, exp, scores, count))
+    assert_matches(got, oracle_gather_scale(x, tok, exp, scores, count))
 
 
 def test_gather_scale_int64_bf16_scores_noncontiguous_x():
@@ -143,7 +81,7 @@ def test_gather_scale_int64_bf16_scores_noncontiguous_x():
     tok = torch.tensor([3, 3, -1, 0, 8, 2, -1], dtype=torch.int64)
     exp = torch.tensor([0, 4, 1, 2, 1, 3, 0], dtype=torch.int64)
     got = gather_scale_dense_tokens(x, tok, exp, scores, torch.tensor([6], dtype=torch.int32))
-    assert_matches(got, gather_oracle(x.contiguous(), tok, exp, scores, torch.tensor([6])))
+    assert_matches(got, oracle_gather_scale(x.contiguous(), tok, exp, scores, torch.tensor([6])))
     assert got[2].eq(0).all() and got[6].eq(0).all() and got[0].ne(0).any()
 
 
@@ -179,10 +117,10 @@ def test_scatter_add_matches_sequential_oracle(out_dtype, in_dtype, num_tokens, 
     src = rand((n, dim), in_dtype, 6) * 3
     out = rand((num_tokens, dim), out_dtype, 7)
     count = None if vtc is None else torch.tensor([0 if vtc == 0 else n - n // 3])
-    expected = scatter_oracle(out, src, tok, count)
+    expected = oracle_scatter_add(out, src, tok, count)
     # |partial sums| <= |out| + sum |src|: the slack for truncating (interpreter) bf16 rounding.
-    bound = scatter_oracle(out.float().abs(), src.float().abs(), tok, count)
-    hits = scatter_oracle(torch.zeros(num_tokens, 1), torch.ones(n, 1), tok, count)
+    bound = oracle_scatter_add(out.float().abs(), src.float().abs(), tok, count)
+    hits = oracle_scatter_add(torch.zeros(num_tokens, 1), torch.ones(n, 1), tok, count)
     scatter_add_dense_tokens(out, src, tok, count)
     if LOOSE_BF16 and out_dtype == torch.bfloat16:
         slack = 2.0**-7 * bound * (hits + 1)
@@ -237,9 +175,9 @@ def test_gather_then_scatter_property(num_tokens, dim, n, vtc, seed):
     scores = torch.rand(num_tokens, 3, generator=g)
     count = None if vtc is None else torch.tensor([vtc])
     rows = gather_scale_dense_tokens(x, tok, exp, scores, count)
-    assert torch.equal(rows, gather_oracle(x, tok, exp, scores, count))
+    assert torch.equal(rows, oracle_gather_scale(x, tok, exp, scores, count))
     out = torch.randn(num_tokens, dim, generator=g)
-    expected = scatter_oracle(out, rows, tok, count)
+    expected = oracle_scatter_add(out, rows, tok, count)
     scatter_add_dense_tokens(out, rows, tok, count)
     assert torch.equal(out, expected)
 
@@ -262,7 +200,7 @@ def test_scatter_add_strided_out_and_int64_and_determinism():
     for _ in range(2):
         base = rand((6, 40), torch.float32, 8)
         out = base[:, 1::2]  # an in-place update through a strided view
-        expected = scatter_oracle(out, src, tok)
+        expected = oracle_scatter_add(out, src, tok)
         untouched = base[:, 0::2].clone()
         scatter_add_dense_tokens(out, src, tok)
         assert_matches(out.contiguous(), expected)
@@ -288,7 +226,7 @@ def test_scatter_add_empty():
 
 def plan_for(num_tokens, num_experts, k, seed, start=0, end=None):
     scores = rand((num_tokens, num_experts), torch.float32, seed).softmax(-1)
-    return naive_plan(scores, k, start, end)
+    return oracle_token_plan(scores, k, start, end)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -298,11 +236,11 @@ def test_dispatch_combine_match_oracle(dtype, num_tokens, dim, k):
     x = rand((num_tokens, dim), dtype, 12)
     for scale in (False, True):
         xs = dispatch(x, plan, scale=scale)
-        assert_matches(xs, dispatch_oracle(x, plan, scale))
+        assert_matches(xs, oracle_dispatch(x, plan, scale))
     y = rand((num_tokens * k, dim), dtype, 13)
-    assert_matches(combine(y, plan), combine_oracle(y, plan, True, dtype))
+    assert_matches(combine(y, plan), oracle_combine(y, plan, True, dtype))
     got = combine(y, plan, weighted=False, out_dtype=torch.float32)
-    assert_matches(got, combine_oracle(y, plan, False, torch.float32))
+    assert_matches(got, oracle_combine(y, plan, False, torch.float32))
 
 
 def test_dispatch_copy_is_exact_and_tail_zero():
@@ -320,7 +258,7 @@ def test_combine_noncontiguous_and_out_dtypes_and_determinism():
     y = rand((30, 64), torch.float32, 17)[:, ::2]
     for out_dtype in FLOATS:
         got = combine(y, plan, out_dtype=out_dtype)
-        assert_matches(got, combine_oracle(y, plan, True, out_dtype))
+        assert_matches(got, oracle_combine(y, plan, True, out_dtype))
         assert torch.equal(combine(y, plan, out_dtype=out_dtype), got)
     inv_t = plan.inverse.t().contiguous().t()  # a strided inverse
     plan2 = plan._replace(inverse=inv_t)
@@ -347,13 +285,13 @@ def test_with_route_if_available():
         pytest.skip("moe_kernels.routing.route is not written yet")
     scores = rand((13, 6), torch.float32, 19).softmax(-1)
     plan = route(scores, 2, expert_index_start=1, expert_index_end=5)
-    ref = naive_plan(scores, 2, 1, 5)
+    ref = oracle_token_plan(scores, 2, 1, 5)
     assert torch.equal(plan.token_indices, ref.token_indices)
     assert torch.equal(plan.inverse, ref.inverse)
     x = rand((13, 24), torch.float32, 20)
     xs = dispatch(x, plan, scale=True)
-    assert_matches(xs, dispatch_oracle(x, plan, True))
-    assert_matches(combine(xs, plan, weighted=False), combine_oracle(xs, plan, False, x.dtype))
+    assert_matches(xs, oracle_dispatch(x, plan, True))
+    assert_matches(combine(xs, plan, weighted=False), oracle_combine(xs, plan, False, x.dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,7 +421,6 @@ def test_bad_input_raises_naming_argument(case):
 def test_direct_eager_path_matches_custom_op(monkeypatch):
     # On CUDA in eager mode the public functions skip the dispatcher and call the op bodies;
     # force that branch here so it runs on CPU too.
-    from moe_kernels import tokens
 
     plan = plan_for(7, 4, 2, 28, 0, 3)
     x = rand((7, 12), torch.float32, 29)
@@ -496,7 +433,7 @@ def test_direct_eager_path_matches_custom_op(monkeypatch):
     )
     out_op = torch.zeros(7, 12)
     scatter_add_dense_tokens(out_op, src, plan.token_indices)
-    monkeypatch.setattr(tokens, "eager_direct", lambda *tensors: True)
+    monkeypatch.setattr(_dispatch, "DIRECT_DEVICES", ("cuda", "cpu"))  # the direct path on CPU
     got = (
         dispatch(x, plan, scale=True),
         combine(src, plan),

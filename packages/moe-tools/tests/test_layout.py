@@ -1,12 +1,17 @@
 """The package's shape: moe_tools' modules import each other without a cycle (function-level
-imports included), and every command module is listed once."""
+imports included), read no underscore name of another module and import no private module of
+moe_kernels or moe_model (what they need is public: ``moe_kernels.reference``,
+``moe_kernels.testing``), and every command module is listed once."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import moe_kernels
+import moe_model
 import moe_tools
+from moe_kernels.testing.layering import private_reads
 from moe_tools import cli
 from moe_tools.commands import MEASURING
 
@@ -51,6 +56,11 @@ def test_no_import_cycles():
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
+
+
+def test_no_private_reads():
+    others = {m.__name__: Path(m.__file__).parent for m in (moe_kernels, moe_model)}
+    assert private_reads(ROOT, others) == []
 
 
 def test_every_command_once():

@@ -9,6 +9,7 @@ syncs, deterministic.
 __version__ = "0.1.0"
 
 from moe_kernels.activation import expert_activation
+from moe_kernels.dense_tokens import gather_scale_dense_tokens, scatter_add_dense_tokens
 from moe_kernels.expert_mlp import expert_mlp
 from moe_kernels.gather_quant import gather_scale_quant_dense_tokens
 from moe_kernels.grouped_mm import gather_grouped_mm, grouped_weight_grad
@@ -30,12 +31,7 @@ from moe_kernels.routing import RoutingPlan, ShuffledIndices, index_shuffling, r
 from moe_kernels.selection import TopkChoices, topk_choices
 from moe_kernels.shuffling import CombinedTokens, combine_shuffling, split_shuffling
 from moe_kernels.swiglu import Fp8Rows, silu_mul, silu_mul_quant
-from moe_kernels.tokens import (
-    combine,
-    dispatch,
-    gather_scale_dense_tokens,
-    scatter_add_dense_tokens,
-)
+from moe_kernels.tokens import combine, dispatch
 
 __all__ = [
     "CombinedTokens",

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -156,29 +158,14 @@ def _decompose(impl: Callable, traceable: Callable[..., bool] | None) -> Callabl
     return rule
 
 
-def register_op(
+def _custom_op(
     name: str,
     impl: Callable,
     fake: Callable,
-    mutates_args: tuple[str, ...] = (),
-    *,
-    traced: bool | Callable[..., bool] = True,
+    mutates_args: tuple[str, ...],
+    traced: bool | Callable[..., bool],
 ) -> torch.library.CustomOpDef:
-    """The custom op ``moe_kernels::<name>``: ``impl`` (the Triton launch or the reference, by
-    device), ``fake`` its fake kernel, ``mutates_args`` the inputs it writes in place.
-    ``traced=False`` keeps the op opaque under ``torch.compile`` on every device: for torch
-    math (backward formulas) whose result must not change when Inductor would refuse or reorder
-    it, so compiled gradients equal eager ones bit for bit.
-
-    Under ``torch.compile`` (AOT autograd's FunctionalTensorMode) a call on CUDA tensors is traced
-    into the graph rather than kept as an opaque op, as ``torch.library.triton_op`` does: the
-    launchers (``_triton/launch.py``) launch through ``wrap_triton`` while tracing, so Inductor
-    emits the kernels in its generated code (its own launchers and planned allocations, no
-    dispatcher round trip a call). CPU calls stay opaque: the reference must not be recompiled
-    by Inductor (its fp32 sums would change order), and the interpreter's kernels cannot be
-    traced. ``traced`` may be a predicate of the op's arguments: False keeps that call opaque
-    (a kernel Inductor cannot analyse in reasonable time). Eager calls, fake tensors and
-    ``torch.export`` see a plain custom op."""
+    """The custom op ``moe_kernels::<name>`` (see ``KernelOp``)."""
     op = torch.library.custom_op(op_name(name), mutates_args=mutates_args)(impl)
     op.register_fake(fake)
     if not traced:
@@ -208,59 +195,117 @@ def plain_eager() -> bool:
     )
 
 
-def register_autograd(
-    op: torch.library.CustomOpDef,
-    impl: Callable,
-    backward: Callable,
-    setup_context: Callable,
-) -> Callable:
-    """Register ``backward`` / ``setup_context`` as ``op``'s autograd formula, and return the
-    same formula as an ``autograd.Function`` around ``impl`` (its ``apply``): what a plain-eager
-    call that records gradients runs (``pick``) instead of the op, whose dispatcher round trip
-    and Python autograd wrapper cost about 100 us of host time per call. Same kernels, same
-    saved tensors, same backward: the same bits."""
-    op.register_autograd(backward, setup_context=setup_context)
-
-    class EagerAutograd(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *args):  # noqa: ANN001, ANN205
-            ctx.set_materialize_grads(False)  # as the op's formula sees them: None, not zeros
-            out = impl(*args)
-            setup_context(ctx, args, out)
-            return out
-
-        @staticmethod
-        def backward(ctx, *grads):  # noqa: ANN001, ANN205
-            return backward(ctx, *grads)
-
-    EagerAutograd.__name__ = EagerAutograd.__qualname__ = f"{getattr(op, '_name', 'op')}_eager"
-    return EagerAutograd.apply
-
+# The devices whose plain-eager calls run an op's implementation directly (``KernelOp.route``).
+# CPU calls go through the op (they cost no kernel time a dispatcher round trip would double);
+# tests add "cpu" to check the direct path gives the op's results.
+DIRECT_DEVICES: tuple[str, ...] = ("cuda",)
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # no subclass with its own dispatch (fake, DTensor)
 
 
-def pick(
-    op: Callable, impl: Callable, eager_autograd: Callable, *tensors: torch.Tensor | None
-) -> Callable:
-    """What a public function calls: ``impl`` directly (``eager_direct``), ``eager_autograd``
-    (``register_autograd``) for plain-eager CUDA calls that record gradients, else the op."""
-    if not plain_eager() or not all(
-        t is None or (type(t) in _PLAIN and t.is_cuda) for t in tensors
-    ):
-        return op
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return eager_autograd
-    return impl
+class KernelOp:
+    """One kernel op: the ``torch.library`` custom op ``moe_kernels::<name>`` (``op``), its
+    implementation (``impl``: the Triton launch or the reference, by device), its fake, and,
+    once ``register_autograd`` ran, its eager autograd path. Every caller, the public function
+    and the composite ops alike, calls it through ``call``, which picks the route (``route``).
+
+    ``mutates_args``: the inputs ``impl`` writes in place. ``traced=False`` keeps the op opaque
+    under ``torch.compile`` on every device: for torch math (backward formulas) whose result
+    must not change when Inductor would refuse or reorder it, so compiled gradients equal eager
+    ones bit for bit. Under ``torch.compile`` (AOT autograd's FunctionalTensorMode) a call on
+    CUDA tensors is traced into the graph rather than kept opaque, as ``torch.library.
+    triton_op`` does: the launchers (``_triton/launch.py``) launch through ``wrap_triton``
+    while tracing, so Inductor emits the kernels in its own code (its launchers and planned
+    allocations, no dispatcher round trip a call). CPU calls stay opaque: the reference must
+    not be recompiled by Inductor (its fp32 sums would change order), and the interpreter's
+    kernels cannot be traced. ``traced`` may be a predicate of the op's arguments: False keeps
+    that call opaque (a kernel Inductor cannot analyse in reasonable time). Eager calls, fake
+    tensors and ``torch.export`` see a plain custom op.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        impl: Callable,
+        fake: Callable,
+        mutates_args: tuple[str, ...] = (),
+        *,
+        traced: bool | Callable[..., bool] = True,
+    ) -> None:
+        self.name = name
+        self.impl = impl
+        self.op = _custom_op(name, impl, fake, mutates_args, traced)
+        self.eager_autograd: Callable | None = None
+        params = list(inspect.signature(impl).parameters)
+        self._mutated = tuple(params.index(a) for a in mutates_args)
+
+    def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
+        """``backward`` / ``setup_context`` as the op's autograd formula, and the same formula
+        as an ``autograd.Function`` around ``impl`` (``eager_autograd``): what a plain-eager
+        call that records gradients runs instead of the op, whose dispatcher round trip and
+        Python autograd wrapper cost about 100 us of host time per call. Same kernels, same
+        saved tensors, same backward: the same bits."""
+        self.op.register_autograd(backward, setup_context=setup_context)
+        impl = self.impl
+
+        class EagerAutograd(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *args):  # noqa: ANN001, ANN205
+                ctx.set_materialize_grads(False)  # as the op's formula sees them: None
+                out = impl(*args)
+                setup_context(ctx, args, out)
+                return out
+
+            @staticmethod
+            def backward(ctx, *grads):  # noqa: ANN001, ANN205
+                return backward(ctx, *grads)
+
+        EagerAutograd.__name__ = EagerAutograd.__qualname__ = f"{self.name}_eager"
+        self.eager_autograd = EagerAutograd.apply
+
+    def route(self, *args: object) -> str:
+        """Which path a call with these arguments takes (its tensor arguments decide):
+
+        * "impl": the implementation directly, no dispatcher round trip (tens of microseconds
+          of host time a call, as much as the kernels at small sizes): plain eager mode (no
+          compilation, dispatch mode or functorch transform), plain tensors on a
+          ``DIRECT_DEVICES`` device, no gradient to record;
+        * "eager_autograd": the same with a gradient to record, where ``register_autograd``
+          gave the op one;
+        * "op": the registered custom op, everything else (what compile, export, fake tensors
+          and tensor subclasses see; autograd through the op's formula).
+        """
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not plain_eager() or not all(
+            type(t) in _PLAIN and t.device.type in DIRECT_DEVICES for t in tensors
+        ):
+            return "op"
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return "op" if self.eager_autograd is None else "eager_autograd"
+        return "impl"
+
+    def call(self, *args: object) -> Any:
+        """The op on ``args`` (``impl``'s positional arguments), by ``route``. A direct call of
+        an op that writes in place bumps the written tensors' versions, as the op does."""
+        route = self.route(*args)
+        if route == "op":
+            return self.op(*args)
+        if route == "eager_autograd":
+            return self.eager_autograd(*args)
+        out = self.impl(*args)
+        for i in self._mutated:
+            if isinstance(args[i], torch.Tensor):
+                torch.autograd.graph.increment_version(args[i])
+        return out
 
 
-def eager_direct(*tensors: torch.Tensor | None) -> bool:
-    """True when a public function may call an op's implementation directly instead of through
-    the custom-op dispatcher, which costs tens of microseconds per call on the host (as much as
-    the kernels themselves at small sizes): plain CUDA tensors that need no autograd, in eager
-    mode, with no compilation, dispatch mode (fake tensors, export) or functorch transform active.
-    Everything else goes through the registered op, which keeps compile and autograd honest."""
-    return plain_eager() and all(
-        t is None or (type(t) is torch.Tensor and t.is_cuda and not t.requires_grad)
-        for t in tensors
-    )
+def register_op(
+    name: str,
+    impl: Callable,
+    fake: Callable,
+    mutates_args: tuple[str, ...] = (),
+    *,
+    traced: bool | Callable[..., bool] = True,
+) -> KernelOp:
+    """``KernelOp(name, impl, fake, mutates_args, traced=traced)``: the one way ops are made."""
+    return KernelOp(name, impl, fake, mutates_args, traced=traced)

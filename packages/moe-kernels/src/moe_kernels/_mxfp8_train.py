@@ -41,8 +41,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_kernels._dispatch import plain_eager, register_op
+from moe_kernels._dispatch import register_op
+from moe_kernels._gemm_plan import plan_dequantized
 from moe_kernels.grouped_mm import grouped_weight_grad
+from moe_kernels.mxfp8_casts import from_mxfp8, to_mxfp8, to_mxfp8_dim1
+from moe_kernels.reference import mxfp8 as _ref
 from moe_kernels.reference.grouped_mm import clamp_group_ends
 
 BLOCK = 32
@@ -74,18 +77,14 @@ def backward(ctx, grad_out: torch.Tensor):
 def _dequantized(x: torch.Tensor, dim1: bool) -> torch.Tensor:
     """The bf16 dequantisation of x's MXFP8 cast: row-wise (``to_mxfp8``, (M, K)), or column-wise
     (``to_mxfp8_dim1``, returned transposed: (K, M))."""
-    from moe_kernels import mxfp8 as mx  # not at import: mxfp8 imports this module
-
-    data, scale = mx.to_mxfp8_dim1(x) if dim1 else mx.to_mxfp8(x)
-    return mx.from_mxfp8(data, scale, torch.bfloat16)
+    data, scale = to_mxfp8_dim1(x) if dim1 else to_mxfp8(x)
+    return from_mxfp8(data, scale, torch.bfloat16)
 
 
 def grad_input(
     grad_out: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """dA (M, K) ``dtype``: q_N(dY) @ q_N(b[g]).T for the rows of group g, zero past offsets[-1]."""
-    from moe_kernels import mxfp8 as mx
-
     E, K, N = b.shape
     if N % BLOCK:  # a partial last block: zero padding along N
         pad = BLOCK - N % BLOCK
@@ -93,7 +92,26 @@ def grad_input(
         N += pad
     dy_dq = _dequantized(grad_out, dim1=False)  # (M, N)
     b_dq = _dequantized(b.reshape(E * K, N), dim1=False).view(E, K, N).transpose(-2, -1)
-    return mx._dequantized_grouped_mm(dy_dq, b_dq, offsets, dtype)
+    return dequantized_grouped_mm(dy_dq, b_dq, offsets, dtype)
+
+
+def zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """out with its rows at or past offsets[-1] zeroed (out of place)."""
+    rows = torch.arange(out.shape[0], device=out.device, dtype=offsets.dtype)
+    return torch.where((rows < offsets[-1])[:, None], out, out.new_zeros(()))
+
+
+def dequantized_grouped_mm(
+    a_dq: torch.Tensor, b_dq: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The MXFP8 emulation's GEMM of exact bf16 dequantisations, the forward's and dA's: a_dq
+    (M, K) @ b_dq[e] (E, K, N) for the rows of group e (offsets (E,) int32 clamped ends),
+    fp32-accumulated, rounded once to ``out_dtype``, zero tail rows; the kernel by
+    ``_gemm_plan.plan_dequantized`` (CUTLASS, or a per-expert masked GEMM)."""
+    if plan_dequantized(a_dq, b_dq, out_dtype).kernel == "cutlass":
+        out = torch._grouped_mm(a_dq, b_dq, offs=offsets, out_dtype=out_dtype)
+        return zero_tail(out, offsets)
+    return _ref.grouped_mm_dequantized(a_dq, b_dq, offsets, out_dtype)
 
 
 def _padded_rows_impl(
@@ -137,7 +155,7 @@ def _padded_rows_fake(offsets: torch.Tensor, num_rows: int):
 # Opaque under torch.compile: Inductor (torch 2.11, CUDA) compiled this index arithmetic into
 # wrong group ids, so the compiled weight gradient was wrong (docs/compile-cold-start.md); a
 # few tiny launches a backward.
-_padded_rows_op = register_op(
+mxfp8_padded_rows_op = register_op(
     "mxfp8_padded_rows", _padded_rows_impl, _padded_rows_fake, traced=False
 )
 
@@ -145,9 +163,8 @@ _padded_rows_op = register_op(
 def padded_rows(
     offsets: torch.Tensor, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_padded_rows_impl``: eager directly, else as the opaque op."""
-    op = _padded_rows_impl if plain_eager() else _padded_rows_op
-    return op(offsets, num_rows)
+    """``_padded_rows_impl`` through its op (opaque under compile)."""
+    return mxfp8_padded_rows_op.call(offsets, num_rows)
 
 
 def _gather_padded(x: torch.Tensor, src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -13,14 +13,7 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import (
-    eager_direct,
-    pick,
-    register_autograd,
-    register_op,
-    triton_kernels,
-    use_triton,
-)
+from moe_kernels._dispatch import register_op, triton_kernels, use_triton
 from moe_kernels.reference import activation as _ref
 
 __all__ = ["expert_activation"]
@@ -40,7 +33,7 @@ def _fake(h, gated):
     return h.new_empty((h.shape[0], h.shape[1] // 2 if gated else h.shape[1]))
 
 
-_op = register_op("expert_activation", _impl, _fake)
+expert_activation_op = register_op("expert_activation", _impl, _fake)
 
 
 def _backward_impl(grad: torch.Tensor, h: torch.Tensor, gated: bool) -> torch.Tensor:
@@ -53,7 +46,9 @@ def _backward_fake(grad, h, gated):
     return torch.empty_like(h)
 
 
-_backward_op = register_op("expert_activation_backward", _backward_impl, _backward_fake)
+expert_activation_backward_op = register_op(
+    "expert_activation_backward", _backward_impl, _backward_fake
+)
 
 
 def _setup_context(ctx, inputs, output):
@@ -72,11 +67,10 @@ def expert_activation_backward(
 ) -> torch.Tensor:
     """The gradient of ``expert_activation``'s input h_MX (M, H or 2H) in h's dtype, given the
     output gradient grad_MH (M, H). Inputs are trusted (the backward formulas call it)."""
-    op = _backward_impl if eager_direct(grad_MH, h_MX) else _backward_op
-    return op(grad_MH, h_MX, gated)
+    return expert_activation_backward_op.call(grad_MH, h_MX, gated)
 
 
-_eager = register_autograd(_op, _impl, _backward, _setup_context)
+expert_activation_op.register_autograd(_backward, _setup_context)
 
 
 def _grad_and_out_impl(
@@ -92,7 +86,7 @@ def _grad_and_out_fake(grad, h, gated):
     return torch.empty_like(h), h.new_empty(grad.shape)
 
 
-_grad_and_out_op = register_op(
+activation_grad_and_out_op = register_op(
     "expert_activation_grad_and_out", _grad_and_out_impl, _grad_and_out_fake
 )
 
@@ -103,8 +97,7 @@ def activation_grad_and_out(
     """``expert_activation_backward`` and ``expert_activation(h_MX)`` (M, H) from one pass over
     h: (dh in h's dtype, the activation in h's dtype, the forward's bits). Inputs are trusted
     (a backward formula calls it)."""
-    op = _grad_and_out_impl if eager_direct(grad_MH, h_MX) else _grad_and_out_op
-    return op(grad_MH, h_MX, gated)
+    return activation_grad_and_out_op.call(grad_MH, h_MX, gated)
 
 
 def _grad_weighted_impl(
@@ -122,7 +115,7 @@ def _grad_weighted_fake(grad, h, w, tok, gated):
     return torch.empty_like(h), h.new_empty(grad.shape), dw
 
 
-_grad_weighted_op = register_op(
+activation_grad_weighted_op = register_op(
     "expert_activation_grad_weighted", _grad_weighted_impl, _grad_weighted_fake
 )
 
@@ -136,8 +129,7 @@ def activation_grad_weighted(
     ``sum_j grad[m, j] * act(h)[m, j]``, summed in a fixed order). w_M (M,) float, tok_M (M,)
     int: rows with tok < 0 count as weight 0 and get dw 0. fp32 math, one cast per output.
     Inputs are trusted (a backward formula calls it)."""
-    op = _grad_weighted_impl if eager_direct(grad_MH, h_MX) else _grad_weighted_op
-    return op(grad_MH, h_MX, w_M, tok_M, gated)
+    return activation_grad_weighted_op.call(grad_MH, h_MX, w_M, tok_M, gated)
 
 
 def expert_activation(h_MX: torch.Tensor, gated: bool = False) -> torch.Tensor:
@@ -152,4 +144,4 @@ def expert_activation(h_MX: torch.Tensor, gated: bool = False) -> torch.Tensor:
         raise TypeError(f"gated must be a bool, got {type(gated).__name__}")
     if gated and h_MX.shape[1] % 2:
         raise ValueError(f"gated h_MX must have an even number of columns, got {tuple(h_MX.shape)}")
-    return pick(_op, _impl, _eager, h_MX)(h_MX, gated)
+    return expert_activation_op.call(h_MX, gated)

@@ -8,7 +8,7 @@ experts compute between its routing and its combine, as one autograd node (torch
 With gradients, forward gathers the rows (xs = x[rows], a copy kernel) and runs both GEMMs on
 sorted rows (``gather_grouped_mm``'s sorted-row kernels: on sm90 bf16 the persistent Triton GEMM
 up to 1024 rows per expert and CUTLASS above, the Triton grouped GEMM elsewhere;
-``_grouped_mm_rules``), because on the H200 that beat the Triton GEMM that gathers
+``_gemm_plan.choose_gemm``), because on the H200 that beat the Triton GEMM that gathers
 in its loads at training sizes (``benchmarks/gpu/expert_mlp_gpu.py``, docs/training.md). It
 keeps the pre-activation h (R, X) and, with ``save_rows`` (the default), xs (R, D); the
 activation's output is not kept: backward recomputes it in the pass that computes its gradient.
@@ -20,9 +20,9 @@ again when not saved). Deterministic; the same kernels eager and under ``torch.c
 compiled gradients equal eager ones; in plain eager mode the launches run without a dispatcher
 round trip per op (one autograd node instead of four).
 
-Without gradients, up to ``FUSED_GATHER_MAX_X`` columns of the first GEMM (or where CUTLASS
-does not run), the Triton GEMM gathers its rows in its loads and applies SiLU to its fp32
-accumulator (SwiGLU after it); wider, the gather and CUTLASS as with gradients.
+Without gradients, up to ``_gemm_plan.FUSED_GATHER_MAX_X`` columns of the first GEMM (or where
+CUTLASS does not run), the Triton GEMM gathers its rows in its loads and applies SiLU to its
+fp32 accumulator (SwiGLU after it); wider, the gather and CUTLASS as with gradients.
 """
 
 from __future__ import annotations
@@ -30,23 +30,11 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels import activation as _act
-from moe_kernels import grouped_mm as _gmm
-from moe_kernels._expert_steps import activation, gather, input_grads, sorted_mm
+from moe_kernels._expert_steps import activation, gather, input_grads, sorted_mm, weight_grad
+from moe_kernels._gemm_plan import plan_gather_mlp
+from moe_kernels.activation import activation_grad_and_out_op, expert_activation_backward_op
 
 __all__ = ["expert_mlp"]
-
-# The no-grad forward's variant (``gather_in_gemm``), from the H200 (expert_mlp_gpu.py, times
-# over the two grouped GEMMs alone): the gathering Triton GEMM 1.04x / 1.14x at X = 1024 / 512
-# (the gather + CUTLASS chain 1.14x / 1.24x); the chain 1.11x / 1.10x at X = 1536 / 2048 (the
-# gathering GEMM 1.17x / 1.23x). The gather's copy weighs more against a narrower GEMM.
-FUSED_GATHER_MAX_X = 1024
-
-
-def gather_in_gemm(width: int, cutlass: bool) -> bool:
-    """Whether the no-grad forward's first GEMM (``width`` = X output columns) gathers its rows
-    in its loads (Triton) rather than after a gather copy (CUTLASS, where ``cutlass`` runs)."""
-    return not cutlass or width <= FUSED_GATHER_MAX_X
 
 
 class _ExpertMLP(torch.autograd.Function):
@@ -68,11 +56,11 @@ class _ExpertMLP(torch.autograd.Function):
         da_RH = sorted_mm(dy_RD, w_out.mT, offsets, None, zero_tail=False)
         grad_out = None
         if want_out:
-            dh_RX, a_RH = _act.activation_grad_and_out(da_RH, h_RX, ctx.gated)
-            grad_out = _gmm.grouped_weight_grad(dy_RD, a_RH, offsets, out_dtype=w_out.dtype)
+            dh_RX, a_RH = activation_grad_and_out_op.call(da_RH, h_RX, ctx.gated)
+            grad_out = weight_grad(dy_RD, a_RH, offsets, None, w_out.dtype)
             del a_RH
         else:
-            dh_RX = _act.expert_activation_backward(da_RH, h_RX, ctx.gated)
+            dh_RX = expert_activation_backward_op.call(da_RH, h_RX, ctx.gated)
         del da_RH
         grad_x, grad_in = input_grads(dh_RX, x_ND, xs_RD, w_in, offsets, rows_R, inverse_NK,
                                       want_x, want_in)  # fmt: skip
@@ -163,13 +151,10 @@ def expert_mlp(
 
 def forward_no_grad(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, gated, zero_tail=True):
     """``expert_mlp``'s forward without autograd, arguments checked: the first GEMM gathers its
-    rows (``gather_in_gemm``) or reads them gathered by a copy kernel. ``zero_tail=False``: the
-    output's rows past the groups are left unwritten (a caller that never reads them)."""
-    X = w_in_EXD.shape[1]
-    # (the chain's GEMM reads the gathered rows, contiguous: CUTLASS runs where it takes the
-    # dtype and sizes; no stride or storage-offset test, which torch.compile cannot trace)
-    cutlass = _gmm._cutlass_bf16(x_ND, w_in_EXD.shape[2]) and X % 16 == 0
-    if gather_in_gemm(X, cutlass):
+    rows in its loads or reads them gathered by a copy kernel (``_gemm_plan.plan_gather_mlp``).
+    ``zero_tail=False``: the output's rows past the groups are left unwritten (a caller that
+    never reads them)."""
+    if plan_gather_mlp(x_ND, w_in_EXD).kernel != "gather_copy":
         h_RX = sorted_mm(x_ND, w_in_EXD, offsets, row_indices, "none" if gated else "silu")
         a_RH = activation(h_RX, True) if gated else h_RX
     else:

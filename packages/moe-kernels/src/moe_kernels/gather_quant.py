@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
+from moe_kernels._dispatch import register_op, triton_kernels, use_triton
 from moe_kernels.reference import gather_quant as _ref
 from moe_kernels.reference.fp8_rowwise import FP8_DTYPE
 from moe_kernels.swiglu import Fp8Rows
@@ -65,7 +65,7 @@ def _fake(x, token_indices, expert_indices, scores, scale_ub, valid_token_count)
     return x.new_empty((n, x.shape[1]), dtype=FP8_DTYPE), x.new_empty((n,), dtype=torch.float32)
 
 
-_op = register_op("gather_scale_quant_dense_tokens", _impl, _fake)
+gather_scale_quant_dense_tokens_op = register_op("gather_scale_quant_dense_tokens", _impl, _fake)
 
 
 def gather_scale_quant_dense_tokens(
@@ -102,6 +102,5 @@ def gather_scale_quant_dense_tokens(
     V.dim_size("expert_indices", expert_indices, 0, token_indices.shape[0], "len(token_indices)")
     V.scale_ub(scale_ub, "x", x)
     V.valid_token_count(valid_token_count, "x", x)
-    direct = eager_direct(x, scores, scale_ub, valid_token_count)
-    op = _impl if direct else _op
-    return Fp8Rows(*op(x, token_indices, expert_indices, scores, scale_ub, valid_token_count))
+    args = (x, token_indices, expert_indices, scores, scale_ub, valid_token_count)
+    return Fp8Rows(*gather_scale_quant_dense_tokens_op.call(*args))

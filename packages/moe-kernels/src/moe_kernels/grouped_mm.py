@@ -16,17 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_kernels import _grouped_mm_rules as _rules
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import (
-    eager_direct,
-    pick,
-    register_autograd,
-    register_op,
-    sm_major,
-    triton_kernels,
-    use_triton,
-)
+from moe_kernels._dispatch import register_op, triton_kernels
+from moe_kernels._gemm_plan import plan_rows, plan_wgrad
 from moe_kernels.reference import grouped_mm as _ref
 from moe_kernels.reference import tokens as _ref_tokens
 
@@ -47,29 +39,25 @@ def _impl(
     activation: str,
     zero_tail: bool = True,
 ) -> torch.Tensor:
-    """Sorted rows without activation run the persistent Triton GEMM or CUTLASS
-    (``_grouped_mm_rules.use_persistent``), everything else the gathering Triton GEMM.
-    ``zero_tail=False`` (callers that never read rows past the groups): those two leave the
-    rows unwritten instead of a launch zeroing them."""
+    """The kernel ``_gemm_plan.plan_rows`` chooses. ``zero_tail=False`` (callers that never
+    read rows past the groups): the persistent GEMM and CUTLASS then leave those rows unwritten
+    instead of a launch zeroing them."""
     act = None if activation == "none" else activation
-    if not use_triton(x.device):
+    plan = plan_rows(x, w, row_indices is not None, act is not None)
+    if plan.kernel == "reference":
         return _ref.gather_grouped_mm(x, w, offsets, row_indices, act)
     tri = _triton()
-    if row_indices is None and act is None:
-        persistent = _persistent_operands(x, w)
-        if persistent is not None:
-            w_sorted, layout = persistent
+    if plan.kernel in ("persistent", "cutlass"):
+        if plan.kernel == "persistent":
+            w_sorted = w.mT if plan.layout == "kn" else w
             y = triton_kernels("persistent_grouped_mm").persistent_grouped_mm(
-                x, w_sorted, offsets.contiguous(), layout
+                x, w_sorted, offsets.contiguous(), plan.layout, plan.config
             )
-        elif _cutlass_forward(x, w):
-            y = torch._grouped_mm(x, w.mT, offs=_ref.clamp_offsets(offsets, x.shape[0]))
         else:
-            y = None
-        if y is not None:
-            if zero_tail:
-                tri.zero_tail(y, offsets)
-            return y
+            y = torch._grouped_mm(x, w.mT, offs=_ref.clamp_offsets(offsets, x.shape[0]))
+        if zero_tail:
+            tri.zero_tail(y, offsets)
+        return y
     return tri.gather_grouped_mm(
         x,
         w,
@@ -84,7 +72,7 @@ def _fake(x, w, offsets, row_indices, activation, zero_tail=True):
     return x.new_empty((num_rows, w.shape[1]))
 
 
-_op = register_op("gather_grouped_mm", _impl, _fake)
+gather_grouped_mm_op = register_op("gather_grouped_mm", _impl, _fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -98,28 +86,29 @@ def _backward(ctx, grad_PN):
     dx = the per-token sum, in ascending p, of the rows ``dz @ w[e]`` (a grouped GEMM with the
     transposed weights, then ``scatter_add_dense_tokens`` into fp32); dw = ``grouped_weight_grad``.
     """
-    from moe_kernels.activation import expert_activation_backward
-    from moe_kernels.tokens import scatter_add_dense_tokens
+    from moe_kernels.activation import expert_activation_backward_op
+    from moe_kernels.dense_tokens import scatter_add_dense_tokens_op
 
     x, w, offsets, rows = ctx.saved_tensors
     grad_PN = grad_PN.to(x.dtype)
     if ctx.activation == "silu":  # z in x's dtype: the fp32 accumulator rounded once
-        grad_PN = expert_activation_backward(grad_PN, _op(x, w, offsets, rows, "none"), False)
+        z = gather_grouped_mm_op.call(x, w, offsets, rows, "none")
+        grad_PN = expert_activation_backward_op.call(grad_PN, z, False)
     grad_x = grad_w = None
     if ctx.needs_input_grad[0]:
-        dx_PD = gather_grouped_mm(grad_PN, w.mT, offsets)
+        dx_PD = gather_grouped_mm_op.call(grad_PN, w.mT, offsets, None, "none")
         if rows is None:
             grad_x = dx_PD
         else:
             grad_x = x.new_zeros(x.shape, dtype=torch.float32)
-            scatter_add_dense_tokens(grad_x, dx_PD, rows)
+            scatter_add_dense_tokens_op.call(grad_x, dx_PD, rows, None)
             grad_x = grad_x.to(x.dtype)
     if ctx.needs_input_grad[1]:
-        grad_w = grouped_weight_grad(grad_PN, x, offsets, rows, out_dtype=w.dtype)
+        grad_w = grouped_weight_grad_op.call(grad_PN, x, offsets, rows, w.dtype)
     return grad_x, grad_w, None, None, None, None
 
 
-_eager = register_autograd(_op, _impl, _backward, _setup_context)
+gather_grouped_mm_op.register_autograd(_backward, _setup_context)
 
 
 def gather_grouped_mm(
@@ -176,63 +165,11 @@ def gather_grouped_mm(
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     act = "none" if activation is None else activation
-    op = pick(_op, _impl, _eager, x_TD, w_END)
-    return op(x_TD, w_END, offsets, row_indices, act)
+    return gather_grouped_mm_op.call(x_TD, w_END, offsets, row_indices, act)
 
 
 # --------------------------------------------------------------------------------------------
 # grouped_weight_grad
-
-
-def _persistent_operands(x_PD: torch.Tensor, w_END: torch.Tensor) -> tuple | None:
-    """(w in the persistent kernel's layout, "nk" or "kn") where the persistent Triton grouped
-    GEMM runs this sorted-row GEMM (``_grouped_mm_rules.use_persistent``), else None: w
-    contiguous as (E, N, D) ("nk"), or the ``.mT`` view of a contiguous (E, D, N) ("kn")."""
-    if not x_PD.is_cuda or x_PD.dtype != torch.bfloat16:
-        return None
-    if w_END.is_contiguous():
-        w, layout = w_END, "nk"
-    elif w_END.mT.is_contiguous():
-        w, layout = w_END.mT, "kn"
-    else:
-        return None
-    tma = triton_kernels("persistent_grouped_mm").tma_ok
-    ok = _rules.use_persistent(x_PD.shape[0], w_END.shape[0], True, sm_major(x_PD.get_device()),
-                               tma(x_PD) and tma(w))  # fmt: skip
-    return (w, layout) if ok else None
-
-
-def _persistent_wgrad(dy_PN: torch.Tensor, x_PD: torch.Tensor, num_experts: int) -> bool:
-    """Whether the persistent Triton kernel runs this weight gradient over sorted rows
-    (``_grouped_mm_rules.use_persistent(..., wgrad=True)``) rather than CUTLASS."""
-    if not dy_PN.is_cuda or dy_PN.dtype != torch.bfloat16 or torch.compiler.is_compiling():
-        return False
-    tma = triton_kernels("persistent_grouped_mm").tma_ok
-    return _rules.use_persistent(dy_PN.shape[0], num_experts, True, sm_major(dy_PN.get_device()),
-                                 tma(dy_PN) and tma(x_PD), wgrad=True)  # fmt: skip
-
-
-def _cutlass_forward(x_TD: torch.Tensor, w_END: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` (CUTLASS) runs a plain grouped GEMM (sorted rows, no
-    activation): sm90+, bf16, rows of x contiguous, 16-aligned sizes, at least one expert (no
-    experts: the Triton kernel's zeros). Its weight gradient then comes out in w's own layout
-    (no transposed copy, unlike autograd through ``_grouped_mm`` of ``w.mT``)."""
-    if w_END.shape[0] == 0 or not _cutlass_bf16(x_TD, w_END.shape[2]):
-        return False
-    return x_TD.stride(1) == 1 and w_END.shape[1] % 16 == 0 and x_TD.storage_offset() % 8 == 0
-
-
-def _cutlass_bf16(dy_PN: torch.Tensor, x_cols: int) -> bool:
-    """Whether ``torch._grouped_mm`` (CUTLASS) takes these operands: dy_PN on CUDA sm90+, bf16,
-    its last dim and ``x_cols`` (the other operand's) multiples of 16. For the weight gradient
-    it beat the earlier, non-persistent Triton kernel (1449 against 1827 us at 131072 x 1536 x
-    2048, E=128, H200); where it runs against the persistent one:
-    ``_grouped_mm_rules.WGRAD_MAX_ROWS_PER_EXPERT``."""
-    if not hasattr(torch, "_grouped_mm") or not dy_PN.is_cuda or dy_PN.dtype != torch.bfloat16:
-        return False
-    if sm_major(dy_PN.get_device()) < 9:
-        return False
-    return dy_PN.shape[1] % 16 == 0 and x_cols % 16 == 0
 
 
 def _wgrad_impl(
@@ -242,14 +179,25 @@ def _wgrad_impl(
     row_indices: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    if not use_triton(dy_PN.device):
+    """The kernel ``_gemm_plan.plan_wgrad`` chooses."""
+    plan = plan_wgrad(dy_PN, x_TD, offsets.shape[0] - 1, row_indices is not None)
+    if plan.kernel == "reference":
         return _ref.grouped_weight_grad(dy_PN, x_TD, offsets, row_indices, out_dtype)
+    if plan.kernel == "cutlass":
+        if row_indices is None:
+            x_PD = x_TD
+        else:  # the sorted rows CUTLASS reads (zero where the index is outside [0, T))
+            live = _ref_tokens.row_mask(row_indices, x_TD.shape[0], None)
+            x_PD = _ref_tokens.gather_rows(x_TD, row_indices, None, live)
+        offs = _ref.clamp_offsets(offsets, dy_PN.shape[0])
+        return torch._grouped_mm(dy_PN.mT, x_PD, offs=offs).to(out_dtype)
     return triton_kernels("grouped_weight_grad").grouped_weight_grad(
         dy_PN,
         x_TD,
         offsets.contiguous(),
         row_indices.contiguous() if row_indices is not None else None,
         out_dtype,
+        plan.config,
     )
 
 
@@ -257,7 +205,7 @@ def _wgrad_fake(dy_PN, x_TD, offsets, row_indices, out_dtype):
     return dy_PN.new_empty((offsets.shape[0] - 1, dy_PN.shape[1], x_TD.shape[1]), dtype=out_dtype)
 
 
-_wgrad_op = register_op("grouped_weight_grad", _wgrad_impl, _wgrad_fake)
+grouped_weight_grad_op = register_op("grouped_weight_grad", _wgrad_impl, _wgrad_fake)
 
 
 def grouped_weight_grad(
@@ -277,8 +225,8 @@ def grouped_weight_grad(
     accumulated in fp32; rows whose index is outside [0, T) add nothing; an empty group gives
     zeros. Offsets clamped as in ``gather_grouped_mm`` (memory-safe for any values; the same
     result on each path). Deterministic (each group's rows summed in one fixed order, no split
-    over rows): the persistent Triton kernel, or on sm90+ bf16 with 16-aligned N and D, where
-    ``_grouped_mm_rules.use_persistent(..., wgrad=True)`` says no, ``torch._grouped_mm``'s
+    over rows): the kernel ``_gemm_plan.choose_gemm`` picks, the persistent Triton kernel, or on
+    sm90+ bf16 with 16-aligned N and D above a few rows per expert ``torch._grouped_mm``'s
     K-grouped CUTLASS GEMM.
     """
     dy_PN = V.tensor("dy_PN", dy_PN)
@@ -307,17 +255,4 @@ def grouped_weight_grad(
         out_dtype = dy_PN.dtype
     if not isinstance(out_dtype, torch.dtype) or out_dtype not in V.FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype!r}")
-    persistent = row_indices is None and _persistent_wgrad(dy_PN, x_TD, offsets.shape[0] - 1)
-    num_experts = offsets.shape[0] - 1
-    cutlass = _cutlass_bf16(dy_PN, x_TD.shape[1]) and min(dy_PN.shape[0], x_TD.shape[0],
-                                                            num_experts) > 0  # fmt: skip
-    if not persistent and cutlass:
-        if row_indices is None:
-            x_PD = x_TD
-        else:  # the sorted rows CUTLASS reads (zero where the index is outside [0, T))
-            live = _ref_tokens.row_mask(row_indices, x_TD.shape[0], None)
-            x_PD = _ref_tokens.gather_rows(x_TD, row_indices, None, live)
-        offs = _ref.clamp_offsets(offsets, dy_PN.shape[0])
-        return torch._grouped_mm(dy_PN.mT, x_PD, offs=offs).to(out_dtype)
-    op = _wgrad_impl if eager_direct(dy_PN, x_TD) else _wgrad_op
-    return op(dy_PN, x_TD, offsets, row_indices, out_dtype)
+    return grouped_weight_grad_op.call(dy_PN, x_TD, offsets, row_indices, out_dtype)

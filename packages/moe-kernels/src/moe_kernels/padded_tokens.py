@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
+from moe_kernels._dispatch import register_op, triton_kernels, use_triton
 from moe_kernels.reference import padded_tokens as _ref
 
 __all__ = ["scatter_add_padded_tokens"]
@@ -37,7 +37,9 @@ def _fake(in_tokens, token_counts, token_indices, out_tokens):
     return None
 
 
-_op = register_op("scatter_add_padded_tokens", _impl, _fake, mutates_args=("out_tokens",))
+scatter_add_padded_tokens_op = register_op(
+    "scatter_add_padded_tokens", _impl, _fake, mutates_args=("out_tokens",)
+)
 
 
 def scatter_add_padded_tokens(
@@ -103,8 +105,4 @@ def scatter_add_padded_tokens(
                     f"scatter_add_padded_tokens is not differentiable, and {name} requires grad: "
                     "detach it or call under torch.no_grad()"
                 )
-    if eager_direct(out_tokens, in_tokens, token_counts):
-        _impl(in_tokens, token_counts, token_indices, out_tokens)
-        torch.autograd.graph.increment_version(out_tokens)  # what the custom op does for us
-    else:
-        _op(in_tokens, token_counts, token_indices, out_tokens)
+    scatter_add_padded_tokens_op.call(in_tokens, token_counts, token_indices, out_tokens)

@@ -17,7 +17,7 @@ import math
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
+from moe_kernels._dispatch import register_op, triton_kernels, use_triton
 from moe_kernels.reference import rope as _ref
 
 __all__ = ["qk_norm_rope"]
@@ -55,7 +55,9 @@ def _rope_fake(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, layer, s
     return k.new_empty((H, k.shape[0], D))
 
 
-_rope_op = register_op("qk_norm_rope", _rope_impl, _rope_fake, mutates_args=("k_cache", "v_cache"))
+qk_norm_rope_op = register_op(
+    "qk_norm_rope", _rope_impl, _rope_fake, mutates_args=("k_cache", "v_cache")
+)
 
 
 def _like_k(name: str, t: object, k: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -171,9 +173,4 @@ def qk_norm_rope(
     """
     eps = _check(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, layer, slots, eps)
     args = (q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, layer, slots, eps)
-    if eager_direct(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, slots):
-        q_out = _rope_impl(*args)
-        torch.autograd.graph.increment_version(k_cache)  # what the custom op does for us
-        torch.autograd.graph.increment_version(v_cache)
-        return q_out
-    return _rope_op(*args)
+    return qk_norm_rope_op.call(*args)

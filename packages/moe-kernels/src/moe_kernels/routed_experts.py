@@ -25,8 +25,6 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels import activation as _act
-from moe_kernels import grouped_mm as _gmm
 from moe_kernels._expert_steps import (
     activation,
     combine_rows,
@@ -34,7 +32,9 @@ from moe_kernels._expert_steps import (
     gather_grad_rows,
     input_grads,
     sorted_mm,
+    weight_grad,
 )
+from moe_kernels.activation import activation_grad_weighted_op
 from moe_kernels.expert_mlp import check_args, forward_no_grad
 from moe_kernels.routing import RoutingPlan
 
@@ -65,12 +65,12 @@ class _RoutedExperts(torch.autograd.Function):
         want_x, want_in, want_out, want_s = ctx.needs_input_grad[:4]
         dyg_RD = gather_grad_rows(dy_ND, rows_R, h_RX.dtype)
         da_RH = sorted_mm(dyg_RD, w_out.mT, offsets, None, zero_tail=False)
-        dh_RX, sa_RH, ds_R = _act.activation_grad_weighted(da_RH, h_RX, weights_R, rows_R,
-                                                           ctx.gated)  # fmt: skip
+        dh_RX, sa_RH, ds_R = activation_grad_weighted_op.call(da_RH, h_RX, weights_R, rows_R,
+                                                              ctx.gated)  # fmt: skip
         del da_RH
         grad_out = None
         if want_out:
-            grad_out = _gmm.grouped_weight_grad(dyg_RD, sa_RH, offsets, out_dtype=w_out.dtype)
+            grad_out = weight_grad(dyg_RD, sa_RH, offsets, None, w_out.dtype)
         del dyg_RD, sa_RH
         grad_x, grad_in = input_grads(dh_RX, x_ND, xs_RD, w_in, offsets, rows_R, inverse_NK,
                                       want_x, want_in)  # fmt: skip

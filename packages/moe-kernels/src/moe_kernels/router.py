@@ -24,9 +24,6 @@ import torch
 from moe_kernels import _router_split as _split
 from moe_kernels import _validate as V
 from moe_kernels._dispatch import (
-    pick,
-    plain_eager,
-    register_autograd,
     register_op,
     triton_kernels,
     use_triton,
@@ -81,7 +78,7 @@ def _traceable(x, weight, score_fn) -> bool:
     return router_variant(weight.shape[0], x.dtype) == "fma"
 
 
-_router_op = register_op("router_scores", _router_impl, _router_fake, traced=_traceable)
+router_scores_op = register_op("router_scores", _router_impl, _router_fake, traced=_traceable)
 
 
 def _setup_context(ctx, inputs, output):
@@ -114,20 +111,21 @@ def _backward_fake(grad_TE, x_TD, weight_ED, s_TE, score_fn):
 
 
 # Opaque under torch.compile: compiled gradients equal eager ones bit for bit.
-_backward_op = register_op("router_scores_backward", _backward_impl, _backward_fake, traced=False)
+router_scores_backward_op = register_op(
+    "router_scores_backward", _backward_impl, _backward_fake, traced=False
+)
 
 
 def _backward(ctx, grad_TE):
     x_TD, weight_ED, s_TE = ctx.saved_tensors
-    # plain eager, nothing recording: the formula directly (the op's dispatcher and output
-    # checks cost ~250 us of host time a call on the H200's host: train_gpu.py --py-profile)
-    direct = plain_eager() and grad_TE.is_cuda and not torch.is_grad_enabled()
-    op = _backward_impl if direct else _backward_op
-    grad_x, grad_w = op(grad_TE, x_TD, weight_ED, s_TE, ctx.score_fn)
+    # (in plain eager the formula runs directly: the op's dispatcher and output checks cost
+    # ~250 us of host time a call on the H200's host, train_gpu.py --py-profile)
+    args = (grad_TE, x_TD, weight_ED, s_TE, ctx.score_fn)
+    grad_x, grad_w = router_scores_backward_op.call(*args)
     return grad_x, grad_w, None
 
 
-_router_eager = register_autograd(_router_op, _router_impl, _backward, _setup_context)
+router_scores_op.register_autograd(_backward, _setup_context)
 
 
 def router_scores(
@@ -160,5 +158,4 @@ def router_scores(
         raise TypeError(f"score_fn must be a str, got {type(score_fn).__name__}")
     if score_fn not in SCORE_FNS:
         raise ValueError(f"score_fn must be one of {SCORE_FNS}, got {score_fn!r}")
-    op = pick(_router_op, _router_impl, _router_eager, x_TD, weight_ED)
-    return op(x_TD, weight_ED, score_fn)
+    return router_scores_op.call(x_TD, weight_ED, score_fn)

@@ -19,10 +19,7 @@ import torch
 
 from . import _validate as V
 from ._dispatch import (
-    eager_direct,
-    pick,
     plain_eager,
-    register_autograd,
     register_op,
     triton_kernels,
     use_triton,
@@ -184,7 +181,7 @@ def _index_shuffling_traceable(routing_scores, expert_index_start, expert_index_
                                   expert_index_end, False, False)  # fmt: skip
 
 
-_index_shuffling_op = register_op(
+index_shuffling_op = register_op(
     "index_shuffling", _index_shuffling_impl, _index_shuffling_fake,
     traced=_index_shuffling_traceable,
 )  # fmt: skip
@@ -227,9 +224,10 @@ def index_shuffling(
         expert_index_end,
         valid_token_count,
     )
-    if key is not None or eager_direct(scores, valid_token_count):  # one allocation, no dispatcher
-        return _index_shuffling_run(scores, start, end, valid_token_count, top_k, True, key)
-    return ShuffledIndices(*_index_shuffling_op(scores, start, end, valid_token_count, top_k))
+    args = (scores, start, end, valid_token_count, top_k)
+    if key is not None or index_shuffling_op.route(*args) == "impl":  # one allocation
+        return _index_shuffling_run(*args, True, key)
+    return ShuffledIndices(*index_shuffling_op.call(*args))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +302,7 @@ def _route_traceable(scores, top_k, valid_token_count, expert_index_start, exper
                                   expert_index_end, renormalize, True, sel)  # fmt: skip
 
 
-_route_op = register_op("route", _route_impl, _route_fake, traced=_route_traceable)
+route_op = register_op("route", _route_impl, _route_fake, traced=_route_traceable)
 
 
 def _route_setup_context(ctx, inputs, output):
@@ -345,7 +343,7 @@ def _route_backward_fake(grad_P, inverse_TK, expert_indices_P, scores_TE, start,
     return torch.empty_like(scores_TE, memory_format=torch.contiguous_format)
 
 
-_route_backward_op = register_op("route_backward", _route_backward_impl, _route_backward_fake)
+route_backward_op = register_op("route_backward", _route_backward_impl, _route_backward_fake)
 
 
 def _route_backward(ctx, *grads):
@@ -355,14 +353,13 @@ def _route_backward(ctx, *grads):
     grad_P = grads[4]
     if grad_P is None or not ctx.needs_input_grad[0]:
         return (None,) * 10
-    # plain eager: the launch directly (no dispatcher round trip); else the op (compile traces it)
-    op = _route_backward_impl if plain_eager() else _route_backward_op
-    grad = op(grad_P, inverse, expert_indices, scores, ctx.start, ctx.end, ctx.scale,
-              ctx.renormalize, bias, ctx.n_groups, ctx.topk_groups)  # fmt: skip
+    grad = route_backward_op.call(grad_P, inverse, expert_indices, scores, ctx.start, ctx.end,
+                                  ctx.scale, ctx.renormalize, bias, ctx.n_groups,
+                                  ctx.topk_groups)  # fmt: skip
     return (grad,) + (None,) * 9
 
 
-_route_eager = register_autograd(_route_op, _route_impl, _route_backward, _route_setup_context)
+route_op.register_autograd(_route_backward, _route_setup_context)
 
 
 def route(
@@ -415,8 +412,8 @@ def route(
         scores, "scores", top_k, expert_index_start, expert_index_end, valid_token_count
     )
     sel = _check_selection(scores, top_k, bias, n_groups, topk_groups, scale, renormalize)
-    if key is not None or eager_direct(scores, valid_token_count, sel.bias):  # one allocation
+    args = (scores, top_k, valid_token_count, start, end, renormalize, *sel)
+    if key is not None or route_op.route(*args) == "impl":  # one allocation
         return _route_run(scores, top_k, valid_token_count, start, end, renormalize, sel, True,
                           key)  # fmt: skip
-    op = pick(_route_op, _route_impl, _route_eager, scores, valid_token_count, sel.bias)
-    return RoutingPlan(*op(scores, top_k, valid_token_count, start, end, renormalize, *sel))
+    return RoutingPlan(*route_op.call(*args))

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
+from moe_kernels._dispatch import register_op, triton_kernels, use_triton
 from moe_kernels.reference import shuffling as _ref
 
 __all__ = ["CombinedTokens", "combine_shuffling", "split_shuffling"]
@@ -84,7 +84,7 @@ def _combine_fake(tokens, token_counts, expert_start, expert_end, is_padded):
     return torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device), counts
 
 
-_combine_op = register_op("combine_shuffling", _combine_impl, _combine_fake)
+combine_shuffling_op = register_op("combine_shuffling", _combine_impl, _combine_fake)
 
 
 def _split_impl(
@@ -101,7 +101,7 @@ def _split_fake(tokens, token_counts, expert_start, expert_end, is_padded):
     return torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
 
 
-_split_op = register_op("split_shuffling", _split_impl, _split_fake)
+split_shuffling_op = register_op("split_shuffling", _split_impl, _split_fake)
 
 
 def _check(
@@ -171,8 +171,7 @@ def combine_shuffling(
     tokens, token_counts, start, end, padded = _check(
         tokens, token_counts, expert_start, expert_end, is_padded, is_balanced
     )
-    op = _combine_impl if eager_direct(tokens, token_counts) else _combine_op
-    out, counts = op(tokens, token_counts, start, end, padded)
+    out, counts = combine_shuffling_op.call(tokens, token_counts, start, end, padded)
     return CombinedTokens(out, counts)
 
 
@@ -200,5 +199,4 @@ def split_shuffling(
     tokens, token_counts, start, end, padded = _check(
         tokens, token_counts, expert_start, expert_end, is_padded, is_balanced
     )
-    op = _split_impl if eager_direct(tokens, token_counts) else _split_op
-    return op(tokens, token_counts, start, end, padded)
+    return split_shuffling_op.call(tokens, token_counts, start, end, padded)

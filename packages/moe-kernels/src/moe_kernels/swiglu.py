@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from moe_kernels import _validate as V
-from moe_kernels._dispatch import eager_direct, register_op, triton_kernels, use_triton
+from moe_kernels._dispatch import register_op, triton_kernels, use_triton
 from moe_kernels.reference import swiglu as _ref
 from moe_kernels.reference.fp8_rowwise import FP8_DTYPE
 
@@ -74,7 +74,7 @@ def _silu_mul_fake(x0, x1, valid_token_count):
     return x0.new_empty(x0.shape)
 
 
-_silu_mul_op = register_op("silu_mul", _silu_mul_impl, _silu_mul_fake)
+silu_mul_op = register_op("silu_mul", _silu_mul_impl, _silu_mul_fake)
 
 
 def silu_mul(
@@ -98,8 +98,7 @@ def silu_mul(
     """
     x0, x1 = _check_pair(x0, x1)
     V.valid_token_count(valid_token_count, "x0", x0)
-    op = _silu_mul_impl if eager_direct(x0, x1, valid_token_count) else _silu_mul_op
-    return op(x0, x1, valid_token_count)
+    return silu_mul_op.call(x0, x1, valid_token_count)
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,7 +120,7 @@ def _silu_mul_quant_fake(x0, x1, scale_ub, valid_token_count):
     return x0.new_empty(x0.shape, dtype=FP8_DTYPE), x0.new_empty(x0.shape[:1], dtype=torch.float32)
 
 
-_silu_mul_quant_op = register_op("silu_mul_quant", _silu_mul_quant_impl, _silu_mul_quant_fake)
+silu_mul_quant_op = register_op("silu_mul_quant", _silu_mul_quant_impl, _silu_mul_quant_fake)
 
 
 def silu_mul_quant(
@@ -155,6 +154,4 @@ def silu_mul_quant(
     x0, x1 = _check_pair(x0, x1)
     V.scale_ub(scale_ub, "x0", x0)
     V.valid_token_count(valid_token_count, "x0", x0)
-    direct = eager_direct(x0, x1, scale_ub, valid_token_count)
-    op = _silu_mul_quant_impl if direct else _silu_mul_quant_op
-    return Fp8Rows(*op(x0, x1, scale_ub, valid_token_count))
+    return Fp8Rows(*silu_mul_quant_op.call(x0, x1, scale_ub, valid_token_count))

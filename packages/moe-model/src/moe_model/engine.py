@@ -25,7 +25,7 @@ from moe_model._moe_options import check_bool
 from moe_model.config import WorldModelConfig
 from moe_model.impls import KERNEL_DTYPES, check_dtype, check_impl
 from moe_model.kv_cache import KVRingCache
-from moe_model.world import WorldModel, _check_config, _counts
+from moe_model.world import WorldModel, check_config, model_parameter_counts
 
 Ctrl = Mapping[str, object] | None
 
@@ -151,7 +151,7 @@ class WorldEngine:
         seed: int = 0,
         _init_weights: bool = True,
     ) -> None:
-        _check_config(config)
+        check_config(config)
         if impl is not None:
             config = dataclasses.replace(config, moe_impl=check_impl(impl))
         moe_impl = check_impl(config.moe_impl) if config.mlp == "moe" else None
@@ -372,11 +372,11 @@ class WorldEngine:
 
     def num_parameters(self) -> int:
         """All parameters (transformer, embeddings, decoder)."""
-        return _counts(self.model, self.config)[0]
+        return model_parameter_counts(self.model, self.config)[0]
 
     def num_active_parameters(self) -> int:
         """Parameters used per token: total minus (n_experts - top_k) experts per layer."""
-        return _counts(self.model, self.config)[1]
+        return model_parameter_counts(self.model, self.config)[1]
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write ``config.json`` and ``model.safetensors`` into directory ``path``."""

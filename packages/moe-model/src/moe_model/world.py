@@ -113,7 +113,7 @@ class WorldModel(nn.Module):
         return self.unpatchify(self.final_proj(h.to(dtype)).float())
 
 
-def _check_config(config: object, name: str = "config") -> None:
+def check_config(config: object, name: str = "config") -> None:
     """TypeError unless a WorldModelConfig; validated again (its fields may have changed)."""
     if not isinstance(config, WorldModelConfig):
         raise TypeError(f"{name} must be a WorldModelConfig, got {type(config).__name__}")
@@ -122,13 +122,15 @@ def _check_config(config: object, name: str = "config") -> None:
 
 def count_parameters(cfg: WorldModelConfig) -> tuple[int, int]:
     """(total, active) parameter counts of a config, built on the meta device (no memory)."""
-    _check_config(cfg, "cfg")
+    check_config(cfg, "cfg")
     with torch.device("meta"):
         model = WorldModel(cfg)
-    return _counts(model, cfg)
+    return model_parameter_counts(model, cfg)
 
 
-def _counts(model: WorldModel, cfg: WorldModelConfig) -> tuple[int, int]:
+def model_parameter_counts(model: WorldModel, cfg: WorldModelConfig) -> tuple[int, int]:
+    """(total, active) parameter counts of a built model: the routed experts a token skips
+    (``n_experts - top_k`` of each MoE block's) are inactive."""
     total = sum(p.numel() for p in model.parameters())
     inactive = 0
     if cfg.mlp == "moe":

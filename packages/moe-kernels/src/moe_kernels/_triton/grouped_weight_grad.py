@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET, tracing
-from moe_kernels._grouped_mm_rules import WgradConfig, wgrad_config
+from moe_kernels._gemm_plan import WgradConfig, wgrad_config
 from moe_kernels._triton.blocks import cdiv, next_pow2
 from moe_kernels._triton.grouped_mm import group_tiles
 from moe_kernels._triton.launch import FastKernel

@@ -1,0 +1,159 @@
+"""``_gemm_plan.choose_gemm``: which kernel runs each grouped GEMM, from sizes and flags alone
+(no GPU needed). Expected plans are written out from the rules' measured bounds (1024 rows per
+expert for the persistent row-grouped GEMM, 128 for its weight gradient, X <= 1024 for the
+gathering up-projection without gradients), not computed with the module's constants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_kernels._gemm_plan import (
+    GemmDevice,
+    GemmPlan,
+    GemmProblem,
+    choose_gemm,
+    gemm_device,
+    plan_gather_mlp,
+    plan_rows,
+    plan_wgrad,
+)
+
+H100 = GemmDevice("triton", 9)
+B200 = GemmDevice("triton", 10)
+A100 = GemmDevice("triton", 8)
+INTERP = GemmDevice("interpreter", 0)
+REF = GemmDevice("reference", 0)
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def rows(P, E, N=256, K=512, dtype=BF16, layout="nk", tma=True, aligned=True):
+    return GemmProblem("rows", P, N, K, E, dtype, layout=layout, tma=tma, aligned=aligned)
+
+
+def wgrad(P, E, N=256, K=512, dtype=BF16, T=None, tma=True, gathered=False, compiling=False):
+    return GemmProblem("wgrad", P, N, K, E, dtype, x_rows=P if T is None else T, tma=tma,
+                       gathered=gathered, compiling=compiling)  # fmt: skip
+
+
+def kernel(problem, dev):
+    return choose_gemm(problem, dev).kernel
+
+
+@pytest.mark.parametrize(
+    ("P", "E", "want"),
+    [(8 * 1024, 8, "persistent"), (8 * 1024 + 1, 8, "cutlass"), (0, 8, "persistent"),
+     (4096, 0, "triton"), (128 * 64, 64, "persistent"), (2048 * 64, 64, "cutlass")],
+)  # fmt: skip
+def test_rows_persistent_up_to_1024_rows_per_expert_then_cutlass(P, E, want):
+    assert kernel(rows(P, E), H100) == want
+
+
+def test_rows_persistent_plan_carries_config_and_layout():
+    plan = choose_gemm(rows(4096, 16, N=96, K=40, layout="kn"), H100)
+    assert plan.kernel == "persistent" and plan.layout == "kn"
+    assert (plan.config.block_m, plan.config.block_n, plan.config.block_k) == (128, 128, 64)
+    assert plan.config.tma and plan.config.flatten
+
+
+@pytest.mark.parametrize(
+    ("problem", "dev", "want"),
+    [
+        (rows(4096, 16, tma=False), H100, "cutlass"),  # no TMA: CUTLASS
+        (rows(4096, 16, layout=""), H100, "cutlass"),  # w neither (E,N,K) nor its .mT
+        (rows(4096, 16), B200, "cutlass"),  # persistent measured on sm90 only
+        (rows(4096, 16), A100, "triton"),  # CUTLASS grouped GEMM needs sm90+
+        (rows(4096, 16, dtype=FP16), H100, "triton"),
+        (rows(4096, 16, dtype=FP32), H100, "triton"),
+        (rows(4096, 16, N=200), H100, "persistent"),  # any N for the persistent kernel
+        (rows(1 << 20, 16, N=200), H100, "triton"),  # CUTLASS needs N % 16 == 0
+        (rows(1 << 20, 16, K=520), H100, "triton"),  # and K % 16 == 0
+        (rows(1 << 20, 16, aligned=False), H100, "triton"),  # strided or misaligned rows
+        (rows(4096, 16), INTERP, "triton"),
+        (rows(4096, 16), REF, "reference"),
+    ],
+)
+def test_rows_fallbacks(problem, dev, want):
+    assert kernel(problem, dev) == want
+
+
+@pytest.mark.parametrize("dev", [H100, B200, A100, INTERP])
+def test_gather_always_the_gathering_triton_kernel(dev):
+    assert kernel(GemmProblem("gather", 4096, 256, 512, 16), dev) == "triton"
+    assert kernel(GemmProblem("gather", 4096, 256, 512, 16), REF) == "reference"
+
+
+@pytest.mark.parametrize(
+    ("X", "dev", "dtype", "want"),
+    [(1024, H100, BF16, "triton"), (1040, H100, BF16, "gather_copy"),
+     (4096, H100, BF16, "gather_copy"), (4096, A100, BF16, "triton"),
+     (4096, H100, FP32, "triton"), (4104, H100, BF16, "triton"), (4096, INTERP, BF16, "triton")],
+)  # fmt: skip
+def test_gather_mlp_gathers_in_the_gemm_up_to_x_1024(X, dev, dtype, want):
+    assert kernel(GemmProblem("gather_mlp", 4096, X, 512, 16, dtype, gathered=True), dev) == want
+
+
+@pytest.mark.parametrize(
+    ("problem", "want"),
+    [
+        (wgrad(128 * 32, 32), "triton_wgrad"),  # 128 rows per expert: the persistent kernel
+        (wgrad(128 * 32 + 1, 32), "cutlass"),
+        (wgrad(128 * 32, 32, gathered=True), "cutlass"),  # row indices: CUTLASS on a gather
+        (wgrad(128 * 32, 32, compiling=True), "cutlass"),
+        (wgrad(128 * 32, 32, tma=False), "cutlass"),
+        (wgrad(1 << 16, 32, N=200), "triton_wgrad"),  # CUTLASS needs 16-aligned N and D
+        (wgrad(1 << 16, 32, dtype=FP32), "triton_wgrad"),
+        (wgrad(0, 32, tma=False), "triton_wgrad"),  # no rows: the kernel's zeros
+        (wgrad(4096, 32, T=0, tma=False), "triton_wgrad"),
+        (wgrad(4096, 0), "triton_wgrad"),
+    ],
+)
+def test_wgrad_persistent_up_to_128_rows_per_expert_then_cutlass(problem, want):
+    assert kernel(problem, H100) == want
+
+
+def test_wgrad_configs():
+    assert choose_gemm(wgrad(1 << 16, 8), A100).config.block_d == 256  # 16-bit: 128 x 256 x 64
+    fp32 = choose_gemm(wgrad(1 << 16, 8, dtype=FP32), A100).config
+    assert (fp32.block_n, fp32.block_d, fp32.block_k, fp32.tma) == (128, 128, 32, "none")
+    interp = choose_gemm(wgrad(64, 8, N=24, K=40), INTERP).config
+    assert (interp.block_n, interp.block_d, interp.num_stages, interp.tma) == (32, 64, 1, "none")
+
+
+@pytest.mark.parametrize(
+    ("dev", "want"),
+    [(B200, "scaled_cutlass"), (H100, "dequantized"), (INTERP, "dequantized"),
+     (REF, "dequantized"), (GemmDevice("triton", 10, scaled_grouped_mm=False), "dequantized")],
+)  # fmt: skip
+def test_mxfp8(dev, want):
+    assert kernel(GemmProblem("mxfp8", 256, 0, 64, 0), dev) == want
+
+
+@pytest.mark.parametrize(
+    ("N", "out_dtype", "dev", "want"),
+    [(64, BF16, H100, "cutlass"), (64, BF16, REF, "masked"), (64, FP32, H100, "masked"),
+     (60, BF16, H100, "masked"), (64, BF16, A100, "masked"),
+     (64, BF16, GemmDevice("triton", 9, grouped_mm=False), "masked")],
+)  # fmt: skip
+def test_dequantized(N, out_dtype, dev, want):
+    assert kernel(GemmProblem("dequantized", 256, N, 64, 4, BF16, out_dtype), dev) == want
+
+
+def test_unknown_kind():
+    with pytest.raises(ValueError, match="kind"):
+        choose_gemm(GemmProblem("rowz", 1, 1, 1, 1), H100)
+
+
+def test_plans_from_cpu_tensors():
+    """The tensor readers on CPU: the reference path (or the interpreter), never a CUDA kernel."""
+    dev = gemm_device(torch.device("cpu"))
+    assert dev.sm_major == 0 and dev.path in ("reference", "interpreter")
+    x, w = torch.zeros(64, 32, dtype=BF16), torch.zeros(4, 48, 32, dtype=BF16)
+    want = "reference" if dev.path == "reference" else "triton"
+    assert plan_rows(x, w, False, False) == GemmPlan(want)
+    assert plan_rows(x, w.mT.contiguous().mT, True, False) == GemmPlan(want)
+    assert plan_gather_mlp(x, torch.zeros(4, 2048, 32, dtype=BF16)).kernel == want
+    assert plan_wgrad(torch.zeros(64, 48, dtype=BF16), x, 4, False).kernel in (
+        "reference",
+        "triton_wgrad",
+    )
