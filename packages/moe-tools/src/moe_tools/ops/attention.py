@@ -7,6 +7,7 @@ import random
 
 import torch
 
+from moe_kernels.testing import oracle_norm_rope
 from moe_tools.ops.spec import OpSpec, Problem, Sizes, expect_equal, expect_within, randn, ulps
 
 # ulps of the dtype at a rotated pair's magnitude: a normed value may round one ulp apart (the
@@ -48,17 +49,6 @@ def _make(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem:
     return Problem(f"{label} {str(dtype).removeprefix('torch.')}", s, args, {"eps": EPS})
 
 
-def oracle_norm_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """(N, h, D) float64: the RMS norm in float64 rounded to x's dtype (where the contract
-    rounds), each pair (y0, y1) multiplied as the complex number y0 + i y1 by cos + i sin."""
-    D = w.shape[0]
-    x64 = x.double().cpu().reshape(x.shape[0], -1, D)
-    y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * w.double().cpu()
-    y = y.to(x.dtype).double()
-    turn = torch.complex(cos.double().cpu(), sin.double().cpu())[:, None, :]
-    return torch.view_as_real(torch.complex(y[..., 0::2], y[..., 1::2]) * turn).flatten(-2)
-
-
 def _tolerance(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """TOL_ULPS steps of ``dtype`` at each value's pair magnitude."""
     pairs = exact.unflatten(-1, (-1, 2))
@@ -76,10 +66,10 @@ def _oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
     if q is None:
         expect_equal("q_out", q_out, torch.zeros(0, N, D))
     else:
-        exact_q = oracle_norm_rope(q, q_weight, cos, sin).transpose(0, 1)
+        exact_q = oracle_norm_rope(q, q_weight, cos, sin, EPS).transpose(0, 1)
         bound = _tolerance(exact_q, q.dtype)
         worst = expect_within("q vs oracle", q_out, exact_q, bound)
-    exact_k = oracle_norm_rope(k, k_weight, cos, sin).transpose(0, 1)  # (K, N, D)
+    exact_k = oracle_norm_rope(k, k_weight, cos, sin, EPS).transpose(0, 1)  # (K, N, D)
     want_k, bound_k = k_cache.double().cpu(), torch.zeros(k_cache.shape, dtype=torch.float64)
     want_v = v_cache.double().cpu()
     for s in slots.tolist():

@@ -13,6 +13,11 @@ from functools import partial
 
 import torch
 
+from moe_kernels.testing import (
+    oracle_scatter_add_padded,
+    oracle_shuffle,
+    oracle_shuffle_counts,
+)
 from moe_tools.ops.fp8_rows import fbgemm_fn
 from moe_tools.ops.spec import (
     BF16_ULP,
@@ -101,48 +106,22 @@ def _make_shuffle(s: Sizes, gen: torch.Generator, device: torch.device) -> Probl
     return Problem(label, s, (tokens, counts, start, end, padded))
 
 
-def _chunks(counts: torch.Tensor, start: int, end: int, rows: int, padded: bool):
-    """[(expert-first start, rank-first start, rows)] of the local chunks, expert by expert and
-    rank by rank inside an expert: a loop over the counts (contract-valid: none negative, none
-    past the rows or a rank's padded block)."""
-    c = counts.cpu().tolist()
-    EP = len(c)
-    base, acc = [], 0
-    for r in range(EP):
-        base.append(r * (rows // EP) if padded else acc)
-        acc += sum(c[r])
-    out, a = [], 0
-    for e in range(start, end):
-        for r in range(EP):
-            out.append((a, base[r] + sum(c[r][:e]), c[r][e]))
-            a += c[r][e]
-    return out
-
-
 def _shuffle_oracle(combine: bool):
     def oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
-        """Each chunk's rows copied bit for bit, every other row zero; combine's counts: the sum
-        over ranks per local expert, then the total, in the counts' dtype."""
+        """Each chunk's rows copied bit for bit, every other row zero (``oracle_shuffle`` of the
+        tokens' bits); combine's counts: the sum over ranks per local expert, then the total, in
+        the counts' dtype (``oracle_shuffle_counts``)."""
         tokens, counts, start, end, padded = p.args
         got = out[0]
         if got.dtype != tokens.dtype:
             raise CheckFailed(f"tokens dtype {got.dtype} != {tokens.dtype}")
-        src = bits(tokens.cpu())
-        want = torch.zeros_like(src)
-        total = 0
-        for a, b, n in _chunks(counts, start, end, tokens.shape[0], padded):
-            if combine:
-                want[a : a + n] = src[b : b + n]
-            else:
-                want[b : b + n] = src[a : a + n]
-            total += n
+        c = counts.cpu()
+        want = oracle_shuffle(bits(tokens.cpu()), c, start, end, padded, combine)
         expect_equal("tokens vs oracle", bits(got.cpu()), want)
         if combine:
-            c = counts.cpu().long()
-            per_expert = [int(c[:, e].sum()) for e in range(start, end)]
             if out[1].dtype != counts.dtype:
                 raise CheckFailed(f"counts dtype {out[1].dtype} != {counts.dtype}")
-            expect_equal("counts vs oracle", out[1].cpu(), torch.tensor([*per_expert, total]))
+            expect_equal("counts vs oracle", out[1].cpu(), oracle_shuffle_counts(c, start, end))
         return 0.0
 
     return oracle
@@ -258,9 +237,10 @@ def _padded_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
     """Live positions p < sum(counts), each in rank e // (E // EP) of its expert e (a loop over
     the experts). (a) out[idx[p]] += in[rank, p] summed in float64: each of the kernel's adds
     rounds once to out's dtype, so a row is within one ulp of its sum of magnitudes per add
-    (rows without contributions bitwise unchanged); (b) the contract's exact order replayed, a
-    loop over p ascending, each add in fp32 rounded to out's dtype: bitwise (one bf16 ulp in the
-    interpreter, whose stores truncate; one add per bf16 row there, see ``_make_padded``)."""
+    (rows without contributions bitwise unchanged); (b) the contract's exact order replayed
+    (``oracle_scatter_add_padded``: a loop over p ascending, each add in fp32 rounded to out's
+    dtype): bitwise (one bf16 ulp in the interpreter, whose stores truncate; one add per bf16
+    row there, see ``_make_padded``)."""
     in_tokens, counts, indices, base = p.args
     (got,) = out
     EP, positions, D = in_tokens.shape
@@ -280,9 +260,7 @@ def _padded_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
     )
     bound = adds[:, None] * ulps(mag, base.dtype) * (1 + 2.0**-8)
     worst = expect_within("vs oracle", got, want, bound)
-    seq = base.cpu().clone()
-    for i, row in zip(dst.tolist(), rows.float(), strict=True):
-        seq[i] = (seq[i].float() + row).to(seq.dtype)
+    seq = oracle_scatter_add_padded(in_tokens.cpu(), counts.cpu(), indices.cpu(), base.cpu())
     rel = BF16_ULP if got.dtype == torch.bfloat16 and interpreted(got) else 0.0
     expect_equal("vs the sequential adds", got, seq, rel=rel)
     return worst

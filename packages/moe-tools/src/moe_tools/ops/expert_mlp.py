@@ -12,6 +12,7 @@ import random
 import torch
 import torch.nn.functional as F
 
+from moe_kernels.testing import oracle_expert_mlp_rows
 from moe_tools.ops.spec import (
     ULP,
     OpSpec,
@@ -58,41 +59,10 @@ def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def _rows_oracle(x, w_in, w_out, offsets, rows, gated) -> tuple[torch.Tensor, torch.Tensor]:
-    """(exact, bound) per grouped row in float64: y[r] = act(x[rows[r]] @ w_in[e].T) @
-    w_out[e].T, row block by expert, rows past offsets[E] or reading no token zero; the bound:
-    one rounding of y, plus the roundings of h and of the activation (one step of the dtype
-    each, as the interpreter truncates) carried through the activation's slope and |w_out|,
-    plus fp32 accumulation."""
-    ulp = ULP[x.dtype]
-    x64, wi, wo = x.double().cpu(), w_in.double().cpu(), w_out.double().cpu()
-    exact = torch.zeros(rows.shape[0], w_out.shape[1], dtype=torch.float64)
-    bound = torch.zeros_like(exact)
-    bounds, src_all = offsets.tolist(), rows.long().cpu()
-    for e in range(len(bounds) - 1):
-        start, end = bounds[e], max(bounds[e], bounds[e + 1])
-        src = src_all[start:end]
-        live = ((src >= 0) & (src < x.shape[0]))[:, None]
-        xs = torch.where(live, x64[src.clamp(0, max(x.shape[0] - 1, 0))], 0.0)
-        h = xs @ wi[e].T
-        dh = ulp * h.abs() + 1e-5 * (xs.abs() @ wi[e].abs().T)
-        a = _activation(h, gated)
-        if gated:
-            (g, u), (dg, du) = h.chunk(2, dim=-1), dh.chunk(2, dim=-1)
-            da = ulp * a.abs() + 1.1 * u.abs() * dg + F.silu(g).abs() * du
-        else:
-            da = ulp * a.abs() + 1.1 * dh
-        y = a @ wo[e].T
-        exact[start:end] = y
-        carried = (1.5 * da) @ wo[e].abs().T + 1e-5 * (a.abs() @ wo[e].abs().T)
-        bound[start:end] = (ulp + 1e-6) * y.abs() + carried + 1e-30
-    return exact, bound
-
-
 def _oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
-    """Each grouped row against float64 (``_rows_oracle``)."""
+    """Each grouped row against float64 (``oracle_expert_mlp_rows``)."""
     x, w_in, w_out, offsets, rows, _ = p.args
-    exact, bound = _rows_oracle(x, w_in, w_out, offsets, rows, p.kwargs["gated"])
+    exact, bound = oracle_expert_mlp_rows(x, w_in, w_out, offsets, rows, p.kwargs["gated"])
     return expect_within("vs oracle", out[0], exact, bound)
 
 
@@ -174,8 +144,9 @@ def _routed_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
     """y[t] = sum_j s_r y_r over r = inverse[t, j] in float64 from the rows' oracle; bound: the
     rows' bounds times |s|, one rounding of y, fp32 accumulation over the k choices."""
     x, w_in, w_out, plan = p.args
-    rows_y, rows_b = _rows_oracle(x, w_in, w_out, plan.offsets, plan.token_indices,
-                                  p.kwargs["gated"])  # fmt: skip
+    rows_y, rows_b = oracle_expert_mlp_rows(
+        x, w_in, w_out, plan.offsets, plan.token_indices, p.kwargs["gated"]
+    )
     inv = plan.inverse.long().cpu()
     ok = (inv >= 0)[..., None]
     safe = inv.clamp(min=0)

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from moe_kernels.testing import oracle_gather_grouped_mm, oracle_grouped_weight_grad
 from moe_tools.ops.spec import (
     ULP,
     OpSpec,
@@ -75,15 +76,6 @@ def _gemm_problem(
     return GemmRows(label, x, offsets, rows, P)
 
 
-def _groups(offsets: torch.Tensor, rows: torch.Tensor | None, T: int):
-    """Per expert e: (first, end, source rows (long, -1 where outside [0, T))) of its rows."""
-    bounds = offsets.tolist()
-    for e in range(len(bounds) - 1):
-        start, end = bounds[e], max(bounds[e], bounds[e + 1])
-        src = torch.arange(start, end) if rows is None else rows[start:end].long().cpu()
-        yield e, start, end, torch.where((src >= 0) & (src < T), src, -1)
-
-
 def _bound(exact: torch.Tensor, mag: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One rounding to ``dtype`` (a full step: the interpreter truncates), a few fp32 ulps of the
     activation, and the fp32 accumulation's error (1e-5 of the sum of |products|)."""
@@ -101,17 +93,12 @@ def _make_gather_mm(s: Sizes, gen: torch.Generator, device: torch.device) -> Pro
 
 
 def _gather_mm_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
-    """y[p] = act(x[rows[p]] @ w[e].T) in float64, one expert and one row block at a time;
-    rows past offsets[E] and rows whose source is outside [0, T) are zero."""
+    """y[p] = act(x[rows[p]] @ w[e].T) in float64 (``oracle_gather_grouped_mm``); rows past
+    offsets[E] and rows whose source is outside [0, T) are zero. The bound's magnitude: |x| @
+    |w|.T the same way, times 1.1 (SiLU's slope is at most 1.1)."""
     x, w, offsets, rows = p.args
-    x64, w64 = x.double().cpu(), w.double().cpu()
-    exact = torch.zeros(out[0].shape, dtype=torch.float64)
-    mag = torch.zeros_like(exact)
-    for e, start, end, src in _groups(offsets, rows, x.shape[0]):
-        xs = torch.where((src >= 0)[:, None], x64[src.clamp(min=0)], 0.0)
-        h = xs @ w64[e].T
-        exact[start:end] = F.silu(h) if p.kwargs["activation"] == "silu" else h
-        mag[start:end] = 1.1 * (xs.abs() @ w64[e].abs().T)  # SiLU's slope is at most 1.1
+    exact = oracle_gather_grouped_mm(x, w, offsets, rows, p.kwargs["activation"])
+    mag = 1.1 * oracle_gather_grouped_mm(x.abs(), w.abs(), offsets, rows)
     return expect_within("vs oracle", out[0], exact, _bound(exact, mag, x.dtype))
 
 
@@ -191,15 +178,11 @@ def _make_wgrad(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem
 
 
 def _wgrad_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
-    """out[e] = sum over e's rows p of outer(dy[p], x[rows[p]]), float64."""
+    """out[e] = sum over e's rows p of outer(dy[p], x[rows[p]]), float64
+    (``oracle_grouped_weight_grad``; the bound's magnitude: the same of |dy| and |x|)."""
     dy, x, offsets, rows = p.args
-    dy64, x64 = dy.double().cpu(), x.double().cpu()
-    exact = torch.zeros(out[0].shape, dtype=torch.float64)
-    mag = torch.zeros_like(exact)
-    for e, start, end, src in _groups(offsets, rows, x.shape[0]):
-        xs = torch.where((src >= 0)[:, None], x64[src.clamp(min=0)], 0.0)
-        exact[e] = dy64[start:end].T @ xs
-        mag[e] = dy64[start:end].abs().T @ xs.abs()
+    exact = oracle_grouped_weight_grad(dy, x, offsets, rows)
+    mag = oracle_grouped_weight_grad(dy.abs(), x.abs(), offsets, rows)
     return expect_within("vs oracle", out[0], exact, _bound(exact, mag, dy.dtype))
 
 

@@ -4,9 +4,9 @@
 The oracles compute in float64: SiLU-and-mul exactly (then a bound of the fp32 evaluation's
 error: the GPU's ``ex2.approx`` and ``div.full`` are not IEEE), the row-wise quantisation by its
 definition (``m = max(max |v|, 1e-12)`` bounded by scale_ub, ``scale = m / 448``, data the nearest
-e4m3 value of ``v * 448 / m``, ``oracle_e4m3`` of ``ops.mxfp8``): the kernels' scales within
-4 fp32 ulps of the exact one (plus the error of their fp32 values), data within one e4m3 step,
-dead rows bitwise zero.
+e4m3 value of ``v * 448 / m``; ``oracle_silu_mul_exact`` and ``oracle_e4m3`` of
+``moe_kernels.testing``): the kernels' scales within 4 fp32 ulps of the exact one (plus the error
+of their fp32 values), data within one e4m3 step, dead rows bitwise zero.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from moe_tools.ops.mxfp8 import oracle_e4m3
+from moe_kernels.testing import oracle_e4m3, oracle_silu_mul_exact
 from moe_tools.ops.spec import (
     E4M3_STEP,
     CheckFailed,
@@ -79,20 +79,7 @@ def _live(rows: int, vtc: torch.Tensor | None) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# float64 oracles
-
-
-def silu_mul_exact(x0: torch.Tensor, x1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x0 * sigmoid(x0) * x1 in float64, the bound on the error of any fp32 evaluation of
-    FBGEMM's expression ``(x0 * (1 / (1 + exp(-x0)))) * x1``, relative to the exact value).
-
-    exp: 4 ulps (``ex2.approx``) plus the rounding of its argument ``-x0 * log2(e)`` (and of
-    log2(e)): (2 |x0| + 8) u; it moves ``1 + e`` and the sigmoid by (1 - sigmoid) times that.
-    Then ``1 + e`` (u), the division (``div.full``: 2 ulps, 4 u) and the two products (u each):
-    7 u, taken as 12 u (margin: the emulated worst case of each step reaches 8 u)."""
-    a, b = x0.double().cpu(), x1.double().cpu()
-    sig = torch.sigmoid(a)
-    return a * sig * b, ((1 - sig) * (2 * a.abs() + 8) + 12) * U32
+# the check of the float64 oracles
 
 
 def check_fp8_rows(
@@ -205,14 +192,14 @@ def _silu_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
     live = _live(x0.shape[0], vtc)
     if bool(bits(y.cpu())[~live].ne(0).any()):
         raise CheckFailed("dead rows not +0")
-    exact, rel = silu_mul_exact(x0, x1)
+    exact, rel = oracle_silu_mul_exact(x0, x1)
     bound = 2 * ulps(exact, y.dtype) + rel * exact.abs()
     return expect_within("vs oracle", y.cpu()[live], exact[live], bound[live])
 
 
 def _silu_quant_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
     x0, x1, ub, vtc = p.args
-    exact, rel = silu_mul_exact(x0, x1)
+    exact, rel = oracle_silu_mul_exact(x0, x1)
     err = rel * exact.abs()
     return check_fp8_rows("vs oracle", exact, err, _live(x0.shape[0], vtc), ub, *out)
 

@@ -6,6 +6,15 @@ import random
 
 import torch
 
+from moe_kernels.testing import (  # the naive oracles of the layouts, the casts in float64
+    oracle_blocked,
+    oracle_blocked_start_rows,
+    oracle_e4m3,  # noqa: F401 (moe-tools' tests check it by hand as ops.mxfp8.oracle_e4m3)
+    oracle_gather_grouped_mm,
+    oracle_mxfp8,
+    oracle_mxfp8_round_trip,
+    oracle_mxfp8_scale,  # noqa: F401 (checked by hand there too)
+)
 from moe_tools.ops.spec import (
     BF16_ULP,
     E4M3_STEP,
@@ -20,57 +29,6 @@ from moe_tools.ops.spec import (
     randn,
     random_ends,
 )
-
-# ----------------------------------------------------------------------------------------------
-# naive oracles: the layouts by their definition, the casts in float64
-
-
-def oracle_blocked(scale_RC: torch.Tensor) -> torch.Tensor:
-    """cuBLAS block-scaling layout by its definition: 128x4 tiles in row-major tile order, inside
-    a tile byte (r, c) at offset (r % 32) * 16 + (r // 32) * 4 + c; zero padding."""
-    R, C = scale_RC.shape
-    Rp, Cp = -(-R // 128) * 128, -(-C // 4) * 4
-    src = scale_RC.view(torch.uint8).cpu()
-    out = torch.zeros(Rp * Cp, dtype=torch.uint8)
-    r = torch.arange(R)[:, None].expand(R, C)
-    c = torch.arange(C)[None, :].expand(R, C)
-    tile = (r // 128) * (Cp // 4) + c // 4
-    rr, cc = r % 128, c % 4
-    out[tile * 512 + (rr % 32) * 16 + (rr // 32) * 4 + cc] = src
-    return out.view(Rp, Cp)
-
-
-def oracle_mxfp8_scale(x_MK: torch.Tensor) -> torch.Tensor:
-    """(M, K/32) uint8 biased exponents: the smallest e with 2**e >= amax / 448 (rceil), in fp64."""
-    M, K = x_MK.shape
-    amax = x_MK.double().abs().reshape(M, K // 32, 32).amax(-1)
-    e = torch.ceil(torch.log2(amax / 448.0))
-    e = torch.where(amax > 0, e, torch.full_like(e, -127.0)).clamp(-127, 127)
-    return (e + 127).to(torch.uint8)
-
-
-def oracle_e4m3(v: torch.Tensor) -> torch.Tensor:
-    """The nearest e4m3fn value of each float64 value (ties to even; 3 mantissa bits, exponent at
-    least -6 with subnormals below, saturating at 448)."""
-    ex = torch.floor(torch.log2(v.abs().clamp(min=2.0**-6)))
-    step = torch.exp2(ex - 3)
-    return (torch.round(v / step) * step).clamp(-448.0, 448.0)
-
-
-def oracle_mxfp8(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data as float64 e4m3 values, scale bytes) of the rceil MXFP8 cast of (M, K), K % 32 == 0."""
-    M, K = x_MK.shape
-    scale = oracle_mxfp8_scale(x_MK)
-    x = x_MK.double().cpu().reshape(M, K // 32, 32)
-    data = oracle_e4m3(x / torch.exp2(scale.double() - 127)[..., None])
-    return data.reshape(M, K), scale
-
-
-def oracle_dequant(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float64 values of (e4m3 data (M, K) in float64, scale bytes (M, K/32))."""
-    M, K = data.shape
-    s = torch.exp2(scale.double() - 127)
-    return (data.reshape(M, K // 32, 32) * s[..., None]).reshape(M, K)
 
 
 def _ref():
@@ -353,12 +311,12 @@ def _make_offsets(s: Sizes, gen: torch.Generator, device: torch.device) -> Probl
 
 def _oracle_offsets(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
     """A loop over the groups: size = end - previous end, start rows advance by the size rounded
-    up to a multiple of 128."""
-    sizes, starts, prev = [], [0], 0
+    up to a multiple of 128 (``oracle_blocked_start_rows``)."""
+    sizes, prev = [], 0
     for end in p.args[0].tolist():
         sizes.append(end - prev)
-        starts.append(starts[-1] + -(-(end - prev) // 128) * 128)
         prev = end
+    starts = oracle_blocked_start_rows(sizes)
     expect_equal("oracle group_sizes", out[0].cpu().long(), torch.tensor(sizes))
     expect_equal("oracle start_rows", out[1].cpu().long(), torch.tensor(starts))
     if out[0].dtype != torch.int32 or out[1].dtype != torch.int32:
@@ -407,21 +365,15 @@ def _make_mm(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem:
 
 
 def _mm_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
-    """Both operands through the float64 MXFP8 oracle (a row-wise, each b[e] along K), then a
-    float64 loop over the groups: within one rounding of the output plus the fp32
+    """Both operands through the float64 MXFP8 oracle (a row-wise, each b[e] along K), then the
+    grouped GEMM in float64, one group at a time: within one rounding of the output plus the fp32
     accumulation's error (1e-5 of the sum of |products|); rows past the last group are zero."""
     a, b, ends = p.args
-    E, K, N = b.shape
-    qa = oracle_dequant(*oracle_mxfp8(a.float().cpu()))
-    qb_t = oracle_dequant(*oracle_mxfp8(b.float().cpu().transpose(1, 2).reshape(E * N, K)))
-    qb = qb_t.reshape(E, N, K).transpose(1, 2)
-    exact = torch.zeros(a.shape[0], N, dtype=torch.float64)
-    mag = torch.zeros_like(exact)
-    start = 0
-    for e, end in enumerate(ends.tolist()):
-        exact[start:end] = qa[start:end] @ qb[e]
-        mag[start:end] = qa[start:end].abs() @ qb[e].abs()
-        start = max(start, end)
+    qa = oracle_mxfp8_round_trip(a.float(), 1)  # (M, K) along K
+    qb = oracle_mxfp8_round_trip(b.float(), 1)  # (E, K, N) along K
+    offsets = torch.tensor([0, *ends.tolist()])
+    exact = oracle_gather_grouped_mm(qa, qb.mT, offsets)
+    mag = oracle_gather_grouped_mm(qa.abs(), qb.abs().mT, offsets)
     ulp = 2.0**-8 if out[0].dtype == torch.bfloat16 else 2.0**-23
     # the interpreter's e4m3 casts may land one step (2**-3) off: each operand's error then
     quant = 2 * E4M3_STEP + E4M3_STEP**2 if interpreted(a) else 0.0

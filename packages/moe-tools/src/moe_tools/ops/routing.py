@@ -10,6 +10,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from moe_kernels.testing import oracle_pairs, oracle_router_scores, oracle_topk_choices
 from moe_tools.ops.spec import (
     CheckFailed,
     OpSpec,
@@ -22,7 +23,7 @@ from moe_tools.ops.spec import (
 )
 
 # ----------------------------------------------------------------------------------------------
-# torch-native routing and the naive oracles
+# torch-native routing (the naive oracles: moe_kernels.testing)
 
 
 def torch_route(scores_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
@@ -32,27 +33,6 @@ def torch_route(scores_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]
     _, order_N = torch.sort(flat_N, stable=True)
     counts_E = torch.bincount(flat_N, minlength=scores_TE.shape[1])
     return counts_E, order_N, flat_N[order_N], weights_TK.flatten()[order_N]
-
-
-def oracle_choices(scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
-    """(T, k) int64 experts by descending score, ties to the lower expert (fp32 values)."""
-    x = scores_TE.float().cpu()
-    T, E = x.shape
-    out = torch.empty(T, top_k, dtype=torch.int64)
-    for t in range(T):
-        row = x[t].tolist()
-        out[t] = torch.tensor(sorted(range(E), key=lambda e, r=row: (-r[e], e))[:top_k])
-    return out
-
-
-def oracle_pairs(choice_TK: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert, token) of every pair sorted by expert then token, via one scan per expert."""
-    experts, tokens = [], []
-    for e in range(E):
-        toks = (choice_TK == e).any(dim=1).nonzero().flatten()
-        experts.append(torch.full_like(toks, e))
-        tokens.append(toks)
-    return torch.cat(experts), torch.cat(tokens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,7 +88,7 @@ def _route_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
     scores, k = p.args
     T, E = scores.shape
     counts, offsets, exp_P, tok_P, w_P, inv_TK = (t.cpu() for t in out)
-    choice = oracle_choices(scores, k)
+    choice = oracle_topk_choices(scores, k)
     oe, ot = oracle_pairs(choice, E)
     expect_equal("oracle counts", counts.long(), torch.bincount(choice.flatten(), minlength=E))
     expect_equal("oracle offsets[1:]", offsets[1:].long(), torch.cumsum(counts.long(), 0))
@@ -126,7 +106,7 @@ def _shuffling_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
     (scores,), k = p.args, p.kwargs["top_k"]
     T, E = scores.shape
     counts, exp_P, tok_P = (t.cpu().long() for t in out)
-    choice = oracle_choices(scores, k)
+    choice = oracle_topk_choices(scores, k)
     oe, ot = oracle_pairs(choice, E)
     tail = torch.tensor([T, T * k])
     expect_equal(
@@ -190,16 +170,11 @@ def _router_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
     by at most gamma_D * sum |x w| (gamma_D = D u / (1 - D u)); a softmax score then by at most
     s_e (|dl_e| + max_j |dl_j|), a sigmoid by s |dl|; plus 8 ulps for exp and divide."""
     (x, w), score_fn = p.args, p.kwargs["score_fn"]
-    x64, w64 = x.double().cpu(), w.double().cpu()
-    logits = x64 @ w64.T
-    D = x.shape[1]
-    gamma = D * U32 / (1 - D * U32)
-    dl = gamma * (x64.abs() @ w64.abs().T)
+    exact, dl = oracle_router_scores(x.cpu(), w.cpu(), score_fn)
     if score_fn == "softmax":
-        exact = torch.softmax(logits, dim=-1)
         slack = dl + dl.amax(dim=1, keepdim=True) if dl.numel() else dl
     else:
-        exact, slack = torch.sigmoid(logits), dl
+        slack = dl
     return expect_within("vs oracle", out[0], exact, exact * (slack + 8 * U32) + 1e-30)
 
 
@@ -290,42 +265,18 @@ def _make_topk(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem:
     return Problem(label, s, (scores, k), kwargs)
 
 
-def _f32(x: float) -> float:
-    """``x`` rounded to fp32 (a float64 sum of two fp32 values rounds to their fp32 sum)."""
-    return float(torch.tensor(x, dtype=torch.float64).float())
-
-
 def _topk_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
-    """A loop over the tokens: selection values ``scores + bias`` (the contract's fp32 add; NaN as
-    -inf), each group's score the fp32 sum of its two largest values, the ``topk_groups`` best
-    groups (ties to the lower group), then the k best of their experts (ties to the lower
-    expert). Weights: the choices' scores exactly without renormalize and scale, else their
-    float64 value within (k + 4) fp32 roundings (sequential sum, division, scale)."""
+    """The experts of ``oracle_topk_choices`` (a loop over the tokens: selection values ``scores +
+    bias``, the contract's fp32 add, NaN as -inf; each group's score the fp32 sum of its two
+    largest values, the ``topk_groups`` best groups, ties to the lower group; then the k best of
+    their experts, ties to the lower expert). Weights: the choices' scores exactly without
+    renormalize and scale, else their float64 value within (k + 4) fp32 roundings (sequential
+    sum, division, scale)."""
     (scores, k), kw = p.args, p.kwargs
     weights, experts = out
     if weights.dtype != torch.float32 or experts.dtype != torch.int64:
         raise CheckFailed(f"dtypes {weights.dtype}, {experts.dtype}: float32, int64 expected")
-    T, E = scores.shape
-    n_groups, topk_groups = kw["n_groups"], kw["topk_groups"]
-    size = E // n_groups
-    sel = scores.float().cpu()
-    if kw["bias"] is not None:
-        sel = sel + kw["bias"].float().cpu()
-    want = torch.empty(T, k, dtype=torch.int64)
-    for t, row in enumerate(sel.tolist()):
-        val = [float("-inf") if v != v else v for v in row]
-        allowed = range(E)
-        if topk_groups < n_groups:
-            group_score = []
-            for g in range(n_groups):
-                top = sorted(val[g * size : (g + 1) * size], reverse=True)
-                sc = _f32(top[0] + top[1]) if size > 1 else top[0]
-                group_score.append(float("-inf") if sc != sc else sc)
-            best = sorted(range(n_groups), key=lambda g, gs=group_score: (-gs[g], g))
-            allowed = [
-                e for g in sorted(best[:topk_groups]) for e in range(g * size, (g + 1) * size)
-            ]
-        want[t] = torch.tensor(sorted(allowed, key=lambda e, v=val: (-v[e], e))[:k])
+    want = oracle_topk_choices(scores, k, kw["bias"], kw["n_groups"], kw["topk_groups"])
     expect_equal("experts vs oracle", experts.cpu(), want)
     raw = scores.double().cpu().gather(1, want)
     if not kw["renormalize"] and kw["scale"] == 1.0:

@@ -7,6 +7,7 @@ import random
 
 import torch
 
+from moe_kernels.testing import oracle_combine_f64
 from moe_tools.ops.spec import (
     BF16_ULP,
     CheckFailed,
@@ -118,15 +119,10 @@ def _make_combine(s: Sizes, gen: torch.Generator, device: torch.device) -> Probl
 
 
 def _combine_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
-    """A naive loop over the pairs in float64; fp32 accumulation then one bf16 rounding stays
-    within 2 bf16 steps of the exact sum."""
+    """A naive loop over the pairs in float64 (``oracle_combine_f64``); fp32 accumulation then
+    one bf16 rounding stays within 2 bf16 steps of the exact sum."""
     y, plan = p.args
-    T, D = plan.inverse.shape[0], y.shape[1]
-    want = torch.zeros(T, D, dtype=torch.float64)
-    tok, w, yd = plan.token_indices.long().cpu(), plan.weights.double().cpu(), y.double().cpu()
-    for i in range(tok.shape[0]):
-        if tok[i] >= 0:
-            want[tok[i]] += w[i] * yd[i]
+    want = oracle_combine_f64(y, plan.token_indices, plan.weights, plan.inverse.shape[0])
     err = (out[0].cpu().double() - want).abs()
     worst = float(err.max()) if err.numel() else 0.0
     if bool((err > 2 * BF16_ULP * want.abs() + 1e-6).any()):
