@@ -7,8 +7,6 @@ Runs on the torch reference path (TRITON_INTERPRET=0) and on the Triton kernel i
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,6 +14,7 @@ from hypothesis import strategies as st
 
 from moe_kernels._dispatch import use_triton
 from moe_kernels.grouped_mm import gather_grouped_mm
+from moe_kernels.testing import oracle_gather_grouped_mm
 
 CPU = torch.device("cpu")
 TRITON = use_triton(CPU)
@@ -29,26 +28,6 @@ def rand(shape, dtype, seed, scale=1.0):
 
 def make_offsets(counts: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-
-
-def oracle(x, w, offsets, rows, activation):
-    """Row by row: find the row's group by scanning offsets, dot in float64, act, cast."""
-    num_tokens, dim = x.shape
-    num_experts, n, _ = w.shape
-    num_rows = num_tokens if rows is None else rows.shape[0]
-    bounds = [int(b) for b in offsets]
-    out = torch.zeros(num_rows, n, dtype=torch.float64)
-    for p in range(num_rows):
-        group = next((e for e in range(num_experts) if bounds[e] <= p < bounds[e + 1]), None)
-        src = p if rows is None else int(rows[p])
-        if group is None or not 0 <= src < num_tokens:
-            continue
-        for j in range(n):
-            acc = sum(float(x[src, d]) * float(w[group, j, d]) for d in range(dim))
-            if activation == "silu":
-                acc = acc / (1.0 + math.exp(-acc))
-            out[p, j] = acc
-    return out
 
 
 def assert_close(actual: torch.Tensor, expected64: torch.Tensor, dim: int) -> None:
@@ -84,7 +63,7 @@ def test_gathered_matches_oracle(dtype, case, activation):
     rows[int(offsets[-1]) :] = -1  # the tail of a routing plan
     y = gather_grouped_mm(x, w, offsets, rows, activation=activation)
     assert y.shape == (num_rows, n) and y.dtype == dtype
-    assert_close(y, oracle(x, w, offsets, rows, activation), dim)
+    assert_close(y, oracle_gather_grouped_mm(x, w, offsets, rows, activation), dim)
 
 
 @settings(max_examples=12, deadline=None)
@@ -113,7 +92,7 @@ def test_property_random_groups(counts, tail, num_tokens, dim, n, gathered, seed
         rows = torch.randint(0, num_tokens, (num_rows,), generator=g, dtype=torch.int32)
         rows[int(offsets[-1]) :] = -1
     y = gather_grouped_mm(x, w, offsets, rows, activation="silu")
-    assert_close(y, oracle(x, w, offsets, rows, "silu"), dim)
+    assert_close(y, oracle_gather_grouped_mm(x, w, offsets, rows, "silu"), dim)
 
 
 @pytest.mark.parametrize("activation", [None, "silu"])
@@ -124,7 +103,7 @@ def test_sorted_rows_none_with_tail(activation):
     offsets = make_offsets([7, 0, 15])
     y = gather_grouped_mm(x, w, offsets, None, activation=activation)
     assert bool((y[22:] == 0).all())
-    assert_close(y, oracle(x, w, offsets, None, activation), 64)
+    assert_close(y, oracle_gather_grouped_mm(x, w, offsets, None, activation), 64)
 
 
 def test_bad_row_inside_group_is_zero_and_strided_int64_inputs():
@@ -138,7 +117,7 @@ def test_bad_row_inside_group_is_zero_and_strided_int64_inputs():
     rows[3], rows[15] = -1, 20
     y = gather_grouped_mm(x, w, offsets, rows, activation="silu")
     assert bool((y[3] == 0).all()) and bool((y[15] == 0).all())
-    assert_close(y, oracle(x, w, offsets, rows, "silu"), 48)
+    assert_close(y, oracle_gather_grouped_mm(x, w, offsets, rows, "silu"), 48)
 
 
 def test_deterministic_and_matches_route_dispatch():
@@ -181,7 +160,7 @@ def test_tile_configs_agree(block_m, group_m, tma, sorted_rows):
     rows = torch.randint(0, 60, (60,), generator=torch.Generator().manual_seed(14)).int()
     rows[53:] = -1
     rows = None if sorted_rows else rows
-    expected = oracle(x, w, offsets, rows, "silu")
+    expected = oracle_gather_grouped_mm(x, w, offsets, rows, "silu")
     base = tri.gather_grouped_mm(x, w, offsets, rows, tri.ACT_SILU)
     cfg = tri.GemmConfig(block_m, 16, 32, group_m, 4, 1, tma)
     y = tri.gather_grouped_mm(x, w, offsets, rows, tri.ACT_SILU, config=cfg)

@@ -27,6 +27,7 @@ import torch
 pytest.importorskip("triton")
 
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels.testing import ROUTING_PLANS, SELECTION_PLANS
 
 pytestmark = [
     pytest.mark.skipif(INTERPRET, reason="ops are opaque under the interpreter"),
@@ -359,9 +360,8 @@ def mk_():
 
 
 def _routing_plans():
-    from test_compile_sm90 import PLANS, SELECTION_PLANS
-
-    return [(p, False) for p in PLANS] + [(p, True) for p in PLANS + SELECTION_PLANS]
+    plans = ROUTING_PLANS
+    return [(p, False) for p in plans] + [(p, True) for p in plans + SELECTION_PLANS]
 
 
 @pytest.mark.slow  # ~2 minutes of Triton compiles on two cores: the newest torch's session only
@@ -379,7 +379,7 @@ def test_every_routing_plan_runs_from_inductors_module(module_of, plan, route):
 
 
 def _placement(plan, route) -> str:
-    """The plan family the chooser picks for a ``PLANS`` entry on a 132-SM device."""
+    """The plan family the chooser picks for a ``ROUTING_PLANS`` entry on a 132-SM device."""
     from moe_kernels._routing_outputs import Selection
     from moe_kernels._triton.routing.launch import problem_of
     from moe_kernels._triton.routing.plan import Device, choose_plan

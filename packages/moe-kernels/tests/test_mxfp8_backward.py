@@ -22,6 +22,7 @@ import torch
 
 from moe_kernels import mxfp8 as mx
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels.testing import oracle_mxfp8_grouped_mm_grads
 
 SQNR_MIN_DB = 25.0
 # one rounding to bf16, relative: round to nearest even; Triton's interpreter truncates its
@@ -89,42 +90,7 @@ def test_sqnr_against_unquantised(dy_dtype, seed) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the independent emulation
-
-
-def dequant64(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float64 value of an MXFP8 cast, by hand: data * 2**(byte - 127) per block of 32."""
-    s = torch.exp2(scale.view(torch.uint8).double() - 127.0)
-    return data.double() * s.repeat_interleave(32, dim=-1)
-
-
-def rowwise64(x: torch.Tensor) -> torch.Tensor:
-    """q(x) along the last dim, zero padding of a partial last block."""
-    pad = -x.shape[-1] % 32
-    xp = torch.nn.functional.pad(x, (0, pad))
-    return dequant64(*mx.to_mxfp8(xp))[:, : x.shape[-1]]
-
-
-def emulated_grads(a, b, ends, dy):
-    """float64 dA, dB of the recipe, per group with host loops (the 128-row padded layout)."""
-    E, K, N = b.shape
-    sizes, start_rows = mx.compute_per_group_blocked_scale_offsets(ends)
-    sizes, start_rows = sizes.tolist(), start_rows.tolist()
-    bounds = [0, *ends.tolist()]
-    dyq = rowwise64(dy)  # along N
-    da = torch.zeros(a.shape, dtype=torch.float64)
-    # each group's rows at its padded start; both operands transposed, cast along the tokens
-    a_pad = a.new_zeros(start_rows[-1], K)
-    dy_pad = dy.new_zeros(start_rows[-1], N)
-    for e in range(E):
-        s, t = bounds[e], bounds[e + 1]
-        da[s:t] = dyq[s:t] @ rowwise64(b[e]).T  # b[e] (K, N) along N
-        a_pad[start_rows[e] : start_rows[e] + sizes[e]] = a[s:t]
-        dy_pad[start_rows[e] : start_rows[e] + sizes[e]] = dy[s:t]
-    aq_t = dequant64(*mx.to_mxfp8(a_pad.t().contiguous()))  # (K, rows)
-    dyq_t = dequant64(*mx.to_mxfp8(dy_pad.t().contiguous()))  # (N, rows)
-    db = torch.stack([aq_t[:, r:t] @ dyq_t[:, r:t].T for r, t in pairwise(start_rows)])
-    return da, db
+# the independent emulation: moe_kernels.testing's oracle_mxfp8_grouped_mm_grads
 
 
 def assert_rounded_from(got: torch.Tensor, ref64: torch.Tensor, mag64: torch.Tensor, n: int):
@@ -140,8 +106,9 @@ def assert_rounded_from(got: torch.Tensor, ref64: torch.Tensor, mag64: torch.Ten
 def test_matches_emulation(N, dy_dtype) -> None:
     a, b, ends, dy = make_problem(M_ROWS, 64, N, SIZES, 2, dy_dtype, spread=True)
     _, da, db = run(a, b, ends, dy)
-    da_ref, db_ref = emulated_grads(a, b, ends, dy)
-    da_mag, db_mag = emulated_grads(a.abs(), b.abs(), ends, dy.abs())  # |q(x)| = q(|x|)
+    da_ref, db_ref = oracle_mxfp8_grouped_mm_grads(a, b, ends, dy)
+    # |q(x)| = q(|x|)
+    da_mag, db_mag = oracle_mxfp8_grouped_mm_grads(a.abs(), b.abs(), ends, dy.abs())
     assert_rounded_from(da, da_ref, da_mag, N)
     assert_rounded_from(db, db_ref, db_mag, M_ROWS)
     # in fact (these sizes, this seed) every result is the exact value rounded to bf16

@@ -4,44 +4,25 @@ MX-quantised operands (float64 quantisation oracle: tight bound) and one on the 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from moe_kernels import mxfp8 as mx
+from moe_kernels.testing import oracle_gather_grouped_mm, oracle_mxfp8_round_trip
 
 
 def quantize_dequantize_rceil(x: np.ndarray, axis: int) -> np.ndarray:
-    """float64 MX round trip, rceil scales, blocks of 32 along ``axis`` (finite inputs)."""
-    x = np.moveaxis(x, axis, -1)
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
-    out = np.empty_like(blocks)
-    for idx in np.ndindex(*blocks.shape[:-1]):
-        blk = blocks[idx]
-        amax = float(np.abs(blk).max())
-        e = -127
-        if amax > 0:
-            e = math.frexp(amax)[1] - 1 - 9
-            while 448.0 * 2.0**e < amax:
-                e += 1
-            e = max(e, -127)
-        # e4m3: 3 mantissa bits, exponent >= -6 (subnormals below), round half to even
-        v = blk / 2.0**e
-        ex = np.floor(np.log2(np.maximum(np.abs(v), 2.0**-6)))
-        step = 2.0 ** (ex - 3)
-        out[idx] = np.clip(np.round(v / step) * step, -448, 448) * 2.0**e
-    return np.moveaxis(out.reshape(x.shape), -1, axis)
+    """float64 MX round trip, rceil scales, blocks of 32 along ``axis`` (finite inputs):
+    ``oracle_mxfp8_round_trip``."""
+    return oracle_mxfp8_round_trip(torch.from_numpy(x), axis).numpy()
 
 
 def loop_grouped_mm(a: np.ndarray, b: np.ndarray, ends: list[int]) -> np.ndarray:
-    out = np.zeros((a.shape[0], b.shape[2]))
-    start = 0
-    for e, end in enumerate(ends):
-        out[start:end] = a[start:end] @ b[e]
-        start = end
-    return out
+    """float64 a (M, K) @ b[e] (E, K, N) group by group, zero rows past the last group:
+    ``oracle_gather_grouped_mm``."""
+    w = torch.from_numpy(b).mT  # (E, N, K)
+    return oracle_gather_grouped_mm(torch.from_numpy(a), w, torch.tensor([0, *ends])).numpy()
 
 
 def make_problem(M: int, K: int, N: int, sizes: list[int], seed: int):

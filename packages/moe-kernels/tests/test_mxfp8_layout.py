@@ -10,26 +10,12 @@ import torch
 
 from moe_kernels import mxfp8 as mx
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels.testing import oracle_blocked, oracle_blocked_start_rows
 
 
 def naive_blocked(s: np.ndarray) -> np.ndarray:
-    """(R, C) uint8 -> (Rp, Cp): tile (i, j) at byte (i * Cp/4 + j) * 512, its element (r, c) at
-    (r % 32) * 16 + (r // 32) * 4 + c; zero padding."""
-    R, C = s.shape
-    Rp, Cp = -(-R // 128) * 128, -(-C // 4) * 4
-    out = np.zeros(Rp * Cp, np.uint8)
-    for i in range(Rp // 128):
-        for j in range(Cp // 4):
-            base = (i * (Cp // 4) + j) * 512
-            for r in range(128):
-                row = i * 128 + r
-                if row >= R:
-                    break
-                for c in range(4):
-                    col = j * 4 + c
-                    if col < C:
-                        out[base + (r % 32) * 16 + (r // 32) * 4 + c] = s[row, col]
-    return out.reshape(Rp, Cp)
+    """(R, C) uint8 -> (Rp, Cp): the cuBLAS tiles by their definition (``oracle_blocked``)."""
+    return oracle_blocked(torch.from_numpy(s)).numpy()
 
 
 def rand_scales(
@@ -51,13 +37,6 @@ def test_to_blocked(shape: tuple[int, int], dtype: torch.dtype) -> None:
     out = mx.to_blocked(s)
     assert out.dtype == dtype
     np.testing.assert_array_equal(u8(out), naive_blocked(u8(s)))
-
-
-def oracle_start_rows(sizes: list[int]) -> list[int]:
-    rows = [0]
-    for n in sizes:
-        rows.append(rows[-1] + -(-n // 128) * 128)
-    return rows
 
 
 GROUP_SIZES = {
@@ -82,7 +61,8 @@ def test_to_blocked_per_group_2d(name: str, offs_dtype: torch.dtype) -> None:
     blocked, start_rows = mx.to_blocked_per_group_2d(s, ends)
     Cp = -(-C // 4) * 4
     assert blocked.shape == (R + 128 * G, Cp) and blocked.dtype == s.dtype
-    assert start_rows.dtype == torch.int32 and start_rows.tolist() == oracle_start_rows(sizes)
+    assert start_rows.dtype == torch.int32
+    assert start_rows.tolist() == oracle_blocked_start_rows(sizes)
     got, s_np, row = u8(blocked), u8(s), 0
     for g, n in enumerate(sizes):
         lo, hi = start_rows[g].item(), start_rows[g + 1].item()
@@ -108,7 +88,7 @@ def test_compute_per_group_blocked_scale_offsets(offs_dtype: torch.dtype) -> Non
     ends = torch.tensor(np.cumsum(sizes), dtype=offs_dtype)
     got_sizes, start_rows = mx.compute_per_group_blocked_scale_offsets(ends)
     assert got_sizes.tolist() == sizes
-    assert start_rows.tolist() == oracle_start_rows(sizes)
+    assert start_rows.tolist() == oracle_blocked_start_rows(sizes)
 
 
 @pytest.mark.parametrize("shape", [(3, 130, 5), (2, 128, 8), (1, 1, 1), (4, 64, 36)])

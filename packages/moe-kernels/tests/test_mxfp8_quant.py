@@ -4,69 +4,16 @@ TRITON_INTERPRET=1, on the Triton kernels (exact there too: the kernels round wi
 
 from __future__ import annotations
 
-import math
-import struct
-
 import numpy as np
 import pytest
 import torch
 
 from moe_kernels import mxfp8 as mx
 from moe_kernels._dispatch import INTERPRET
+from moe_kernels.testing import oracle_e4m3_value, oracle_mxfp8_bits, special_table
 
-# ------------------------------------------------------------------ independent float64 oracle
-
-
-def _e4m3_value(code: int) -> float:
-    e, m = (code >> 3) & 15, code & 7
-    return m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
-
-
-_CODES = np.arange(0x7F)  # 0x00 .. 0x7E: the non-negative finite e4m3fn values, increasing
-_VALUES = np.array([_e4m3_value(int(c)) for c in _CODES])
-assert _VALUES[-1] == 448.0 and np.all(np.diff(_VALUES) > 0)
-
-
-def oracle_e4m3_bits(v: np.ndarray) -> np.ndarray:
-    """float64 -> e4m3fn bits: round to nearest, ties to even code, saturate to +-448."""
-    a = np.minimum(np.abs(v), 448.0)
-    hi = np.clip(np.searchsorted(_VALUES, a), 0, len(_VALUES) - 1)
-    lo = np.clip(hi - 1, 0, None)
-    dlo, dhi = a - _VALUES[lo], _VALUES[hi] - a
-    pick_hi = (dhi < dlo) | ((dhi == dlo) & (_CODES[hi] % 2 == 0))
-    code = np.where(pick_hi, hi, lo)
-    return (code | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
-
-
-def oracle_exponent(amax: float, mode: str) -> int:
-    """Unbiased scale exponent of a finite block amax (inf / NaN blocks are invalid: no scale)."""
-    assert math.isfinite(amax)
-    if amax == 0:
-        return -127
-    if mode == "floor":
-        e = math.frexp(amax)[1] - 1 - 8
-    else:  # smallest e with 448 * 2**e >= amax, exact in float64
-        e = math.frexp(amax)[1] - 1 - 9
-        while 448.0 * 2.0**e < amax:
-            e += 1
-    return max(-127, min(127, e))
-
-
-def oracle_mxfp8(x: torch.Tensor, mode: str) -> tuple[np.ndarray, np.ndarray]:
-    x64 = x.double().numpy()
-    M, K = x64.shape
-    data = np.zeros((M, K), np.uint8)
-    scale = np.zeros((M, K // 32), np.uint8)
-    for i in range(M):
-        for b in range(K // 32):
-            blk = x64[i, 32 * b : 32 * b + 32]
-            if not np.isfinite(blk).all():  # any inf or NaN: NaN scale, NaN data
-                scale[i, b], data[i, 32 * b : 32 * b + 32] = 255, 0x7F
-                continue
-            e = oracle_exponent(float(np.abs(blk).max()), mode)
-            scale[i, b] = e + 127
-            data[i, 32 * b : 32 * b + 32] = oracle_e4m3_bits(blk / 2.0**e)
-    return data, scale
+# the independent float64 oracle: moe_kernels.testing's oracle_mxfp8_bits (python per block,
+# e4m3 rounding by nearest-value search over the format's code table)
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
@@ -102,7 +49,7 @@ def test_to_mxfp8_matches_oracle(mode: str, dtype: torch.dtype) -> None:
     data, scale = mx.to_mxfp8(x, scaling_mode=mode)
     assert data.dtype == torch.float8_e4m3fn and data.shape == (40, 96)
     assert scale.dtype == torch.float8_e8m0fnu and scale.shape == (40, 3)
-    want_d, want_s = oracle_mxfp8(x, mode)
+    want_d, want_s = oracle_mxfp8_bits(x, mode)
     np.testing.assert_array_equal(bits(scale), want_s)
     np.testing.assert_array_equal(bits(data), want_d)
 
@@ -140,94 +87,8 @@ def test_nan_inf_zero_blocks(mode: str) -> None:
 
 
 # ------------------------------------------------- special values: a table of expected bytes
-# Each row: (name, input dtypes (F fp32, B bf16, H fp16), the first values of a block of 32, the
-# value filling the rest, expected (scale byte, data bytes of the first values, data byte of the
-# fill) for "floor", the same for "rceil"). The bytes are worked out by hand from the rules in
-# moe_kernels.mxfp8's docstring (torchao's rules after 0.18): no code computes them.
-
-
-def _f32(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", bits))[0]
-
-
-INF, NAN = math.inf, math.nan
-F32_MAX = _f32(0x7F7FFFFF)  # (2 - 2**-23) * 2**127
-BF16_MAX = _f32(0x7F7F0000)  # (2 - 2**-7) * 2**127
-P35 = _f32(0x40600001)  # 3.5 + 1 ulp: bf16 and fp16 round it to 3.5
-P512 = _f32(0x43FFFFFF)  # 512 - 1 ulp: bf16 and fp16 round it to 512
-INVALID = (255, [], 0x7F)  # a block with an inf or a NaN: NaN scale, all data NaN
-# fmt: off
-SPECIAL_CASES = [
-    ("zero block", "FBH", [], 0.0, (0, [], 0x00), (0, [], 0x00)),
-    ("-0 block keeps the sign", "FBH", [], -0.0, (0, [], 0x80), (0, [], 0x80)),
-    ("+inf among ones", "FBH", [1.0, INF], 1.0, INVALID, INVALID),
-    ("-inf among zeros", "FBH", [-INF], 0.0, INVALID, INVALID),
-    ("+inf and -inf beside 448", "FBH", [INF, -INF], 448.0, INVALID, INVALID),
-    ("NaN among ones", "FBH", [NAN], 1.0, INVALID, INVALID),
-    ("negative NaN", "FBH", [-NAN], 0.0, INVALID, INVALID),
-    ("inf and NaN", "FBH", [2.0, INF, NAN], 0.0, INVALID, INVALID),
-    # scale 2**-127 (byte 0): data x * 2**127
-    ("2**-126 block", "FB", [2**-126, -(2**-126)], 2**-126, (0, [0x40, 0xC0], 0x40),
-     (0, [0x40, 0xC0], 0x40)),
-    ("2**-133, bf16's smallest subnormal", "FB", [2**-133, -(2**-133)], 0.0,
-     (0, [0x08, 0x88], 0x00), (0, [0x08, 0x88], 0x00)),
-    ("2**-149, fp32's smallest subnormal", "F", [2**-149, -(2**-149)], 0.0,
-     (0, [0x00, 0x80], 0x00), (0, [0x00, 0x80], 0x00)),
-    ("448, e4m3's max", "FBH", [448.0, -448.0], 0.0, (127, [0x7E, 0xFE], 0),
-     (127, [0x7E, 0xFE], 0)),
-    # floor: 2**(127 - 8), x / 2**119 ~ 512 saturates to 448; rceil: 2**120, x / 2**120 ~ 256
-    ("fp32 max", "F", [F32_MAX, -F32_MAX], 0.0, (246, [0x7E, 0xFE], 0), (247, [0x78, 0xF8], 0)),
-    ("bf16 max", "FB", [BF16_MAX, -BF16_MAX], 0.0, (246, [0x7E, 0xFE], 0),
-     (247, [0x78, 0xF8], 0)),
-    ("480", "FBH", [480.0, -480.0], 0.0, (127, [0x7E, 0xFE], 0), (128, [0x77, 0xF7], 0)),
-    # amax 1.0: scale 2**-8 in both modes; the subnormal * 2**8 rounds to (signed) zero
-    ("ones and fp32's smallest subnormal", "F", [2**-149, -(2**-149)], 1.0,
-     (119, [0x00, 0x80], 0x78), (119, [0x00, 0x80], 0x78)),
-    ("ones and bf16's smallest subnormal", "FB", [2**-133, -(2**-133)], 1.0,
-     (119, [0x00, 0x80], 0x78), (119, [0x00, 0x80], 0x78)),
-    ("ones and fp16's smallest subnormal", "FBH", [2**-24, -(2**-24)], 1.0,
-     (119, [0x00, 0x80], 0x78), (119, [0x00, 0x80], 0x78)),
-    # fp32 3.5 + ulp: floor 2**-7 (448.00003 saturates); rceil needs 2**-6 (224.00002 -> 224)
-    ("0x40600001", "F", [P35], 0.0, (120, [0x7E], 0), (121, [0x76], 0)),
-    ("0x40600001 rounded to 3.5", "BH", [P35], 0.0, (120, [0x7E], 0), (120, [0x7E], 0)),
-    # fp32 512 - ulp: floor 2**0 (511.99997 saturates); rceil 2**1 (255.99998 -> 256)
-    ("0x43FFFFFF", "F", [P512], 0.0, (127, [0x7E], 0), (128, [0x78], 0)),
-    ("0x43FFFFFF rounded to 512", "BH", [P512], 0.0, (128, [0x78], 0), (128, [0x78], 0)),
-    # fp16 (worked out by hand): its subnormals and max are ordinary fp32 normals, so they get
-    # ordinary scales, unlike the fp32/bf16 subnormals above. 65504 = 1.999 * 2**15: floor
-    # 2**(15 - 8) (byte 134), 65504 / 128 = 511.75 saturates to 448; rceil 2**8 (byte 135),
-    # 65504 / 256 = 255.875 rounds to 256 (0x78). (bf16 rounds 65504 to 65536: not in "B".)
-    ("65504, fp16's max", "FH", [65504.0, -65504.0], 0.0, (134, [0x7E, 0xFE], 0),
-     (135, [0x78, 0xF8], 0)),
-    # 2**-24 alone: floor and rceil both 2**(-24 - 8) (byte 95), data 2**8 = 256 (0x78)
-    ("2**-24, fp16's smallest subnormal", "FBH", [2**-24, -(2**-24)], 0.0,
-     (95, [0x78, 0xF8], 0), (95, [0x78, 0xF8], 0)),
-    # 2**-14: both 2**-22 (byte 105), data 256
-    ("2**-14, fp16's smallest normal", "FBH", [2**-14], 0.0, (105, [0x78], 0), (105, [0x78], 0)),
-    # 1023 * 2**-24 = 1.998 * 2**-15: floor 2**-23 (byte 104), 511.5 saturates to 448; rceil
-    # 2**-22 (byte 105), 255.75 rounds to 256. (bf16 rounds it to 2**-14: not in "B".)
-    ("1023 * 2**-24, fp16's largest subnormal", "FH", [1023 * 2**-24], 0.0, (104, [0x7E], 0),
-     (105, [0x78], 0)),
-]
-# fmt: on
-_DTYPE_LETTER = {torch.float32: "F", torch.bfloat16: "B", torch.float16: "H"}
-
-
-def special_table(dtype: torch.dtype, mode: str):
-    """(names, x (N, 32) of ``dtype``: one case a row, scale (N,) uint8, data (N, 32) uint8)."""
-    names, rows, scales, datas = [], [], [], []
-    for name, dtypes, head, fill, floor, rceil in SPECIAL_CASES:
-        if _DTYPE_LETTER[dtype] not in dtypes:
-            continue
-        scale, head_bytes, fill_byte = floor if mode == "floor" else rceil
-        names.append(name)
-        rows.append([*head, *[fill] * (32 - len(head))])
-        scales.append(scale)
-        datas.append([*head_bytes, *[fill_byte] * (32 - len(head_bytes))])
-    # every value is an exact fp32; build the fp32 bits first (keeps NaN signs), then round once
-    f32 = np.array(rows, dtype=np.float32)
-    x = torch.from_numpy(f32).to(dtype)
-    return names, x, np.array(scales, np.uint8), np.array(datas, np.uint8)
+# (moe_kernels.testing's SPECIAL_CASES and special_table: worked out by hand, no code computes
+# them)
 
 
 def interpreter_blind_spots(x: torch.Tensor) -> np.ndarray:
@@ -260,7 +121,7 @@ def test_special_table_is_consistent() -> None:
     for dtype in DTYPES:
         for mode in MODES:
             names, x, want_s, want_d = special_table(dtype, mode)
-            od, os_ = oracle_mxfp8(x, mode)
+            od, os_ = oracle_mxfp8_bits(x, mode)
             assert_special(names, od, os_[:, 0], want_d, want_s, f"oracle {dtype} {mode}")
 
 
@@ -326,7 +187,7 @@ def test_dim1_equals_transposed_dim0(mode: str, dtype: torch.dtype) -> None:
     d0, s0 = mx.to_mxfp8(x.t().contiguous(), scaling_mode=mode)
     np.testing.assert_array_equal(bits(d1), bits(d0))
     np.testing.assert_array_equal(bits(s1), bits(s0))
-    want_d, want_s = oracle_mxfp8(x.t().contiguous(), mode)
+    want_d, want_s = oracle_mxfp8_bits(x.t().contiguous(), mode)
     np.testing.assert_array_equal(bits(d1), want_d)
     np.testing.assert_array_equal(bits(s1), want_s)
 
@@ -335,7 +196,7 @@ def test_dim1_odd_k_and_noncontiguous_input() -> None:
     base = torch.randn(64, 10, dtype=torch.bfloat16)
     x = base[:, 1:6]  # (64, 5), row stride 10
     d1, s1 = mx.to_mxfp8_dim1(x)
-    want_d, want_s = oracle_mxfp8(x.t().contiguous(), "rceil")
+    want_d, want_s = oracle_mxfp8_bits(x.t().contiguous(), "rceil")
     np.testing.assert_array_equal(bits(d1), want_d)
     np.testing.assert_array_equal(bits(s1), want_s)
 
@@ -344,7 +205,7 @@ def test_dim0_row_strided_input() -> None:
     base = make_x(24, 160, torch.bfloat16, seed=10)
     x = base[:, 32:128]  # (24, 96), row stride 160
     d, s = mx.to_mxfp8(x)
-    want_d, want_s = oracle_mxfp8(x.contiguous(), "rceil")
+    want_d, want_s = oracle_mxfp8_bits(x.contiguous(), "rceil")
     np.testing.assert_array_equal(bits(d), want_d)
     np.testing.assert_array_equal(bits(s), want_s)
 
@@ -374,7 +235,9 @@ def test_from_mxfp8_matches_oracle(dtype: torch.dtype) -> None:
     s[0, 0] = 255
     out = mx.from_mxfp8(d.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), dtype)
     assert out.dtype == dtype and out.shape == (M, K)
-    vals = np.array([_e4m3_value(int(c) & 0x7F) * (-1 if c & 0x80 else 1) for c in d.flatten()])
+    vals = np.array(
+        [oracle_e4m3_value(int(c) & 0x7F) * (-1 if c & 0x80 else 1) for c in d.flatten()]
+    )
     sc = np.where(s.numpy() == 255, np.nan, 2.0 ** (s.numpy().astype(np.float64) - 127))
     want = torch.from_numpy(vals.reshape(M, K) * np.repeat(sc, 32, axis=1)).to(dtype)
     assert torch.equal(out[1:], want[1:])
@@ -459,7 +322,7 @@ def test_dim1_kernel_tiles() -> None:
     x = make_x(2 * 96, 40, torch.bfloat16, seed=8).view(2, 96, 40)
     x[1, 50, 7] = float("nan")
     x[0, 70, 30] = float("-inf")
-    want = [oracle_mxfp8(x[e].t().contiguous(), "floor") for e in range(2)]
+    want = [oracle_mxfp8_bits(x[e].t().contiguous(), "floor") for e in range(2)]
     configs = [
         {"variant": "tload", "BLOCK_M": 32, "BLOCK_K": 8},
         {"variant": "tload", "BLOCK_M": 128, "BLOCK_K": 64},
@@ -479,7 +342,7 @@ def test_dim1_kernel_tiles() -> None:
     for cfg in ({"RPT": 16, "KV": 2, "BLOCK_M": 64, "BLOCK_K": 16}, {"RPT": 8, "BLOCK_M": 32}):
         d, s = tq.to_mxfp8_dim1(xe, False, config=cfg)
         for e in range(2):
-            want_d, want_s = oracle_mxfp8(xe[e].t().contiguous(), "rceil")
+            want_d, want_s = oracle_mxfp8_bits(xe[e].t().contiguous(), "rceil")
             np.testing.assert_array_equal(bits(d[e]), want_d, err_msg=str(cfg))
             np.testing.assert_array_equal(bits(s[e]), want_s, err_msg=str(cfg))
 
@@ -507,7 +370,7 @@ def test_dim0_and_dequant_tiles() -> None:
     from moe_kernels._triton import mxfp8_quant as tq
 
     x = make_x(40, 192, torch.float32, seed=9)
-    want_d, want_s = oracle_mxfp8(x, "rceil")
+    want_d, want_s = oracle_mxfp8_bits(x, "rceil")
     for bm, bk in ((16, 32), (64, 128), (8, 256)):
         d, s = tq.to_mxfp8(x, False, block_m=bm, block_k=bk)
         np.testing.assert_array_equal(bits(d), want_d)

@@ -27,6 +27,7 @@ import torch
 from moe_kernels._dispatch import INTERPRET, use_triton
 from moe_kernels.reference import rope as ref
 from moe_kernels.rope import qk_norm_rope
+from moe_kernels.testing import oracle_norm_rope, oracle_rope_model_formula
 
 CPU = torch.device("cpu")
 TRITON = use_triton(CPU)
@@ -125,42 +126,14 @@ def check_call(p: Problem, layer, slots, q=True):
 # the reference is the model's formula
 
 
-def model_formula(q, k, v, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, layer, slot, eps):
-    """The world model's attention prologue before this op (moe_model.attention / rope /
-    kv_cache), written out: RMSNorm, apply_rope, kv_write's index_copy_, q folded for SDPA."""
-
-    def rms_norm(x, w):
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        y = y * w.float()
-        return y.to(x.dtype)
-
-    def apply_rope(x_NHD):
-        N, H, D = x_NHD.shape
-        x_NHP2 = x_NHD.float().view(N, H, D // 2, 2)
-        x0, x1 = x_NHP2[..., 0], x_NHP2[..., 1]
-        c, s = cos[:, None, :], sin[:, None, :]
-        out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1)
-        return out.view(N, H, D).to(x_NHD.dtype)
-
-    N, Dh = k.shape[0], k_cache.shape[-1]
-    Hkv, H = k.shape[1] // Dh, q.shape[1] // Dh
-    k_HND = apply_rope(rms_norm(k.reshape(N, Hkv, Dh), k_norm_w)).transpose(0, 1)
-    v_HND = v.reshape(N, Hkv, Dh).transpose(0, 1)
-    k_cache[layer].index_copy_(1, slot, k_HND.unsqueeze(1))
-    v_cache[layer].index_copy_(1, slot, v_HND.unsqueeze(1))
-    q_NHD = apply_rope(rms_norm(q.reshape(N, H, Dh), q_norm_w))
-    G = H // Hkv
-    return q_NHD.view(N, Hkv, G, Dh).permute(1, 2, 0, 3).reshape(Hkv, G * N, Dh)
-
-
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_reference_is_the_model_formula_bit_for_bit(dtype):
     p = Problem(N=20, H=4, K=2, D=16, dtype=dtype, seed=1)
     slot = torch.tensor([3])
     kc, vc = p.k_cache.clone(), p.v_cache.clone()
-    want_q = model_formula(p.q, p.k, p.v, p.q_weight, p.k_weight, p.cos, p.sin, kc, vc, 2, slot,
-                           EPS)  # fmt: skip
+    want_q = oracle_rope_model_formula(
+        p.q, p.k, p.v, p.q_weight, p.k_weight, p.cos, p.sin, kc, vc, 2, slot, EPS
+    )
     got_q = ref.qk_norm_rope(*p.args(2, slot), EPS)
     assert torch.equal(bits(got_q.view(p.K, -1, p.D)), bits(want_q))
     assert torch.equal(bits(p.k_cache), bits(kc)) and torch.equal(bits(p.v_cache), bits(vc))
@@ -170,11 +143,7 @@ def test_reference_matches_float64_oracle():
     """rope(norm(x)) in float64 with the rotation as a complex product: the fp32 reference is
     within a few fp32 ulps of it (an independent formula, not the same ops)."""
     p = Problem(N=12, H=2, K=1, D=8, dtype=torch.float32, seed=2)
-    x = p.q.double().view(p.N, p.H, p.D)
-    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + EPS) * p.q_weight.double()
-    z = torch.view_as_complex(y.view(p.N, p.H, p.D // 2, 2).contiguous())
-    rot = torch.polar(torch.ones_like(p.cos.double()), torch.atan2(p.sin, p.cos).double())
-    want = torch.view_as_real(z * rot[:, None, :]).reshape(p.N, p.H, p.D)
+    want = oracle_norm_rope(p.q, p.q_weight, p.cos, p.sin, EPS)  # (N, H, D)
     got = ref.norm_rope(p.q, p.q_weight, p.cos, p.sin, EPS).double()
     assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import moe_kernels as mk
 from moe_kernels.activation import activation_grad_weighted
+from moe_kernels.testing import oracle_routed_experts_formula
 
 T, E, K, D, H = 11, 4, 3, 32, 16
 
@@ -62,36 +63,13 @@ def _chain(gated):
     return fn
 
 
-def _formula(gated):
-    """Token by token in float64 with torch autograd: each kept choice's expert MLP times its
-    weight (the plan's choices and weights read from route, the scores' gradient through them)."""
-    plan = None
-
-    def fn(x, w_in, w_out, s):
-        nonlocal plan
-        plan = _plan(s.detach().float())
-        y = []
-        for t in range(T):
-            acc = x.new_zeros(D)
-            for j in range(K):
-                r = int(plan.inverse[t, j])
-                if r < 0:
-                    continue
-                e = int(plan.expert_indices[r])
-                h = w_in[e] @ x[t]
-                a = F.silu(h[:H]) * h[H:] if gated else F.silu(h)
-                acc = acc + s[t, e] * (w_out[e] @ a)
-            y.append(acc)
-        return torch.stack(y)
-
-    return fn
-
-
 @pytest.mark.parametrize("gated", [False, True])
 def test_matches_float64_formula(gated):
     x, w_in, w_out, s, dy = _problem(gated=gated)
     ours = _run(_ours(gated), x, w_in, w_out, s, dy)
-    want = _run(_formula(gated), *(t.double() for t in (x, w_in, w_out, s, dy)))
+    want = _run(
+        oracle_routed_experts_formula(_plan, gated), *(t.double() for t in (x, w_in, w_out, s, dy))
+    )
     names = ("y", "grad x", "grad w_in", "grad w_out", "grad scores")
     for name, a, b in zip(names, ours, want, strict=True):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5, msg=name)

@@ -25,6 +25,7 @@ import torch
 from moe_kernels._dispatch import use_triton
 from moe_kernels.reference import router as ref
 from moe_kernels.router import router_scores
+from moe_kernels.testing import oracle_router_scores
 
 CPU = torch.device("cpu")
 TRITON = use_triton(CPU)
@@ -42,31 +43,10 @@ def make(num_tokens, num_experts, dim, x_dtype=torch.bfloat16, w_dtype=torch.flo
     return x, w
 
 
-def oracle64(x, w, score_fn):
-    """(scores, logit error bound) in float64: plain matmul, then the score function in loops."""
-    x64, w64 = x.double(), w.double()
-    logits = x64 @ w64.T
-    bound = (x64.abs() @ w64.abs().T) * (x.shape[1] * U / (1 - x.shape[1] * U))
-    num_tokens, num_experts = logits.shape
-    out = torch.empty_like(logits)
-    for t in range(num_tokens):
-        row = [float(v) for v in logits[t]]
-        if score_fn == "softmax":
-            m = max(row)
-            p = [math.exp(v - m) for v in row]
-            total = math.fsum(p)
-            for e in range(num_experts):
-                out[t, e] = p[e] / total
-        else:
-            for e in range(num_experts):
-                out[t, e] = 1.0 / (1.0 + math.exp(-row[e]))
-    return out, bound
-
-
 def assert_close_to_oracle(scores, x, w, score_fn):
     assert scores.dtype == torch.float32
     assert scores.shape == (x.shape[0], w.shape[0])
-    exact, dl = oracle64(x, w, score_fn)
+    exact, dl = oracle_router_scores(x, w, score_fn)
     if score_fn == "softmax":
         slack = dl + dl.amax(dim=1, keepdim=True) if dl.numel() else dl
     else:
@@ -309,7 +289,7 @@ def test_split_variant_forward_and_backward(score_fn):
 
     x0, w0 = make(37, 64, 200, seed=41)
     logits = split.logits(x0, w0)
-    exact, bound = oracle64(x0, w0, "softmax")
+    exact, bound = oracle_router_scores(x0, w0, "softmax")
     l64 = x0.double() @ w0.double().T
     assert bool(((logits.double() - l64).abs() <= bound + 4 * U * l64.abs()).all())
     g0 = rand((37, 64), torch.float32, 42)

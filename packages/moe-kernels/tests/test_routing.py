@@ -3,138 +3,19 @@
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_kernels.routing import RoutingPlan, index_shuffling, route
+from moe_kernels.routing import index_shuffling, route
+from moe_kernels.testing import check_plan, check_shuffling, make_scores, oracle_route_plan
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# ---------------------------------------------------------------------------------------------
-# the naive oracle: Python loops over tokens, pairs sorted by Python's sort
-
-
-def naive_plan(scores, top_k, start=None, end=None, valid=None, renormalize=False):
-    """Returns dict of numpy arrays: counts, offsets, expert, token, weights, inverse, tcpe."""
-    x = scores.float().numpy().astype(np.float32)
-    T, E = x.shape
-    start = 0 if start is None else start
-    end = E if end is None else end
-    L = end - start
-    n_valid = T if valid is None else min(max(int(valid), 0), T)
-    pairs = []  # (local expert, token, weight)
-    inverse = np.full((T, top_k), -1, dtype=np.int64)
-    chosen = {}
-    for t in range(T):
-
-        def sort_key(e, t=t):
-            v = x[t, e]
-            v = -math.inf if math.isnan(v) else float(v)
-            return (-v, e)
-
-        experts = sorted(range(E), key=sort_key)[:top_k]
-        ws = [x[t, e] for e in experts]
-        if renormalize:
-            s = np.float32(ws[0])
-            for w in ws[1:]:
-                s = np.float32(s + np.float32(w))
-            with np.errstate(all="ignore"):
-                ws = [np.float32(np.float32(w) / s) for w in ws]
-        for j, (e, w) in enumerate(zip(experts, ws, strict=True)):
-            if t < n_valid and start <= e < end:
-                pairs.append((e - start, t, w))
-                chosen[(e - start, t)] = j
-    pairs.sort(key=lambda p: (p[0], p[1]))
-    P = T * top_k
-    expert = np.full(P, -1, dtype=np.int64)
-    token = np.full(P, -1, dtype=np.int64)
-    weights = np.zeros(P, dtype=np.float32)
-    counts = np.zeros(L, dtype=np.int64)
-    for pos, (l, t, w) in enumerate(pairs):
-        expert[pos], token[pos], weights[pos] = l, t, w
-        counts[l] += 1
-        inverse[t, chosen[(l, t)]] = pos
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    tcpe = np.zeros(E + 2, dtype=np.int64)
-    tcpe[start:end] = counts
-    tcpe[E] = T
-    tcpe[E + 1] = len(pairs)
-    return dict(
-        counts=counts,
-        offsets=offsets,
-        expert=expert,
-        token=token,
-        weights=weights,
-        inverse=inverse,
-        tcpe=tcpe,
-    )
-
-
-def assert_int(out: torch.Tensor, want: np.ndarray, name: str) -> None:
-    assert out.dtype == torch.int32, name
-    assert tuple(out.shape) == want.shape, (name, tuple(out.shape), want.shape)
-    np.testing.assert_array_equal(out.numpy(), want, err_msg=name)
-
-
-def assert_weights(out: torch.Tensor, want: np.ndarray) -> None:
-    """Bitwise equal, NaN matching NaN (payloads may differ)."""
-    assert out.dtype == torch.float32 and tuple(out.shape) == want.shape
-    got = out.numpy()
-    nan = np.isnan(want)
-    np.testing.assert_array_equal(np.isnan(got), nan)
-    np.testing.assert_array_equal(got[~nan].view(np.int32), want[~nan].view(np.int32))
-
-
-def check_plan(plan: RoutingPlan, want: dict) -> None:
-    assert isinstance(plan, RoutingPlan)
-    assert_int(plan.counts, want["counts"], "counts")
-    assert_int(plan.offsets, want["offsets"], "offsets")
-    assert_int(plan.expert_indices, want["expert"], "expert_indices")
-    assert_int(plan.token_indices, want["token"], "token_indices")
-    assert_weights(plan.weights, want["weights"])
-    assert_int(plan.inverse, want["inverse"], "inverse")
-
-
-def check_shuffling(out, want: dict) -> None:
-    tcpe, expert, token = out
-    assert_int(tcpe, want["tcpe"], "token_count_per_expert")
-    assert_int(expert, want["expert"], "expert_indices")
-    assert_int(token, want["token"], "token_indices")
-
-
-def make_scores(T, E, dtype, kind="randn", seed=0, layout="row"):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "randn":
-        x = torch.randn(T, E, generator=g)
-    elif kind == "ties":  # few distinct values: many ties, -0.0 beside +0.0
-        x = torch.randint(-2, 3, (T, E), generator=g).float() * 0.5
-        x = torch.where(torch.rand(T, E, generator=g) < 0.2, -0.0, x)
-    elif kind == "special":  # NaN, +-inf, all -inf and all NaN rows
-        x = torch.randn(T, E, generator=g)
-        x[torch.rand(T, E, generator=g) < 0.2] = float("nan")
-        x[torch.rand(T, E, generator=g) < 0.1] = float("-inf")
-        x[torch.rand(T, E, generator=g) < 0.05] = float("inf")
-        x[0] = float("-inf")
-        if T > 1:
-            x[1] = float("nan")
-    else:
-        raise ValueError(kind)
-    x = x.to(dtype)
-    if layout == "col":
-        x = x.t().contiguous().t()
-        assert x.stride(0) == 1 or T <= 1
-    elif layout == "strided":
-        x = torch.cat([x, x], dim=1)[:, ::2]
-    elif layout in ("pad", "odd"):  # row stride E + 2 (pairs stay 4-byte aligned) or E + 1
-        x = torch.cat([x, x[:, : 2 if layout == "pad" else 1]], dim=1)[:, :E]
-    return x
-
+# the naive oracle (moe_kernels.testing.oracle_route_plan): Python loops over tokens, pairs
+# sorted by Python's sort; check_plan / check_shuffling compare bit for bit
 
 # (T, E, top_k, start, end, valid, kind, layout)
 CASES = [
@@ -171,7 +52,7 @@ def test_route_matches_oracle(case, dtype):
         expert_index_end=end,
         renormalize=renorm,
     )
-    check_plan(plan, naive_plan(x, k, start, end, valid, renorm))
+    check_plan(plan, oracle_route_plan(x, k, start, end, valid, renorm))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -180,7 +61,7 @@ def test_index_shuffling_matches_oracle(case, dtype):
     T, E, k, start, end, valid, kind, layout = case
     x = make_scores(T, E, dtype, kind, seed=2 * T + E, layout=layout)
     out = index_shuffling(x, start, end, _vtc(valid, torch.int64), k)
-    check_shuffling(out, naive_plan(x, k, start, end, valid))
+    check_shuffling(out, oracle_route_plan(x, k, start, end, valid))
 
 
 def test_route_renormalize_and_consistency():
@@ -190,7 +71,7 @@ def test_route_renormalize_and_consistency():
     renorm = route(
         x, 3, valid_token_count=vtc, expert_index_start=1, expert_index_end=9, renormalize=True
     )
-    check_plan(renorm, naive_plan(x, 3, 1, 9, 60, renormalize=True))
+    check_plan(renorm, oracle_route_plan(x, 3, 1, 9, 60, renormalize=True))
     tcpe, expert, token = index_shuffling(x, 1, 9, vtc, 3)
     # the plan and index_shuffling agree, and the plan's pieces agree with each other
     for a, b in ((plain.expert_indices, expert), (plain.token_indices, token)):
@@ -217,7 +98,7 @@ def test_all_minus_inf_rows_pick_distinct_experts():
     x = torch.full((6, 5), float("-inf"), dtype=torch.bfloat16)
     x[3] = float("nan")
     plan = route(x, 4)
-    want = naive_plan(x, 4)
+    want = oracle_route_plan(x, 4)
     check_plan(plan, want)
     # every token has experts 0..3 once
     for t in range(6):
@@ -229,13 +110,14 @@ def test_all_minus_inf_rows_pick_distinct_experts():
 def test_valid_token_count(valid):
     x = make_scores(40, 6, torch.float16, "ties", seed=valid % 7)
     vtc = torch.tensor([valid], dtype=torch.int64)
-    check_plan(route(x, 2, valid_token_count=vtc), naive_plan(x, 2, valid=valid))
+    check_plan(route(x, 2, valid_token_count=vtc), oracle_route_plan(x, 2, valid=valid))
 
 
 def test_more_than_65536_experts():
     x = make_scores(3, 70001, torch.bfloat16, "ties", seed=2)
     check_plan(
-        route(x, 2, expert_index_start=5, renormalize=True), naive_plan(x, 2, 5, None, None, True)
+        route(x, 2, expert_index_start=5, renormalize=True),
+        oracle_route_plan(x, 2, 5, None, None, True),
     )
 
 
@@ -273,7 +155,7 @@ def test_property_random_shapes(T, E, data):
     layout = data.draw(st.sampled_from(["row", "col"]), label="layout")
     renorm = data.draw(st.booleans(), label="renormalize")
     x = make_scores(T, E, dtype, kind, seed=T * 31 + E, layout=layout) if T else torch.empty(0, E)
-    want = naive_plan(x, k, start, end, valid, renorm)
+    want = oracle_route_plan(x, k, start, end, valid, renorm)
     plan = route(
         x,
         k,

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_routing import _vtc, check_plan, check_shuffling, make_scores, naive_plan
 
 from moe_kernels._dispatch import use_triton
 from moe_kernels._triton.routing.plan import INTERPRETER, Constraints, choose_plan
+from moe_kernels.testing import check_plan, check_shuffling, make_scores, oracle_route_plan
 
 pytestmark = pytest.mark.skipif(
     not use_triton(torch.device("cpu")), reason="Triton kernels run on CPU only when interpreted"
 )
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 C = Constraints
+
+
+def _vtc(valid, dtype=torch.int32):
+    return None if valid is None else torch.tensor([valid], dtype=dtype)
 
 
 def _run(x, k, start, end, valid, renorm, constraints, route, one_buffer=False):
@@ -89,7 +93,7 @@ def test_plan_matches_oracle(case):
         p = choose_plan(_problem(x, k, valid, start, end, renorm and route, route), INTERPRETER,
                         constraints)  # fmt: skip
         assert (p.placement, p.topk) == want
-        oracle = naive_plan(x, k, start, end, valid, renorm and route)
+        oracle = oracle_route_plan(x, k, start, end, valid, renorm and route)
         # outputs in one buffer (eager calls) for route, apart (custom-op calls) for the other
         got = _run(x, k, start, end, valid, renorm and route, constraints, route, route)
         (check_plan if route else check_shuffling)(got, oracle)

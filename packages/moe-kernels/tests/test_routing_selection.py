@@ -4,81 +4,18 @@ on the reference path (TRITON_INTERPRET=0) and on kernel A 'grouped' in the inte
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pytest
 import torch
-from test_routing import check_plan, make_scores
 
 from moe_kernels.routing import route
+from moe_kernels.testing import (
+    check_plan,
+    make_scores,
+    oracle_selection_grad,
+    oracle_selection_plan,
+)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _rank(v: float) -> float:
-    return -math.inf if math.isnan(v) else v
-
-
-def naive_choices(x, bias, n_groups, topk_groups, top_k):
-    """Each token's experts (Python lists), by the issue's rule written as loops."""
-    T, E = x.shape
-    per = E // n_groups
-    sel = x.astype(np.float32) + (bias.astype(np.float32) if bias is not None else np.float32(0))
-    out = []
-    for t in range(T):
-        v = [_rank(float(sel[t, e])) for e in range(E)]
-        allowed = range(E)
-        if topk_groups < n_groups:
-            gscore = []
-            for g in range(n_groups):
-                top = sorted(v[g * per : (g + 1) * per], reverse=True)[:2]
-                with np.errstate(invalid="ignore"):  # inf + -inf: NaN, ranked as -inf
-                    s = float(np.float32(top[0]) + np.float32(top[1])) if per > 1 else top[0]
-                gscore.append(_rank(s))
-            groups = sorted(range(n_groups), key=lambda g: (-gscore[g], g))[:topk_groups]
-            allowed = [e for e in range(E) if e // per in groups]
-        out.append(sorted(allowed, key=lambda e: (-v[e], e))[:top_k])
-    return out
-
-
-def naive_selection_plan(scores, top_k, bias=None, n_groups=1, topk_groups=None, scale=1.0,
-                         renormalize=False, start=0, end=None, valid=None):  # fmt: skip
-    x = scores.float().numpy()
-    T, E = x.shape
-    end = E if end is None else end
-    L = end - start
-    b = None if bias is None else bias.float().numpy()
-    n_valid = T if valid is None else min(max(valid, 0), T)
-    choices = naive_choices(x, b, n_groups, topk_groups or n_groups, top_k)
-    pairs, where = [], {}
-    for t, experts in enumerate(choices):
-        ws = [np.float32(x[t, e]) for e in experts]
-        with np.errstate(all="ignore"):
-            if renormalize:
-                s = ws[0]
-                for w in ws[1:]:
-                    s = np.float32(s + w)
-                ws = [np.float32(w / s) for w in ws]
-            if scale != 1.0:
-                ws = [np.float32(w * np.float32(scale)) for w in ws]
-        for j, (e, w) in enumerate(zip(experts, ws, strict=True)):
-            if t < n_valid and start <= e < end:
-                pairs.append((e - start, t, w))
-                where[(e - start, t)] = j
-    pairs.sort(key=lambda p: (p[0], p[1]))
-    P = T * top_k
-    want = dict(
-        expert=np.full(P, -1, np.int64), token=np.full(P, -1, np.int64),
-        weights=np.zeros(P, np.float32), inverse=np.full((T, top_k), -1, np.int64),
-        counts=np.zeros(L, np.int64),
-    )  # fmt: skip
-    for pos, (l, t, w) in enumerate(pairs):
-        want["expert"][pos], want["token"][pos], want["weights"][pos] = l, t, w
-        want["counts"][l] += 1
-        want["inverse"][t, where[(l, t)]] = pos
-    want["offsets"] = np.concatenate([[0], np.cumsum(want["counts"])]).astype(np.int64)
-    return want
 
 
 # (T, E, top_k, n_groups, topk_groups, bias, scale, renormalize, start, end, valid, kind)
@@ -111,7 +48,7 @@ def test_route_selection_matches_oracle(case, dtype):
     plan = route(scores, k, bias=bias, n_groups=G, topk_groups=TG, scale=scale,
                  renormalize=renorm, valid_token_count=vtc, expert_index_start=start,
                  expert_index_end=end)  # fmt: skip
-    want = naive_selection_plan(scores, k, bias, G, TG, scale, renorm, start, end, valid)
+    want = oracle_selection_plan(scores, k, bias, G, TG, scale, renorm, start, end, valid)
     check_plan(plan, want)
 
 
@@ -133,7 +70,7 @@ def test_tile_variant_matches_oracle(case):
     end = E if end is None else end
     plan = launch.run(scores, k, None, start, end, renorm, True, Constraints(block_t=4, sub=2),
                       selection=Selection(bias, G, TG or G, scale))  # fmt: skip
-    check_plan(plan, naive_selection_plan(scores, k, bias, G, TG, scale, renorm, start, end))
+    check_plan(plan, oracle_selection_plan(scores, k, bias, G, TG, scale, renorm, start, end))
 
 
 def test_group_limit_is_strict():
@@ -145,7 +82,7 @@ def test_group_limit_is_strict():
     x[1, :4] = float("nan")
     x[1, 4:] = 1.0
     plan = route(x, 3, n_groups=4, topk_groups=2)
-    check_plan(plan, naive_selection_plan(x, 3, None, 4, 2))
+    check_plan(plan, oracle_selection_plan(x, 3, None, 4, 2))
     picked = plan.expert_indices[plan.inverse.long()]
     assert picked.tolist() == [[0, 1, 2], [4, 5, 6]]
 
@@ -158,18 +95,6 @@ def test_inverse_orders_by_biased_score():
     assert chosen.tolist() == [1, 0]  # 1.1 before 0.9
     w = plan.weights[plan.inverse[0].long()]
     assert w.tolist() == [pytest.approx(0.1), pytest.approx(0.9)]  # unbiased weights
-
-
-def _naive_grad(scores, k, bias, G, TG, scale, renorm, g_TK):
-    """d sum(g * w) / d scores by autograd of the naive weights (an independent formula)."""
-    x = scores.detach().float().requires_grad_()
-    b = None if bias is None else bias.float().numpy()
-    choices = torch.tensor(naive_choices(x.detach().numpy(), b, G, TG or G, k))
-    w = x.gather(1, choices)
-    if renorm:
-        w = w / w.sum(1, keepdim=True)
-    (w * scale * g_TK).sum().backward()
-    return x.grad, choices
 
 
 @pytest.mark.parametrize("renorm", [False, True])
@@ -187,7 +112,7 @@ def test_route_selection_gradient(renorm, rng):
     # the pair gradients in choice order (zero for unrouted choices)
     ok = plan.inverse >= 0
     g_TK = torch.where(ok, g_P[plan.inverse.clamp(min=0).long()], 0.0)
-    want, _ = _naive_grad(scores, k, bias, G, TG, 2.5, renorm, g_TK)
+    want, _ = oracle_selection_grad(scores, k, bias, G, TG, 2.5, renorm, g_TK)
     torch.testing.assert_close(scores.grad, want, rtol=1e-5, atol=1e-6)
 
 

@@ -4,32 +4,11 @@ against a naive Python oracle (per token: sorted lists, float32 sums in choice o
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from test_routing import make_scores
-from test_routing_selection import naive_choices
 
 from moe_kernels import TopkChoices, topk_choices
-
-
-def naive_weights(x, choices, renormalize, scale):
-    """The choices' unbiased float32 scores, divided by their sum (added in choice order), then
-    times the scale, one float32 rounding per step."""
-    out = []
-    for t, experts in enumerate(choices):
-        ws = [np.float32(x[t, e]) for e in experts]
-        with np.errstate(all="ignore"):
-            if renormalize:
-                s = ws[0]
-                for w in ws[1:]:
-                    s = np.float32(s + w)
-                ws = [np.float32(w / s) for w in ws]
-            if scale != 1.0:
-                ws = [np.float32(w * np.float32(scale)) for w in ws]
-        out.append(ws)
-    return np.array(out, dtype=np.float32).reshape(len(choices), -1)
-
+from moe_kernels.testing import make_scores, oracle_topk_choices, oracle_topk_weights
 
 # (T, E, top_k, n_groups, topk_groups, bias, scale, renormalize, kind)
 CASES = [
@@ -56,11 +35,10 @@ def test_topk_choices_match_naive_oracle(case, dtype):
     )
     assert isinstance(got, TopkChoices)
     x = scores.float().numpy()
-    b = None if bias is None else bias.float().numpy()
-    want = naive_choices(x, b, G, TG or G, k)
+    want = oracle_topk_choices(scores, k, bias, G, TG or G).tolist()
     assert got.experts.dtype == torch.int64 and got.experts.tolist() == want
     assert got.weights.dtype == torch.float32
-    want_w = torch.from_numpy(naive_weights(x, want, renorm, scale))
+    want_w = torch.from_numpy(oracle_topk_weights(x, want, renorm, scale))
     assert torch.equal(got.weights.nan_to_num(7.0), want_w.nan_to_num(7.0))
 
 
