@@ -1,4 +1,4 @@
-"""The helpers the GPU diagnostics in ``benchmarks/gpu/`` share: one copy of each.
+"""The helpers the timing scripts in ``benchmarks/gpu/`` share: one copy of each.
 
 How the scripts run (the one convention): as files, from the repository root, with the three
 packages' sources on PYTHONPATH (they need not be installed)::
@@ -11,7 +11,11 @@ common`` (or one script importing another) resolves here with no ``sys.path`` ed
 script any other way (``python3 -c``, a test) needs ``benchmarks/gpu`` on PYTHONPATH as well.
 ``benchmarks/`` may import all three packages; the packages never import ``benchmarks/``.
 
-The rule: a diagnostic drives kernel variants only through the library's typed override channel
+The scripts time; correctness lives in the GPU tests (``pytest -m gpu``, ``nox -s gpu``). A
+script checks in one line at most that what it timed is sane. The checks' helpers (no host
+sync, poisoned outputs, bitwise equality, CUDA-graph capture) are ``moe_kernels.testing``'s.
+
+The rule: a script drives kernel variants only through the library's typed override channel
 (the configs and keyword overrides the launchers accept: ``config=``, ``block_c=``, ``warps=``,
 ``native_cast=``, ...), never by patching kernel source or module globals.
 
@@ -22,10 +26,6 @@ What is here:
   ``graph_time_fn``), :func:`graph_bench_us` (``do_bench`` over the replay of a graph of one call),
   :func:`host_us` (the host's wall time per call, back to back), :func:`back_to_back_us` (the
   same loop timed by CUDA events), :func:`once_us` (one eager call: what the CPU dry runs time);
-* :func:`capture`: a call captured in a CUDA graph after a warm-up on a side stream;
-* checks: :func:`poison` (fill the caching allocator so fresh outputs start as garbage),
-  :func:`same_bits` (bitwise equality, NaN equal to NaN), :func:`check` and :data:`FAILS` (the
-  report lines and the failures of one run), :func:`forbid_host_sync`;
 * yardsticks: :func:`clone_of` (a clone moving a given number of bytes),
   :func:`torch_router_scores` (the router's torch formula);
 * :func:`compile_sm90`: a ``@triton.jit`` kernel compiled for sm_90a without a GPU, with ptxas's
@@ -37,14 +37,14 @@ What is here:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from moe_kernels.testing import capture
 from moe_tools.timing import bench_us as _bench_us
 from moe_tools.timing import graph_time_fn
 
@@ -127,85 +127,6 @@ def back_to_back_us(fn: Callable[[], object], calls: int = 200, warmup: int = 10
     return start.elapsed_time(end) * 1e3 / calls
 
 
-def capture(fn: Callable[[], object], warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, object]:
-    """fn called ``warmup`` times on a side stream (compiles, allocator), then captured in a CUDA
-    graph: (the graph, what fn returned while captured, i.e. the graph's static outputs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
-# ------------------------------------------------------------------------------------ checks
-
-FAILS: list[str] = []  # the failed checks of this run (check() and the scripts append)
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    """Print ``  [ok] name detail`` (or ``[FAIL]``); a failure is added to :data:`FAILS`."""
-    print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
-    if not ok:
-        FAILS.append(name)
-
-
-def poison(
-    nbytes: int, *, byte: int = 0xFF, device: torch.device | str = "cuda", blocks: int = 3
-) -> None:
-    """Leave ``blocks`` freed blocks of ``nbytes`` (+ 4 KiB) filled with ``byte`` in the caching
-    allocator, so the outputs allocated next start as garbage, not zeros. 0xFF is NaN in every
-    float dtype (fp32, bf16, fp16, e4m3) and -1 in the integer ones; take another byte (0x7F,
-    0x5A) where -1 or NaN is a value the op writes."""
-    bufs = [
-        torch.full((nbytes + 4096,), byte, dtype=torch.uint8, device=device) for _ in range(blocks)
-    ]
-    del bufs
-
-
-_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def same_bits(a, b) -> bool:
-    """a and b hold the same bits (b brought to a's device). Floats of 2 bytes or more: NaN
-    equals NaN (their payloads and signs may differ), every other element bit for bit (so -0.0 is
-    not 0.0). 1-byte types (e4m3 data, e8m0 scales, uint8) compare byte for byte, the dtypes may
-    differ (a float8 output against a uint8 view of it); otherwise the dtypes must be equal.
-    Tuples and lists (a RoutingPlan, the (data, scale) pair of a cast) compare element-wise."""
-    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b, strict=True))
-    if a.shape != b.shape or a.element_size() != b.element_size():
-        return False
-    b = b.to(a.device)
-    if a.element_size() == 1:
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    if a.dtype != b.dtype:
-        return False
-    if not a.dtype.is_floating_point:
-        return torch.equal(a, b)
-    na, nb = torch.isnan(a), torch.isnan(b)
-    ints = _INT_OF_SIZE[a.element_size()]
-    return torch.equal(na, nb) and torch.equal(a.view(ints)[~na], b.view(ints)[~nb])
-
-
-@contextlib.contextmanager
-def forbid_host_sync(active: bool = True) -> Iterator[None]:
-    """Inside: ``torch.cuda.set_sync_debug_mode("error")`` (an op that syncs with the host
-    raises); the default mode again on the way out. ``active=False`` (CPU dry runs): nothing."""
-    if not active:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
 # -------------------------------------------------------------------------------- yardsticks
 
 
@@ -285,7 +206,7 @@ def config_sweep_main(doc: str, shapes: dict, tiny: tuple, other_configs: list, 
     """The command line of a kernel's per-shape config sweep: ``--shapes`` (names of ``shapes``,
     all by default), ``--configs`` (``other_configs`` beside the default, None), ``--dry-run``
     (the ``tiny`` shape in fp32 on the CPU). Prints ``header``, then calls ``run_shape(name,
-    shape, configs, device, dtype, dry)`` per shape (bf16 on CUDA), then the failed checks."""
+    shape, configs, device, dtype, dry)`` per shape (bf16 on CUDA)."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--shapes", default=",".join(shapes))
     p.add_argument("--configs", action="store_true", help="other launch configs beside the default")
@@ -298,4 +219,3 @@ def config_sweep_main(doc: str, shapes: dict, tiny: tuple, other_configs: list, 
     chosen = {"tiny": tiny} if args.dry_run else {s: shapes[s] for s in args.shapes.split(",")}
     for name, shape in chosen.items():
         run_shape(name, shape, configs, dev, dtype, args.dry_run)
-    print("FAILED:", FAILS) if FAILS else print("all checks passed")

@@ -7,9 +7,9 @@ PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/sr
 
 Variants: the module's memory format (``nn.Module.to(memory_format=...)``: NCHW, or channels_last,
 where cuDNN picks NHWC kernels) x eager or ``torch.compile`` (Inductor fuses the upsampling and
-SiLU around the convolutions). Each is checked against eager NCHW (uint8 images: at most 1 level
-apart, the counts of differing pixels printed) and run twice (bitwise repeatable), then timed as
-the replay of a CUDA graph of one call (``graph_bench_us``).
+SiLU around the convolutions), timed as the replay of a CUDA graph of one call
+(``graph_bench_us``), with the count of pixels that differ from eager NCHW's image. Within one
+level of it and repeatable: ``tests/gpu/test_gpu.py`` (moe-model).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from common import FAILS, check, graph_bench_us
+from common import graph_bench_us
 
 from moe_model import WorldModelConfig
 from moe_model.autoencoder import LatentDecoder
@@ -41,20 +41,16 @@ def main() -> int:
                 m.load_state_dict(dec.state_dict())
                 m = m.to(DEV, torch.bfloat16).eval().to(memory_format=fmt)
                 fn = torch.compile(m, fullgraph=True) if comp else m
-                a, b = fn(z), fn(z)
                 name = f"{'NHWC' if fmt is torch.channels_last else 'NCHW'} " + (
                     "compiled" if comp else "eager"
                 )
-                diff = (a.int() - want.int()).abs()
-                check(f"{name}: repeatable", torch.equal(a, b))
-                check(f"{name}: within 1 of eager NCHW", int(diff.max()) <= 1)
+                diff = (fn(z).int() - want.int()).abs()
                 us = graph_bench_us(lambda fn=fn: fn(z), dry=DRY)
                 rows.append((name, us, int((diff > 0).sum()), want.numel()))
     print(f"\n{'variant':22} {'graph_us':>9} {'diff px':>8}")
     for name, us, n_diff, n in rows:
         print(f"{name:22} {us:9.1f} {n_diff:8d} of {n}")
-    print(f"failures: {FAILS or 'none'}")
-    return 1 if FAILS else 0
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 the gathered rows for backward or gathering them again, beside the chain of ops it replaced
 (``dispatch``, ``gather_grouped_mm``, ``expert_activation``, ``gather_grouped_mm``) and the six
 grouped GEMMs alone; each in a CUDA graph (device time) and eager (host time included), with
-the peak memory a forward + backward adds, bitwise repeatability and agreement with the chain.
-Then the forward alone (no grad: the Triton GEMM that gathers in its loads, and the op chain)
-beside its two grouped GEMMs.
+the peak memory a forward + backward adds (gradients against the op chain and repeatability:
+``tests/gpu/test_backward_gpu.py``). Then the forward alone (no grad: the Triton GEMM that
+gathers in its loads, and the op chain) beside its two grouped GEMMs.
 
     PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \\
         python3 benchmarks/gpu/expert_mlp_gpu.py [--shapes=seed,qwen3,sonic,sonic_mem] [--dry-run]
@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import FAILS, bench_us, capture, check, same_bits
+from common import bench_us
 
 import moe_kernels as mk
+from moe_kernels.testing import capture
 
 SHAPES = {  # name: (tokens, d_model, hidden, experts, top_k, gated)
     "seed": (2048, 2048, 1024, 16, 8, False),
@@ -112,20 +113,14 @@ def run_shape(name: str, shape: tuple, dev: str, dtype: torch.dtype, dry: bool) 
         fwd_gemm_ms = bench_us(capture(fwd, warmup=2)[0].replay) / 1e3
         print(f"{name:<10}{'six GEMMs':<18}{gemm_ms:>10.3f}")
     params = [t.detach().requires_grad_() for t in (x, w_in, w_out)]
-    ref = None
     for vname, fn in variants(plan, gated).items():
         step = grad_step(fn, params, dy)
-        first = [g.clone() for g in step()]
-        rep = all(same_bits(a, b) for a, b in zip(first, step(), strict=True))
-        ref = ref or first
-        same = all(same_bits(a, b) for a, b in zip(first, ref, strict=True))
-        check(f"{name} {vname} repeatable", rep)
+        step()
         graph_ms, peak = float("nan"), float("nan")
         if not dry:
             peak, graph_ms = peak_and_graph_ms(step)
         eager_ms = bench_us(step, dry=dry) / 1e3
         print(f"{name:<10}{vname:<18}{graph_ms:>10.3f}{eager_ms:>10.3f}{peak:>10.3f}"
-              f"{'yes' if rep else 'no':>8}{'yes' if same else 'no':>9}"
               f"{graph_ms / gemm_ms:>9.2f}")  # fmt: skip
     with torch.no_grad():
         forwards = {"forward, no grad": variants(plan, gated)["node (save rows)"],
@@ -136,7 +131,7 @@ def run_shape(name: str, shape: tuple, dev: str, dtype: torch.dtype, dry: bool) 
                 graph = capture(lambda f=fwd_fn: f(x, w_in, w_out), warmup=2)[0]
                 fwd_ms = bench_us(graph.replay) / 1e3
             eager = bench_us(lambda f=fwd_fn: f(x, w_in, w_out), dry=dry) / 1e3
-            print(f"{name:<10}{fname:<18}{fwd_ms:>10.3f}{eager:>10.3f}{'':>35}"
+            print(f"{name:<10}{fname:<18}{fwd_ms:>10.3f}{eager:>10.3f}{'':>10}"
                   f"{fwd_ms / fwd_gemm_ms:>9.2f}  (2 GEMMs {fwd_gemm_ms:.3f} ms)")  # fmt: skip
 
 
@@ -149,12 +144,11 @@ def main() -> None:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     dry = args.dry_run
     print(f"{'shape':<10}{'variant':<18}{'graph ms':>10}{'eager ms':>10}{'peak GiB':>10}"
-          f"{'repeat':>8}{'== chain':>9}{'vs GEMMs':>9}")  # fmt: skip
+          f"{'vs GEMMs':>9}")  # fmt: skip
     for name in args.shapes.split(","):
         run_shape(name, TINY if dry else SHAPES[name], dev, dtype, dry)
         if not dry:
             torch.cuda.empty_cache()
-    print(f"\n{len(FAILS)} failed checks" + (": " + "; ".join(FAILS) if FAILS else ""))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 beside ``torch._grouped_mm``'s K-grouped CUTLASS GEMM on the two weight gradients of an MoE
 layer's training step: ``dw_in[e] = dh_e.T @ xs_e`` (E, X, D) and ``dw_out[e] = dyg_e.T @
 (s a)_e`` (E, D, H), over the groups of a real routing plan (unaligned group sizes). Each launch
-config is checked against an fp32 reference, for bitwise repeatability and bit for bit against
-CUTLASS, and timed in CUDA graphs (device time per call); the last column says which kernel
-``grouped_weight_grad`` runs by default (``_grouped_mm_rules.use_persistent``).
+config is timed in CUDA graphs (device time per call) after a one-line sanity check against an
+fp32 reference (relative error printed); the last column says whether it equals CUTLASS bit for
+bit, or which kernel ``grouped_weight_grad`` runs by default (``_gemm_plan.
+use_persistent``). The public op's correctness: ``tests/gpu/test_grouped_mm_gpu.py``.
 
     PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \\
         python3 benchmarks/gpu/grouped_weight_grad_gpu.py [--shapes=seed,qwen3,...] [--configs]
@@ -18,15 +19,15 @@ the CPU (set ``TRITON_INTERPRET=1``), no CUTLASS column.
 from __future__ import annotations
 
 import torch
-from common import check, config_sweep_main, graph_us, once_us, same_bits
+from common import config_sweep_main, graph_us, once_us
 from persistent_grouped_mm_gpu import SHAPES, TINY
 
 import moe_kernels as mk
-from moe_kernels import _grouped_mm_rules as rules
-from moe_kernels._grouped_mm_rules import WgradConfig as C
+from moe_kernels import _gemm_plan as rules
 from moe_kernels._triton.grouped_weight_grad import grouped_weight_grad
 from moe_kernels.reference.grouped_mm import grouped_weight_grad as reference
 
+C = rules.WgradConfig
 OTHER_CONFIGS = [
     C(tma="none"),
     C(tma="both"),
@@ -65,7 +66,6 @@ def run_shape(name, shape, configs, dev, dtype, dry):
         base, cutlass = float("nan"), None
         if not dry:
             cutlass = torch._grouped_mm(dy.mT, x, offs=offs32)
-            check(f"{name} {gemm} cutlass vs fp32", rel_err(cutlass, ref) < 1e-2)
             base = timer(lambda dy=dy, x=x: torch._grouped_mm(dy.mT, x, offs=offs32))
         pick = rules.use_persistent(
             dy.shape[0], num_experts, dtype == torch.bfloat16, 9, True, wgrad=True
@@ -76,10 +76,9 @@ def run_shape(name, shape, configs, dev, dtype, dry):
             out = grouped_weight_grad(dy, x, offsets, None, dtype, cfg)
             label = "default" if cfg is None else str(tuple(cfg))
             err = rel_err(out, ref)
-            ok = err < (1e-2 if dtype == torch.bfloat16 else 1e-5)
-            again = grouped_weight_grad(dy, x, offsets, None, dtype, cfg)
-            check(f"{name} {gemm} {label} vs fp32 ({err:.1e}), repeatable",
-                  ok and same_bits(out, again))  # fmt: skip
+            if err >= (1e-2 if dtype == torch.bfloat16 else 1e-5):
+                print(f"{name:<10}{gemm:<8}{label:<46} FAIL: {err:.1e} from fp32", flush=True)
+                continue
             bits = ""
             if cutlass is not None:
                 bits = "==cutlass" if torch.equal(out, cutlass) else "!=cutlass"

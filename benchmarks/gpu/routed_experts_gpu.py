@@ -2,8 +2,8 @@
 no expert outputs kept) beside ``expert_mlp`` followed by ``combine`` (two nodes, the combine
 keeping the (R, D) outputs for the router weights' gradient) and the six grouped GEMMs alone:
 forward + backward of a fixed dY with gradients to x, both weights and the router weights, in a
-CUDA graph (device time) and eager, the peak memory one pass adds, bitwise repeatability, and
-the largest gradient difference between the two (relative to the gradient's largest value).
+CUDA graph (device time) and eager, and the peak memory one pass adds (the two nodes' gradients
+agreeing, repeatable: ``tests/gpu/test_backward_gpu.py``).
 
     PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \\
         python3 benchmarks/gpu/routed_experts_gpu.py [--shapes=seed,qwen3,...] [--dry-run]
@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import FAILS, bench_us, capture, check, same_bits
+from common import bench_us
 from expert_mlp_gpu import SHAPES, TINY, grad_step, peak_and_graph_ms, six_gemms
 
 import moe_kernels as mk
+from moe_kernels.testing import capture
 
 
 def problem(shape, dev, dtype):
@@ -54,13 +55,9 @@ def run_shape(name, shape, dev, dtype, dry):
         gemm_ms = bench_us(capture(run, warmup=2)[0].replay) / 1e3
         print(f"{name:<10}{'six GEMMs':<20}{gemm_ms:>10.3f}")
     params = [t.detach().requires_grad_() for t in (x, w_in, w_out, plan.weights)]
-    grads = {}
     for vname, fn in variants(plan, gated).items():
         step = grad_step(fn, params, dy)
-        first = [g.clone() for g in step()]
-        rep = all(same_bits(a, b) for a, b in zip(first, step(), strict=True))
-        check(f"{name} {vname} repeatable", rep)
-        grads[vname] = first
+        step()
         graph_ms, peak = float("nan"), float("nan")
         if not dry:
             for p in params:  # (the gradients count in the peak)
@@ -68,14 +65,7 @@ def run_shape(name, shape, dev, dtype, dry):
             peak, graph_ms = peak_and_graph_ms(step)
         eager_ms = bench_us(step, dry=dry) / 1e3
         print(f"{name:<10}{vname:<20}{graph_ms:>10.3f}{eager_ms:>10.3f}{peak:>10.3f}"
-              f"{'yes' if rep else 'no':>8}{graph_ms / gemm_ms:>9.2f}")  # fmt: skip
-    a, b = grads.values()
-    diffs = [
-        float((u.float() - v.float()).abs().max() / v.float().abs().max())
-        for u, v in zip(a, b, strict=True)
-    ]
-    print(f"{name:<10}grad diff x / w_in / w_out / s: " + " / ".join(f"{d:.1e}" for d in diffs))
-    check(f"{name} gradients agree", all(d < 5e-2 for d in diffs))
+              f"{graph_ms / gemm_ms:>9.2f}")  # fmt: skip
 
 
 def main() -> None:
@@ -86,12 +76,11 @@ def main() -> None:
     dev = "cpu" if args.dry_run else "cuda"
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     print(f"{'shape':<10}{'variant':<20}{'graph ms':>10}{'eager ms':>10}{'peak GiB':>10}"
-          f"{'repeat':>8}{'vs GEMMs':>9}")  # fmt: skip
+          f"{'vs GEMMs':>9}")  # fmt: skip
     for name in args.shapes.split(","):
         run_shape(name, TINY if args.dry_run else SHAPES[name], dev, dtype, args.dry_run)
         if not args.dry_run:
             torch.cuda.empty_cache()
-    print(f"\n{len(FAILS)} failed checks" + (": " + "; ".join(FAILS) if FAILS else ""))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""GPU check and config sweep of the fused router ``router_scores`` (one H200 run, < 90 s).
+"""Config sweep and timing of the fused router ``router_scores`` (one H200 run, < 90 s).
 
 PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \
     python3 benchmarks/gpu/router_sweep.py            # H200
@@ -6,7 +6,7 @@ PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/sr
     python3 benchmarks/gpu/router_sweep.py --ptx      # CPU: compile for sm_90a
 
 Shapes: T in {512, 2048, 16384} tokens, D = 2048, E in {16, 128}; x bf16 ~ N(0, 1), router
-weight fp32 ~ N(0, 1/D) (the model's init), softmax scores (sigmoid checked once per shape).
+weight fp32 ~ N(0, 1/D) (the model's init), softmax scores.
 
 Rows per shape (all timed inside CUDA graphs: 20 calls captured, the graph replayed, median
 replay / 20, so host launch cost is not counted):
@@ -15,19 +15,10 @@ replay / 20, so host launch cost is not counted):
   compiled    the same formula under ``torch.compile`` (inductor, default mode)
   public      ``moe_kernels.router_scores`` with the launcher's default config
   BT.. BD..   our kernel with each swept config (``RouterConfig``)
-Correctness of every config (first call outside graphs, outputs poisoned with NaN):
-  * against a float64 oracle (``x.double() @ w.double().T``, softmax in float64) within the
-    rigorous bound: |logit error| <= gamma_D * sum_d |x w| (gamma_D = D u / (1 - D u), any
-    summation order), so a score may move by s * (dl_e + max_j dl_j), plus exp / divide slack
-    (32 u + 4 u |l - max l| relative: the GPU's exp is ex2.approx of a rounded argument);
-  * against the fp32 reference: the max |diff| and max relative diff are printed, and whether
-    they are within rtol 1e-5 / atol 1e-6 (informational: fp32 summation-order noise);
-  * the top-8 experts per token must match the reference's except at near-ties (every expert we
-    picked has a reference score within twice the row's max |diff| of the reference's 8th);
-  * a second call must be bitwise identical.
-The public op's first call per shape (softmax and sigmoid) runs under
-``torch.cuda.set_sync_debug_mode("error")``. A config that fails or does not compile is
-reported and skipped.
+Each config's first call is checked in one line before it is timed (a config that fails or
+does not compile is reported and skipped): within rtol 1e-4 / atol 1e-6 of the fp32 reference,
+the max |diff| printed. The public op against a float64 bound, its top-k, repeatability and
+host-sync freedom: ``tests/gpu/test_router_gpu.py``.
 
 ``--ptx`` (no GPU needed): compiles every swept config (and the launcher's defaults) for sm_90a
 with the installed Triton and prints shared memory, registers and spills from ptxas.
@@ -46,7 +37,7 @@ if DRY:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
-from common import FAILS, compile_sm90, forbid_host_sync, poison, torch_router_scores  # noqa: E402
+from common import compile_sm90, torch_router_scores  # noqa: E402
 from common import graph_us as _graph_us  # noqa: E402
 
 from moe_kernels._triton import router as tri  # noqa: E402
@@ -66,7 +57,7 @@ if DRY:
         ],
         128: [C(16, 128, 4, 1)],
     }
-    CALLS, REPLAYS, TOP_K = 1, 1, 4
+    CALLS, REPLAYS = 1, 1
 else:
     SHAPES = [(t, e, 2048) for e in (16, 128) for t in (512, 2048, 16384)]
     A3 = {"acc3": True, "dot": False}  # per-lane partial sums over D (FMAs only in the loop)
@@ -93,7 +84,7 @@ else:
             C(8, 32, 8, 3, **P3),
         ],
     }
-    CALLS, REPLAYS, TOP_K = 20, 7, 8
+    CALLS, REPLAYS = 20, 7
 
 
 def graph_us(fn) -> float:
@@ -101,43 +92,14 @@ def graph_us(fn) -> float:
     return _graph_us(fn, CALLS, REPLAYS, DRY)
 
 
-U = 2.0**-24
+FAILS: list[str] = []  # configs that failed their check or did not run
 
 
-def oracle(x: torch.Tensor, w: torch.Tensor, score_fn: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float64 exact scores, elementwise bound on |fp32 scores - exact|)."""
-    logits = x.double() @ w.double().T
-    dim = x.shape[1]
-    dl = (x.double().abs() @ w.double().abs().T) * (dim * U / (1 - dim * U))
-    if score_fn == "softmax":
-        exact = torch.softmax(logits, dim=-1)
-        spread = logits.amax(dim=1, keepdim=True) - logits
-        dl_row = dl.amax(dim=1, keepdim=True) if dl.numel() else dl
-        bound = exact * (dl + dl_row + 32 * U + 4 * U * spread)
-    else:
-        exact = torch.sigmoid(logits)
-        bound = exact * (dl + 32 * U + 4 * U * logits.abs())
-    return exact, bound + 1e-30
-
-
-def check(y: torch.Tensor, expected: torch.Tensor, exact, bound) -> tuple[str, bool]:
-    """(a short note, ok): y against the float64 oracle's bound, the reference and its top-k."""
-    ok = bool(torch.isfinite(y).all()) and bool(((y.double() - exact).abs() <= bound).all())
+def check(y: torch.Tensor, expected: torch.Tensor) -> tuple[str, bool]:
+    """(a short note, ok): y within rtol 1e-4 / atol 1e-6 of the fp32 reference."""
     diff = (y - expected).abs()
-    if diff.numel() == 0:
-        return "empty", ok
-    err, rel = float(diff.max()), float((diff / expected.abs().clamp_min(1e-30)).max())
-    close = bool((diff <= 1e-5 * expected.abs() + 1e-6).all())
-    k = min(TOP_K, expected.shape[1])
-    picked = y.topk(k, dim=1).indices
-    ref_vals, ref_idx = expected.topk(k, dim=1)
-    differ = (picked.sort(dim=1).values != ref_idx.sort(dim=1).values).any(dim=1)
-    tie_tol = 2 * bound.amax(dim=1, keepdim=True).float()  # two allowed errors apart
-    tie = (expected.gather(1, picked) >= ref_vals[:, -1:] - tie_tol).all(dim=1)
-    bad = int((differ & ~tie).sum())
-    note = f"vs ref {err:.2g} (rel {rel:.2g}{'' if close else ' >1e-5'}) top{k} {bad} off"
-    note += f" ({int(differ.sum())} ties)" if int(differ.sum()) else ""
-    return note, ok and bad == 0
+    ok = bool(torch.isfinite(y).all()) and bool((diff <= 1e-4 * expected.abs() + 1e-6).all())
+    return (f"vs ref {float(diff.max()):.2g}" if diff.numel() else "empty"), ok
 
 
 ROWS: list[tuple] = []
@@ -168,7 +130,6 @@ def run_shape(num_tokens: int, num_experts: int, dim: int, gen: torch.Generator)
     x = torch.randn(num_tokens, dim, device=dev, generator=gen).bfloat16()
     w = torch.randn(num_experts, dim, device=dev, generator=gen) / dim**0.5
     expected = ref.router_scores(x, w, "softmax")
-    exact, bound = oracle(x, w, "softmax")
     x_bytes = x.numel() * x.element_size()
 
     clone_us = graph_us(lambda: x.clone())
@@ -177,7 +138,7 @@ def run_shape(num_tokens: int, num_experts: int, dim: int, gen: torch.Generator)
     compiled_us = 0.0
     try:
         compiled = torch.compile(torch_router_scores, backend="eager" if DRY else "inductor")
-        note, _ = check(compiled(x, w), expected, exact, bound)
+        note, _ = check(compiled(x, w), expected)
         compiled_us = graph_us(lambda: compiled(x, w))
         row(label, "torch eager", eager_us, x_bytes, clone_us, 0)
         row(label, "torch.compile", compiled_us, x_bytes, clone_us, compiled_us, note)
@@ -185,19 +146,20 @@ def run_shape(num_tokens: int, num_experts: int, dim: int, gen: torch.Generator)
         row(label, "torch eager", eager_us, x_bytes, clone_us, 0)
         print(f"{label:18} torch.compile ERROR {type(exc).__name__}: {str(exc)[:160]}")
 
-    # The public op, launcher default, its first call under the sync check.
+    # The public op, launcher default.
     try:
-        poison(4 * num_tokens * num_experts, device=dev)  # 0xFF: NaN in fp32
-        with forbid_host_sync(not DRY):
-            y = router_scores(x, w)
-            y_sig = router_scores(x, w, score_fn="sigmoid")
-        note, ok = check(y, expected, exact, bound)
-        note_s, ok_s = check(y_sig, ref.router_scores(x, w, "sigmoid"), *oracle(x, w, "sigmoid"))
-        ok = ok and ok_s and torch.equal(y, router_scores(x, w))
+        note, ok = check(router_scores(x, w), expected)
         auto = tri.pick_config(num_tokens, dim, num_experts)
         us = graph_us(lambda: router_scores(x, w))
-        note = f"[{cfg_name(auto)}] {note}; sigmoid {note_s.split(' top')[0]}"
-        row(label, "public (default)", us, x_bytes, clone_us, compiled_us, note)
+        row(
+            label,
+            "public (default)",
+            us,
+            x_bytes,
+            clone_us,
+            compiled_us,
+            f"[{cfg_name(auto)}] {note}",
+        )
         if not ok:
             print(f"{label:18} public op FAIL")
             FAILS.append(f"{label} public")
@@ -211,11 +173,7 @@ def run_shape(num_tokens: int, num_experts: int, dim: int, gen: torch.Generator)
     for cfg in CONFIGS[16 if num_experts <= 32 else 128]:
         name = cfg_name(cfg)
         try:
-            poison(4 * num_tokens * num_experts, device=dev)
-            y = tri.router_scores(x, w, False, cfg)
-            note, ok = check(y, expected, exact, bound)
-            if not torch.equal(y, tri.router_scores(x, w, False, cfg)):
-                ok, note = False, note + " NOT DETERMINISTIC"
+            note, ok = check(tri.router_scores(x, w, False, cfg), expected)
             if not ok:
                 print(f"{label:18} {name:24} FAIL {note}")
                 FAILS.append(f"{label} {name}")

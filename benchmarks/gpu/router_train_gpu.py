@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from common import bench_us, capture
+from common import bench_us
 
 import moe_kernels as mk
+from moe_kernels.testing import capture
 
 SHAPES = {"seed": (2048, 2048, 16), "qwen3": (8192, 2048, 128), "sonic": (32768, 4096, 128),
           "sonic_mem": (24576, 1536, 128), "dsv3": (8192, 7168, 256)}  # fmt: skip

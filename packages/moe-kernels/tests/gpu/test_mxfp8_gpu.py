@@ -15,9 +15,6 @@
 
 from __future__ import annotations
 
-import math
-import struct
-
 import pytest
 import torch
 
@@ -31,6 +28,7 @@ from moe_kernels.testing import (
     full_run,
     gpu_test_device,
     poison,
+    special_table,
 )
 
 DEV = gpu_test_device()
@@ -97,47 +95,27 @@ def test_dequant_of_every_byte_with_every_scale():
         assert bits_equal(got, ref.from_mxfp8(data, scale, out_dtype)), out_dtype
 
 
-# The inputs of tests/test_mxfp8_quant.py's special-value table (its expected bytes are checked
-# there, on the reference): (input dtypes F fp32 / B bf16 / H fp16, the first values of a block
-# of 32, the value filling the rest).
-def _f32(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", bits))[0]
-
-
-INF, NAN = math.inf, math.nan
-SPECIAL_BLOCKS = [
-    ("FBH", [], 0.0), ("FBH", [], -0.0), ("FBH", [1.0, INF], 1.0), ("FBH", [-INF], 0.0),
-    ("FBH", [INF, -INF], 448.0), ("FBH", [NAN], 1.0), ("FBH", [-NAN], 0.0),
-    ("FBH", [2.0, INF, NAN], 0.0), ("FB", [2**-126, -(2**-126)], 2**-126),
-    ("FB", [2**-133, -(2**-133)], 0.0), ("F", [2**-149, -(2**-149)], 0.0),
-    ("FBH", [448.0, -448.0], 0.0), ("F", [_f32(0x7F7FFFFF), -_f32(0x7F7FFFFF)], 0.0),
-    ("FB", [_f32(0x7F7F0000), -_f32(0x7F7F0000)], 0.0), ("FBH", [480.0, -480.0], 0.0),
-    ("F", [2**-149, -(2**-149)], 1.0), ("FB", [2**-133, -(2**-133)], 1.0),
-    ("FBH", [2**-24, -(2**-24)], 1.0), ("FBH", [_f32(0x40600001)], 0.0),
-    ("FBH", [_f32(0x43FFFFFF)], 0.0), ("FH", [65504.0, -65504.0], 0.0),
-    ("FBH", [2**-24, -(2**-24)], 0.0), ("FBH", [2**-14], 0.0), ("FH", [1023 * 2**-24], 0.0),
-]  # fmt: skip
-LETTER = {F32: "F", BF16: "B", F16: "H"}
-
-
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("width", [0, 64], ids=["masked", "unmasked"])
 def test_special_value_blocks(dtype, width):
-    """One block of 32 a row (dim1: down a column); ``width`` > 0 repeats the cases cyclically
-    to that many rows."""
-    blocks = [[*head, *[fill] * (32 - len(head))]
-              for dts, head, fill in SPECIAL_BLOCKS if LETTER[dtype] in dts]  # fmt: skip
-    idx = [i % len(blocks) for i in range(width or len(blocks))]
-    x = torch.tensor([blocks[i] for i in idx], dtype=torch.float32).to(dtype)  # one rounding
-    xt = x.t().contiguous()
+    """The special-value table (``moe_kernels.testing.SPECIAL_CASES``: bytes worked out by hand),
+    one block of 32 a row (dim1: down a column), against the table's bytes and the reference;
+    ``width`` > 0 repeats the cases cyclically to that many rows (unmasked tiles)."""
+    pytest.importorskip("numpy")
     for mode in ("floor", "rceil"):
-        want = ref.to_mxfp8(x, mode)
-        assert bits_equal(mk.to_mxfp8(x.to(DEV), scaling_mode=mode), want), mode
+        names, x, want_s, want_d = special_table(dtype, mode)
+        idx = [i % len(names) for i in range(width or len(names))]
+        x, want_s, want_d = x[idx], torch.from_numpy(want_s[idx]), torch.from_numpy(want_d[idx])
+        xt = x.t().contiguous()
+        d, s = mk.to_mxfp8(x.to(DEV), scaling_mode=mode)
+        assert torch.equal(s.view(torch.uint8).cpu()[:, 0], want_s), (mode, "scales")
+        assert torch.equal(d.view(torch.uint8).cpu(), want_d), (mode, "data")
+        assert bits_equal((d, s), ref.to_mxfp8(x, mode)), mode
         got = mk.to_mxfp8_dim1(xt.to(DEV), scaling_mode=mode)
         assert bits_equal(got, ref.to_mxfp8_dim1(xt, mode)), mode
-        nan = torch.isnan(mk.from_mxfp8(*got, torch.float32)).cpu()  # (N, 32): a block a row
-        invalid = want[1].view(torch.uint8)[:, 0] == 255
-        assert torch.equal(nan, invalid[:, None].expand(-1, 32)), mode
+        assert bits_equal(got, (d, s)), (mode, "dim1 of the transpose != dim0")
+        nan = torch.isnan(mk.from_mxfp8(d, s, torch.float32)).cpu()
+        assert torch.equal(nan, (want_s == 255)[:, None].expand(-1, 32)), (mode, "NaN blocks")
 
 
 def random_ends(R: int, G: int, seed: int) -> torch.Tensor:

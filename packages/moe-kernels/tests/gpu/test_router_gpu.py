@@ -1,11 +1,11 @@
 """``router_scores`` on the GPU (the "fma" kernel up to 32 experts, the "split" bf16 tensor-core
 GEMMs past that) against float64:
 
-* forward, softmax and sigmoid: every score within a rigorous bound of the float64 scores (the
-  logits' fp32 summation error in any order, counted at twice the unit roundoff for tensor-core
-  accumulation, moved through softmax, plus exp / divide slack: the GPU's exp is ``ex2.approx``
-  of a rounded argument); the top-8 experts the float64 scores' except at near-ties; bitwise
-  repeatable; outputs poisoned; no host sync;
+* forward, softmax and sigmoid: every score within a rigorous bound of the float64 scores
+  (``oracle_router_scores``: the logits' fp32 summation error in any order, doubled for
+  tensor-core accumulation, moved through softmax, plus exp / divide slack: the GPU's exp is
+  ``ex2.approx`` of a rounded argument); the top-8 experts the float64 scores' except at
+  near-ties; bitwise repeatable; outputs poisoned; no host sync;
 * forward + backward at training sizes: scores, dx and dw within 1e-4 / 1e-2 / 1e-4 (max error
   over max value) of float64, where bf16 logits are 4e-3 to 1e-2 off (docs/training.md).
 """
@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 import moe_kernels as mk
-from moe_kernels.testing import bits_equal, forbid_host_sync, gpu_test_device, poison
+from moe_kernels.testing import (
+    bits_equal,
+    forbid_host_sync,
+    gpu_test_device,
+    oracle_router_scores,
+    poison,
+)
 
 DEV = gpu_test_device()
 ON_GPU = DEV is not None and DEV.type == "cuda"
@@ -28,18 +34,17 @@ pytestmark = [
 U = 2.0**-24
 
 
-def oracle(x: torch.Tensor, w: torch.Tensor, score_fn: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float64 scores, the elementwise bound on |fp32 scores - float64 scores|)."""
+def bounds(x: torch.Tensor, w: torch.Tensor, score_fn: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 scores, the elementwise bound on |fp32 scores - float64 scores|):
+    ``oracle_router_scores``'s logit bound, doubled (tensor cores may truncate where the fp32 GEMM
+    rounds), moved through softmax or sigmoid, plus exp / divide slack."""
+    exact, dl = oracle_router_scores(x, w, score_fn)
+    dl = 2 * dl
     logits = x.double() @ w.double().T
-    dim = x.shape[1]
-    u = 2 * U  # tensor cores may truncate where the fp32 GEMM rounds
-    dl = (x.double().abs() @ w.double().abs().T) * (dim * u / (1 - dim * u))
     if score_fn == "softmax":
-        exact = torch.softmax(logits, dim=-1)
         spread = logits.amax(dim=1, keepdim=True) - logits
         bound = exact * (dl + dl.amax(dim=1, keepdim=True) + 32 * U + 4 * U * spread)
     else:
-        exact = torch.sigmoid(logits)
         bound = exact * (dl + 32 * U + 4 * U * logits.abs())
     return exact, bound + 1e-30
 
@@ -51,7 +56,7 @@ def test_scores_within_the_float64_bound(T, E, score_fn):
     g = torch.Generator(device=DEV).manual_seed(T + E)
     x = torch.randn(T, D, device=DEV, generator=g).bfloat16()
     w = torch.randn(E, D, device=DEV, generator=g) / D**0.5  # the model's init
-    exact, bound = oracle(x, w, score_fn)
+    exact, bound = bounds(x, w, score_fn)
     poison(4 * T * E, device=DEV)  # 0xFF: NaN in fp32
     with forbid_host_sync(ON_GPU):
         y = mk.router_scores(x, w, score_fn=score_fn)

@@ -12,8 +12,9 @@
   kernels itself (no opaque ``torch.ops.moe_kernels`` call left);
 * :func:`full_run`: whether the large GPU cases run (``MOE_GPU_FULL=1``);
 * :func:`gpu_test_device`: the device the GPU tests run on: CUDA, or with ``MOE_GPU_SMOKE=1``
-  and no GPU the CPU (the reference path, or the interpreter under ``TRITON_INTERPRET=1``): a
-  check of the tests' own code at reduced sizes, not of the kernels.
+  and no GPU the CPU (the reference path, or the interpreter under ``TRITON_INTERPRET=1``, whose
+  truncating fp32 -> bf16 casts put some bf16 outputs an ulp off the bitwise checks): a check of
+  the tests' own code at reduced sizes, not of the kernels.
 """
 
 from __future__ import annotations
