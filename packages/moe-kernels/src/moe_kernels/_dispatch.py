@@ -275,12 +275,16 @@ class KernelOp:
         * "op": the registered custom op, everything else (what compile, export, fake tensors
           and tensor subclasses see; autograd through the op's formula).
         """
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not plain_eager() or not all(
-            type(t) in _PLAIN and t.device.type in DIRECT_DEVICES for t in tensors
-        ):
+        if not plain_eager():
             return "op"
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        grad = torch.is_grad_enabled()
+        records = False
+        for a in args:  # (one pass, no lists: this runs on every eager call)
+            if isinstance(a, torch.Tensor):
+                if type(a) not in _PLAIN or not (a.is_cuda or a.device.type in DIRECT_DEVICES):
+                    return "op"
+                records = records or (grad and a.requires_grad)
+        if records:
             return "op" if self.eager_autograd is None else "eager_autograd"
         return "impl"
 

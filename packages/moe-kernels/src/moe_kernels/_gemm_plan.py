@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_kernels._dispatch import INTERPRET, execution_path, sm_major, triton_kernels
+from moe_kernels._dispatch import INTERPRET, sm_major, triton_kernels, use_triton
 from moe_kernels._triton.blocks import pow2_clamp  # plain Python: no Triton import
 
 # Mean rows per expert up to which the persistent row-grouped GEMM runs (above it CUTLASS was as
@@ -226,19 +226,24 @@ def choose_gemm(p: GemmProblem, dev: GemmDevice) -> GemmPlan:
 # problems read from a call's tensors
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    parts = torch.__version__.split("+")[0].split(".")[:2]
+    return tuple(int(p) for p in parts) >= (major, minor)
+
+
+_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_SCALED_GROUPED_MM = hasattr(torch, "_scaled_grouped_mm") and _torch_at_least(2, 9)
+
+
 def gemm_device(device: torch.device) -> GemmDevice:
     """``device`` as the plan sees it (``sm_major`` is a trace-time constant under compile)."""
     index = device.index if device.index is not None else 0
     major = sm_major(index) if device.type == "cuda" else 0
-    native = hasattr(torch, "_scaled_grouped_mm") and _torch_at_least(2, 9)
-    path = execution_path(device)
-    path = "interpreter" if path == "triton" and INTERPRET else path  # as the launchers see it
-    return GemmDevice(path, major, hasattr(torch, "_grouped_mm"), native)
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    parts = torch.__version__.split("+")[0].split(".")[:2]
-    return tuple(int(p) for p in parts) >= (major, minor)
+    if not use_triton(device):
+        path = "reference"
+    else:  # the interpreter as the launchers see it: INTERPRET set, or CPU tensors
+        path = "interpreter" if INTERPRET or device.type != "cuda" else "triton"
+    return GemmDevice(path, major, _GROUPED_MM, _SCALED_GROUPED_MM)
 
 
 def _tma(*tensors: torch.Tensor) -> bool:
