@@ -2,7 +2,7 @@
 from the rules in ``moe_kernels.mxfp8``'s docstring (torchao's rules after 0.18), no code computing
 them: zero and signed-zero blocks, inf / NaN blocks, subnormals of every input dtype, the formats'
 maxima and the rceil / floor boundaries. ``special_table`` makes one dtype's and mode's cases
-(numpy needed); ``benchmarks/gpu/mxfp8_gpu.py`` keeps a copy of ``SPECIAL_CASES`` for the GPU."""
+(numpy needed); ``tests/gpu/test_mxfp8_gpu.py`` checks the GPU against it."""
 
 from __future__ import annotations
 

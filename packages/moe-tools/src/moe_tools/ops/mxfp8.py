@@ -9,11 +9,9 @@ import torch
 from moe_kernels.testing import (  # the naive oracles of the layouts, the casts in float64
     oracle_blocked,
     oracle_blocked_start_rows,
-    oracle_e4m3,  # noqa: F401 (moe-tools' tests check it by hand as ops.mxfp8.oracle_e4m3)
     oracle_gather_grouped_mm,
     oracle_mxfp8,
     oracle_mxfp8_round_trip,
-    oracle_mxfp8_scale,  # noqa: F401 (checked by hand there too)
 )
 from moe_tools.ops.spec import (
     BF16_ULP,
