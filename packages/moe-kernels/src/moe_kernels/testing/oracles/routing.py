@@ -159,17 +159,9 @@ def oracle_selection_plan(scores, top_k, bias=None, n_groups=1, topk_groups=None
     n_valid = T if valid is None else min(max(valid, 0), T)
     choices = oracle_topk_choices(scores, top_k, bias, n_groups, topk_groups or n_groups).tolist()
     pairs, where = [], {}
+    weights = oracle_topk_weights(x, choices, renormalize, scale)
     for t, experts in enumerate(choices):
-        ws = [np.float32(x[t, e]) for e in experts]
-        with np.errstate(all="ignore"):
-            if renormalize:
-                s = ws[0]
-                for w in ws[1:]:
-                    s = np.float32(s + w)
-                ws = [np.float32(w / s) for w in ws]
-            if scale != 1.0:
-                ws = [np.float32(w * np.float32(scale)) for w in ws]
-        for j, (e, w) in enumerate(zip(experts, ws, strict=True)):
+        for j, (e, w) in enumerate(zip(experts, weights[t], strict=True)):
             if t < n_valid and start <= e < end:
                 pairs.append((e - start, t, w))
                 where[(e - start, t)] = j
