@@ -409,6 +409,9 @@ GPU_SHAPES = [
     # FBGEMM's E 80 / dp 16 / mp 1 padded case, the last rank: one local expert of 16 ranks (a
     # one-element scan tile failed Triton 3.5's and 3.6's compilers)
     (32, 5120, torch.bfloat16, 16, 16, 15, 16, True),
+    # one local expert of 80 at 16 ranks, and two beside 8 ranks (Triton 3.6: ScanOpToLLVM)
+    (64, 2048, torch.bfloat16, 16, 80, 5, 6, True),
+    (64, 2048, torch.bfloat16, 8, 16, 2, 4, False),
     (16384 * 8, 5120, torch.bfloat16, 8, 128, 1, 17, False),
     (65536 * 8, 2048, torch.bfloat16, 8, 16, 0, 16, False),
     (65536 * 8, 2048, torch.bfloat16, 8, 128, 16, 32, True),

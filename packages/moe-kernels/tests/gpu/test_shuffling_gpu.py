@@ -137,12 +137,13 @@ def test_shuffles_match_the_reference():
 @pytest.mark.parametrize(
     "ranks,experts,start,end,rows,dim",
     [(16, 16, 15, 16, 32, 5120), (1, 4, 0, 1, 64, 256), (1, 1, 0, 1, 16, 128),
-     (16, 80, 5, 6, 64, 512)],
+     (16, 80, 5, 6, 64, 512), (8, 16, 2, 4, 64, 512), (4, 8, 0, 2, 4096, 64)],
 )  # fmt: skip
 @pytest.mark.parametrize("padded", [True, False])
 def test_shuffles_with_one_element_scan_tiles(ranks, experts, start, end, rows, dim, padded):
-    """One rank or one local expert: scans over one-element tiles (FBGEMM's padded case E 80 /
-    EP 16 / one local expert failed Triton 3.6's compiler, ScanOpToLLVM)."""
+    """One rank, one or two local experts: scans over tiny tiles (one local expert of 80 at 16
+    ranks, FBGEMM's padded case, and two local experts beside 4+ ranks failed Triton 3.6's
+    compiler, ScanOpToLLVM)."""
     g = gen(ranks * 1000 + experts)
     per = rows // ranks
     counts = torch.zeros(ranks, experts, dtype=torch.int32)

@@ -204,10 +204,11 @@ def launch_constants(
 ) -> dict:
     """The kernel's constexprs for a launch of ``cfg``."""
     block_e = max(1, min(next_pow2(max(num_experts, 1)), _LOOKUP // next_pow2(num_ranks)))
-    # The kernel's prefix sums run along the ranks and the local experts: an axis of one element
-    # failed Triton's compiler (ScanOpToLLVM assertion; Triton 3.6, 16 ranks x 1 local expert),
-    # so both tiles hold at least two (masked) lanes.
-    block_g = max(2, cfg.block_g)
+    # The kernel's prefix sums run along the ranks and the local experts. Triton 3.6's compiler
+    # fails (ScanOpToLLVM assertion) on a scan axis of one element, and on a local-expert axis of
+    # two beside 4+ ranks (swept: BLOCK_EP 2-64 x BLOCK_G 2-1024 x BLOCK_T 1-32, 4 and 8 warps;
+    # docs/kernel-ops.md). So the rank tile holds at least two lanes, the expert tile four.
+    block_g = max(4, cfg.block_g)
     return dict(
         COMBINE=combine,
         PADDED=padded,
