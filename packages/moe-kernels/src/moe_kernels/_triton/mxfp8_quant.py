@@ -314,7 +314,8 @@ def _mxfp8_dequant_kernel(
         (((E + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True),
     )
     mag = tl.where((d & 0x7F) == 0x7F, float("nan"), mag)
-    val = tl.where((d & 0x80) != 0, -mag, mag)
+    # the sign as a bit: Triton lowers `-x` to `0 - x`, which turns -0.0 (byte 0x80) into +0.0
+    val = (mag.to(tl.int32, bitcast=True) | ((d & 0x80) << 24)).to(tl.float32, bitcast=True)
     KB = K // 32
     scols = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
     smask = (rows[:, None] < M) & (scols[None, :] < KB)
