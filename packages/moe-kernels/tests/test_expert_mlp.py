@@ -12,7 +12,14 @@ import torch
 
 import moe_kernels as mk
 from moe_kernels.activation import activation_grad_and_out_op
-from moe_kernels.testing import oracle_expert_mlp_formula
+from moe_kernels.reference.activation import activation as ref_activation
+from moe_kernels.reference.grouped_mm import gather_grouped_mm as ref_gather_grouped_mm
+from moe_kernels.testing import (
+    bound_violations,
+    oracle_expert_mlp_formula,
+    oracle_expert_mlp_rows,
+    reference_bound,
+)
 
 T, E, K, D, H = 11, 4, 3, 32, 16
 
@@ -73,6 +80,23 @@ def test_matches_float64_formula(gated):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5)
     assert plan.counts[E - 1] == 0 and ours[2][E - 1].abs().sum() == 0  # no rows, no gradient
     assert ours[1][T - 2 :].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_forward_within_the_rounding_bound(gated, dtype):
+    """The forward against the float64 rows and their rounding bound, and against the torch
+    reference within twice it (the interpreter truncates h to bf16, the reference rounds it to
+    nearest): the rule ``moe-bench verify`` applies (``moe_kernels.testing.tolerance``)."""
+    x, w_in, w_out, plan, _ = _problem(dtype, gated, seed=3)
+    args = (plan.offsets, plan.token_indices)
+    y = mk.expert_mlp(x, w_in, w_out, *args, plan.inverse, gated=gated)
+    exact, bound = oracle_expert_mlp_rows(x, w_in, w_out, *args, gated)
+    assert bound_violations(y, exact, bound).bad == 0
+    h = ref_gather_grouped_mm(x, w_in, *args, None if gated else "silu")
+    h = ref_activation(h, True) if gated else h
+    ref = ref_gather_grouped_mm(h, w_out, plan.offsets, None, None)
+    assert bound_violations(y, ref.double(), reference_bound(bound)).bad == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,11 +14,10 @@ from hypothesis import strategies as st
 
 from moe_kernels._dispatch import use_triton
 from moe_kernels.grouped_mm import gather_grouped_mm
-from moe_kernels.testing import oracle_gather_grouped_mm
+from moe_kernels.testing import ULP, oracle_gather_grouped_mm
 
 CPU = torch.device("cpu")
 TRITON = use_triton(CPU)
-ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}
 
 
 def rand(shape, dtype, seed, scale=1.0):

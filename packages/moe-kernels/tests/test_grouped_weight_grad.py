@@ -16,11 +16,10 @@ import torch
 
 from moe_kernels import _gemm_plan as rules
 from moe_kernels._dispatch import INTERPRET
-from moe_kernels.testing import oracle_grouped_weight_grad
+from moe_kernels.testing import ULP, oracle_grouped_weight_grad
 
 CUDA = torch.cuda.is_available()
 needs_kernel = pytest.mark.skipif(not (INTERPRET or CUDA), reason="needs Triton's interpreter")
-ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 
 

@@ -1,9 +1,10 @@
 """Test helpers for this package and code built on it: guard regions around tensors
 (``guarded``), every public op with small plain-torch arguments (``op_problems``, ``naive_plan``),
 compiled-from-a-cold-process checks (``cold_compile``, ``run_fresh``), and whether sm_90a kernels
-compile here (``sm90_compiler_missing``), and where the ops run on a device (``execution_path``);
-checks on a CUDA device (``moe_kernels.testing.gpu``: no host sync, poisoned outputs, bitwise
-equality with NaN == NaN, CUDA-graph replay, compiled code)."""
+compile here (``sm90_compiler_missing``), where the ops run on a device (``execution_path``), the
+tolerance rules shared with ``moe-bench verify`` (``ULP``, ``bound_violations``,
+``reference_bound``); checks on a CUDA device (``moe_kernels.testing.gpu``: no host sync,
+poisoned outputs, bitwise equality with NaN == NaN, CUDA-graph replay, compiled code)."""
 
 from moe_kernels._dispatch import execution_path
 from moe_kernels.testing.bits import (
@@ -53,9 +54,21 @@ from moe_kernels.testing.oracles import *  # noqa: F403 (the oracles, listed in 
 from moe_kernels.testing.oracles import __all__ as _ORACLES
 from moe_kernels.testing.problems import Problem, Sizes, naive_plan, naive_shuffle, op_problems
 from moe_kernels.testing.sm90 import sm90_compiler_missing
+from moe_kernels.testing.tolerance import (
+    E4M3_STEP,
+    ULP,
+    BoundCheck,
+    bound_violations,
+    reference_bound,
+)
 
 __all__ = [
+    "E4M3_STEP",
     "GUARD_BYTE",
+    "ULP",
+    "BoundCheck",
+    "bound_violations",
+    "reference_bound",
     "FreshRun",
     "GuardHarness",
     "Guarded",

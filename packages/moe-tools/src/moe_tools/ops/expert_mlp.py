@@ -12,9 +12,8 @@ import random
 import torch
 import torch.nn.functional as F
 
-from moe_kernels.testing import oracle_expert_mlp_rows
+from moe_kernels.testing import ULP, oracle_expert_mlp_rows
 from moe_tools.ops.spec import (
-    ULP,
     OpSpec,
     Problem,
     Sizes,
@@ -59,11 +58,14 @@ def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def _oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
-    """Each grouped row against float64 (``oracle_expert_mlp_rows``)."""
+def _bound(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each grouped row in float64 and its rounding bound (``oracle_expert_mlp_rows``)."""
     x, w_in, w_out, offsets, rows, _ = p.args
-    exact, bound = oracle_expert_mlp_rows(x, w_in, w_out, offsets, rows, p.kwargs["gated"])
-    return expect_within("vs oracle", out[0], exact, bound)
+    return oracle_expert_mlp_rows(x, w_in, w_out, offsets, rows, p.kwargs["gated"])
+
+
+def _oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
+    return expect_within("vs oracle", out[0], *_bound(p))
 
 
 def _native(p: Problem):
@@ -130,6 +132,7 @@ EXPERT_MLP = OpSpec(
     flops=_flops,
     native=_native,
     reference_tol=(2.0**-6, 1e-5),  # the fp32 sums' order, and h rounded once more on CUDA
+    bound=_bound,
 )
 
 
@@ -140,7 +143,7 @@ def _make_routed(s: Sizes, gen: torch.Generator, device: torch.device) -> Proble
     return Problem(p.label, s, (x, w_in, w_out, plan), dict(p.kwargs))
 
 
-def _routed_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
+def _routed_bound(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """y[t] = sum_j s_r y_r over r = inverse[t, j] in float64 from the rows' oracle; bound: the
     rows' bounds times |s|, one rounding of y, fp32 accumulation over the k choices."""
     x, w_in, w_out, plan = p.args
@@ -154,8 +157,11 @@ def _routed_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
     exact = torch.where(ok, s * rows_y[safe], 0.0).sum(1)
     mass = torch.where(ok, (s * rows_y[safe]).abs(), 0.0).sum(1)
     carried = torch.where(ok, s.abs() * rows_b[safe], 0.0).sum(1)
-    bound = ULP[x.dtype] * exact.abs() + carried + 1e-6 * mass + 1e-30
-    return expect_within("vs oracle", out[0], exact, bound)
+    return exact, ULP[x.dtype] * exact.abs() + carried + 1e-6 * mass + 1e-30
+
+
+def _routed_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
+    return expect_within("vs oracle", out[0], *_routed_bound(p))
 
 
 def _routed_native(p: Problem):
@@ -194,9 +200,10 @@ ROUTED_EXPERTS = OpSpec(
     ),
     flops=_flops,
     native=_routed_native,
-    # the rows' roundings (truncations in the interpreter) carried into a weighted sum that may
-    # cancel: absolute, at the rows' scale (O(1) here), not relative to y
+    # the rows' roundings carried into a weighted sum that may cancel: absolute, at the rows'
+    # scale (O(1) here), not relative to y
     reference_tol=(2.0**-6, 2.0**-5),
+    bound=_routed_bound,
 )
 
 ENTRIES = (EXPERT_MLP, ROUTED_EXPERTS)

@@ -10,9 +10,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from moe_kernels.testing import oracle_gather_grouped_mm, oracle_grouped_weight_grad
+from moe_kernels.testing import ULP, oracle_gather_grouped_mm, oracle_grouped_weight_grad
 from moe_tools.ops.spec import (
-    ULP,
     OpSpec,
     Problem,
     Sizes,

@@ -16,9 +16,8 @@ from functools import partial
 
 import torch
 
-from moe_kernels.testing import oracle_e4m3, oracle_silu_mul_exact
+from moe_kernels.testing import E4M3_STEP, oracle_e4m3, oracle_silu_mul_exact
 from moe_tools.ops.spec import (
-    E4M3_STEP,
     CheckFailed,
     OpSpec,
     Problem,

@@ -7,6 +7,7 @@ import random
 import torch
 
 from moe_kernels.testing import (  # the naive oracles of the layouts, the casts in float64
+    E4M3_STEP,
     oracle_blocked,
     oracle_blocked_start_rows,
     oracle_gather_grouped_mm,
@@ -15,7 +16,6 @@ from moe_kernels.testing import (  # the naive oracles of the layouts, the casts
 )
 from moe_tools.ops.spec import (
     BF16_ULP,
-    E4M3_STEP,
     CheckFailed,
     OpSpec,
     Problem,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from moe_kernels.testing import execution_path
+from moe_kernels.testing import ULP, bound_violations, execution_path
 
 Sizes = Mapping[str, Any]  # one problem's sizes and options, e.g. {"T": 4096, "E": 16, "k": 8}
 Thunk = Callable[[], object]
@@ -58,6 +58,9 @@ class OpSpec:
       ``specified(outputs)``: the part of the outputs the contract defines (default all).
     * ``reference_tol``: (rtol, atol relative to the largest value) of the kernel against its
       reference where they are not bitwise equal by contract (summation order, exp).
+    * ``bound(problem)``: (float64 value, bound of the kernel's roundings) of output 0, for ops
+      whose result rounds inside (a chain of GEMMs); the oracle checks against it, and in the
+      interpreter the reference comparison too (``moe_kernels.testing.reference_bound``).
     """
 
     name: str
@@ -74,6 +77,7 @@ class OpSpec:
     mutates: tuple[int, ...] = ()
     specified: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] | None = None
     reference_tol: tuple[float, float] = (0.0, 0.0)
+    bound: Callable[[Problem], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def op(self) -> Callable[..., Any]:
         """The public op itself, looked up by name."""
@@ -124,9 +128,7 @@ def fbgemm_ops() -> Any:
 # ----------------------------------------------------------------------------------------------
 # comparisons
 
-BF16_ULP = 2.0**-7  # relative size of one bf16 step (upper bound, normal numbers)
-E4M3_STEP = 2.0**-3
-ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}
+BF16_ULP = ULP[torch.bfloat16]  # relative size of one bf16 step (upper bound, normal numbers)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -172,15 +174,16 @@ def expect_equal(
 
 
 def expect_within(name: str, got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> float:
-    """|got - exact| <= bound elementwise (float64, shapes equal); returns the largest error."""
+    """|got - exact| <= bound elementwise (float64, shapes equal: ``bound_violations``, the rule
+    the tests use); returns the largest error."""
     if tuple(got.shape) != tuple(exact.shape):
         raise CheckFailed(f"{name}: shape {tuple(got.shape)} != {tuple(exact.shape)}")
-    err = (got.detach().cpu().double() - exact).abs()
-    bad = ~(err <= bound)  # NaN fails too
-    if bool(bad.any()):
-        worst = float((err - bound).nan_to_num(nan=float("inf")).max())
-        raise CheckFailed(f"{name}: {int(bad.sum())} of {bad.numel()} out of bound ({worst:.3g})")
-    return float(err.max()) if err.numel() else 0.0
+    check = bound_violations(got, exact, bound)
+    if check.bad:
+        raise CheckFailed(
+            f"{name}: {check.bad} of {check.total} out of bound ({check.largest_excess:.3g})"
+        )
+    return check.largest_error
 
 
 def ulps(x64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from moe_kernels.testing.tolerance import ULP
+
 __all__ = [
     "oracle_expert_mlp_formula",
     "oracle_expert_mlp_rows",
@@ -17,8 +19,6 @@ __all__ = [
     "oracle_grouped_weight_grad",
     "oracle_routed_experts_formula",
 ]
-
-ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}
 
 
 def _groups(offsets: torch.Tensor, rows: torch.Tensor | None, T: int):
