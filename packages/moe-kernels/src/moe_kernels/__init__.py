@@ -8,6 +8,14 @@ syncs, deterministic.
 
 __version__ = "0.1.0"
 
+import warnings
+
+with warnings.catch_warnings():
+    # torch warns at import where numpy is missing (a kernels-only install has none, and none is
+    # needed here): silenced for that one message, when this import is torch's first
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
 from moe_kernels.activation import expert_activation
 from moe_kernels.dense_tokens import gather_scale_dense_tokens, scatter_add_dense_tokens
 from moe_kernels.expert_mlp import expert_mlp
