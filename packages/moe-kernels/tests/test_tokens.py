@@ -209,6 +209,21 @@ def test_scatter_add_strided_out_and_int64_and_determinism():
     assert torch.equal(results[0], results[1])  # bitwise reproducible
 
 
+def test_out_of_range_indices_are_skipped():
+    """The documented contract: an index outside [0, T) counts as -1 (no host sync to raise):
+    the scatter skips its row, the gather writes zeros (an expert index outside [0, E) too)."""
+    T, D, E = 4, 3, 2
+    tok = torch.tensor([0, 4, -1, -5, 2**31 - 1, 3, 1], dtype=torch.int64)
+    out = torch.zeros(T, D)
+    scatter_add_dense_tokens(out, torch.arange(1.0, 8.0)[:, None].expand(7, D), tok)
+    assert torch.equal(out[:, 0], torch.tensor([1.0, 7.0, 0.0, 6.0]))
+    x = torch.arange(1.0, T * D + 1).reshape(T, D)
+    exp = torch.tensor([0, 0, 1, 1, 0, 5, -3])
+    rows = gather_scale_dense_tokens(x, tok, exp, torch.ones(T, E))
+    live = torch.tensor([True, False, False, False, False, False, False])
+    assert torch.equal(rows, torch.where(live[:, None], x[tok.clamp(0, T - 1)], 0.0))
+
+
 def test_scatter_add_empty():
     out = rand((3, 4), torch.float32, 10)
     before = out.clone()

@@ -6,9 +6,9 @@ reproducible.
 Both are ``torch.library`` custom ops (``moe_kernels::<name>``) with fake implementations: no
 host syncs on CUDA, safe under ``torch.compile(fullgraph=True)`` and CUDA-graph capture, no float
 atomics. Index tensors may be int32 or int64; float inputs may be non-contiguous (the kernels take
-strides). Indices must lie in [-1, rows): an out-of-range index is treated as -1 by the kernels
-(memory-safe) and is undefined behaviour by contract. Our plan-driven ``dispatch`` / ``combine``
-are in ``tokens.py``.
+strides). An index outside [0, rows) counts as -1 (FBGEMM's padding), on every path: its row is
+zero in the gather and skipped by the scatter (raising instead would need a host sync). Our
+plan-driven ``dispatch`` / ``combine`` are in ``tokens.py``.
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def gather_scale_dense_tokens(
     x: (T, D) float32/bf16/fp16; token_indices, expert_indices: (N,) int32/int64; scores: (T, E)
     float; valid_token_count: optional one-element int tensor (the number of valid rows of the
     shuffled list, read on the device). Returns (N, D) in x's dtype with
-    ``out[i] = x[tok[i]] * scores[tok[i], exp[i]]`` computed in fp32; rows with token index -1,
-    expert index -1, or i >= valid_token_count are zero.
+    ``out[i] = x[tok[i]] * scores[tok[i], exp[i]]`` computed in fp32; rows whose token index is
+    outside [0, T) (-1: padding), whose expert index is outside [0, E), or i >= valid_token_count
+    are zero.
 
     Differentiable in x and scores (deterministic: the per-token sums run in ascending i through
     the scatter below, in fp32).
@@ -206,7 +207,8 @@ def scatter_add_dense_tokens(
     out_tokens: (T, D) float32/bf16/fp16, or int32/int64 (may be a strided view); in_tokens:
     (N, D), float (any of the three, may differ from out's) for a float out, int32/int64 for an
     integer out; token_indices: (N,) int32/int64; valid_token_count: as in
-    ``gather_scale_dense_tokens``. Entries with index -1 or i >= valid_token_count are skipped.
+    ``gather_scale_dense_tokens``. Entries whose index is outside [0, T) (-1: padding; any
+    other, e.g. a stale index past T or below -1, likewise) or i >= valid_token_count are skipped.
 
     Ordering: the contributions to one destination row are added in ascending i, each add done in
     fp32 and rounded to out's dtype, i.e. exactly the sequential loop

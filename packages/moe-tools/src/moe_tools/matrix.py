@@ -370,10 +370,11 @@ def preset_name(text: str) -> str:
 
 
 def impl_names() -> tuple[str, ...]:
-    """``moe_model.MOE_IMPLS`` and the former names MoELayer still accepts."""
-    from moe_model import IMPL_ALIASES, MOE_IMPLS
+    """``moe_model.MOE_IMPLS``: the names the commands offer (not the former names in
+    ``IMPL_ALIASES``, which MoELayer still accepts for old configs)."""
+    from moe_model import MOE_IMPLS
 
-    return (*MOE_IMPLS, *IMPL_ALIASES)
+    return tuple(MOE_IMPLS)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
