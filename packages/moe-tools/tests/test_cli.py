@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from moe_tools import cli, matrix, memory, verify
+from moe_tools import cli, matrix, memory, tables, verify
 from moe_tools.commands import MEASURING
 from moe_tools.env import machine_slug
 from moe_tools.results import SCHEMA, Result
@@ -125,7 +125,16 @@ def test_matrix_prints_header_and_table_and_writes_json(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("# date") and any(line.startswith("# device") for line in lines)
     head = next(line for line in lines if line.startswith("impl "))
-    assert head.split() == matrix.COLUMNS
+    assert max(map(len, lines[lines.index(head) :])) <= tables.TABLE_WIDTH
+    note = [i for i, line in enumerate(lines) if "more columns with --wide" in line]
+    hidden = []
+    if note:  # the note, wrapped: its continuation lines start "#   "
+        text = " ".join(ln.removeprefix("#   ") for ln in lines[note[0] :] if ln.startswith("#"))
+        hidden = text.split(": ", 1)[1].split(", ")
+    assert head.split()[:-1] + hidden + head.split()[-1:] == matrix.COLUMNS
+    assert cli.main([*MATRIX, "--wide"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert next(line for line in lines if line.startswith("impl ")).split() == matrix.COLUMNS
     doc = json.loads(out.read_text())
     assert doc["schema"] == SCHEMA and doc["command"] == "matrix"
     assert doc["name"] == "matrix-tiny-8-baseline+torch"

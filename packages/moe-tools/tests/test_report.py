@@ -19,7 +19,15 @@ from moe_tools.results import (
     slug,
     write_json,
 )
-from moe_tools.tables import format_table, format_value, markdown_table, non_empty, progress
+from moe_tools.tables import (
+    TABLE_WIDTH,
+    format_table,
+    format_value,
+    markdown_table,
+    non_empty,
+    progress,
+    table_width,
+)
 
 
 def test_format_value():
@@ -58,6 +66,28 @@ def test_format_table_aligns_numbers_right_and_text_left():
     assert format_table([{"a": 1}, {"b": 2, "a": 3}]).splitlines()[0].split() == ["a", "b"]
     assert format_table([]) == "(no rows)"
     assert non_empty(rows + [{"x": None}], ["impl", "x", "ms"]) == ["impl", "ms"]
+
+
+def test_tables_fit_the_width_cutting_text_then_dropping_columns():
+    status = "unavailable: RuntimeError: " + "x" * 150
+    rows = [{"impl": f"impl{i}", **{f"metric_{j}": 1000.5 + j for j in range(14)},
+             "status": status if i == 1 else "ok"} for i in range(3)]  # fmt: skip
+    full = format_table(rows).splitlines()
+    with table_width(TABLE_WIDTH):  # the default
+        assert format_table(rows).splitlines() == full
+    assert max(map(len, full)) <= TABLE_WIDTH
+    head = full[0].split()
+    assert head[0] == "impl" and head[-1] == "status"  # the name and the verdict stay
+    dropped = [f"metric_{j}" for j in range(14) if f"metric_{j}" not in head]
+    assert dropped and head[1:-1] == [f"metric_{j}" for j in range(14 - len(dropped))]
+    assert full[-1].startswith(f"# {len(dropped)} more columns with --wide")
+    assert full[3].endswith("...") and "unavailable: RuntimeError" in full[3]  # cut, not dropped
+    with table_width(None):
+        wide = format_table(rows).splitlines()
+    assert wide[0].split() == list(rows[0]) and wide[3].endswith(status)
+    with table_width(40):  # too narrow for any but two columns: those two, the text cut
+        narrow = format_table(rows).splitlines()
+    assert narrow[0].split() == ["impl", "status"] and max(map(len, narrow[:5])) <= 40
 
 
 def test_markdown_table():

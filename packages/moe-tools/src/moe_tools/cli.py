@@ -11,13 +11,14 @@ import argparse
 import os
 import shlex
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
-from moe_tools import __version__, report
+from moe_tools import __version__, report, tables
 from moe_tools import command as cmd
 from moe_tools.command import Command, UsageError
 from moe_tools.commands import MEASURING
@@ -56,6 +57,11 @@ def _common_options() -> argparse.ArgumentParser:
     )
     common.add_argument("--seed", type=cmd.seed, default=0, help="random seed, 64 bits (default 0)")
     common.add_argument("--no-progress", action="store_true", help="no progress bars")
+    common.add_argument(
+        "--wide",
+        action="store_true",
+        help=f"every column, uncut (default: tables fit {tables.TABLE_WIDTH} characters)",
+    )
     return common
 
 
@@ -130,10 +136,13 @@ def _measure(command: Command, args: argparse.Namespace, argv: Sequence[str]) ->
 
     # a checkpoint (a sweep's progress) that cannot be written does not stop the run: the final
     # write reports it
-    result = command.run(args, write if targets else None)
-    print(result.text if result.text is not None else format_table(result.rows, result.columns))
+    width = None if args.wide else tables.TABLE_WIDTH
+    with tables.table_width(width):
+        result = command.run(args, write if targets else None)
+        print(result.text if result.text is not None else format_table(result.rows, result.columns))
     for line in result.extra.get("notes", []):
-        print(f"# {line}")
+        print("\n".join(textwrap.wrap(f"# {line}", width, subsequent_indent="#   ")) if width
+              else f"# {line}")  # fmt: skip
     status = 0
     written = write(result)
     if command.plot is not None and getattr(args, "plot", None):

@@ -1,15 +1,36 @@
 """Text for people: table cells, aligned plain-text and markdown tables, progress bars.
 
-Rows are plain dicts (column name -> value); every command returns a list of them.
+Rows are plain dicts (column name -> value); every command returns a list of them. Plain-text
+tables fit ``TABLE_WIDTH`` characters unless ``table_width(None)`` (``--wide``) is in effect: long
+text cells but the rows' names are cut first, then columns dropped from the right (never the
+first, the row's name, nor the last, its verdict), with a line naming them. JSON results keep
+every column.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import textwrap
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 Row = dict[str, Any]
+
+TABLE_WIDTH = 120
+MIN_TEXT_WIDTH = 24  # a cut text column keeps at least this many characters (or its header)
+_WIDTH: ContextVar[int | None] = ContextVar("table_width", default=TABLE_WIDTH)
+
+
+@contextmanager
+def table_width(width: int | None) -> Iterator[None]:
+    """Plain-text tables made inside fit ``width`` characters (None: every column, uncut)."""
+    token = _WIDTH.set(width)
+    try:
+        yield
+    finally:
+        _WIDTH.reset(token)
 
 
 def short_error(exc: BaseException, limit: int = 120) -> str:
@@ -66,14 +87,56 @@ def _is_numeric(values: Iterable[Any]) -> bool:
     return bool(vals) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
 
 
+def _widths(cols: Sequence[str], cells: Sequence[Sequence[str]]) -> list[int]:
+    return [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+
+
+def _cut(cols: list[str], cells: list[list[str]], numeric: list[bool], width: int) -> bool:
+    """Cut the widest text columns' cells (to ``MIN_TEXT_WIDTH`` at most; never the first,
+    the rows' names) until the table fits ``width``; False (cells unchanged) where cutting
+    cannot make it fit."""
+    w = _widths(cols, cells)
+    floor = [wi if numeric[i] or i == 0 else min(wi, max(MIN_TEXT_WIDTH, len(cols[i])))
+             for i, wi in enumerate(w)]  # fmt: skip
+    if sum(floor) + 2 * (len(cols) - 1) > width:
+        return False
+    excess = sum(w) + 2 * (len(cols) - 1) - width
+    while excess > 0:
+        i = max(range(len(cols)), key=lambda j: w[j] - floor[j])
+        keep = max(floor[i], w[i] - excess)
+        excess -= w[i] - keep
+        w[i] = keep
+        for r in cells:
+            if len(r[i]) > keep:
+                r[i] = r[i][: keep - 3] + "..."
+    return True
+
+
+def _fit(cols: list[str], cells: list[list[str]], numeric: list[bool], width: int) -> list[str]:
+    """Drop the fewest columns (the last but one, then the one before...) with which cutting
+    text cells makes the table fit ``width``; returns the dropped columns' names (``cols``,
+    ``cells`` and ``numeric`` are changed in place)."""
+    dropped: list[str] = []
+    while not _cut(cols, cells, numeric, width) and len(cols) > 2:
+        i = len(cols) - 2
+        dropped.insert(0, cols.pop(i))
+        numeric.pop(i)
+        for r in cells:
+            r.pop(i)
+    return dropped
+
+
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
-    """An aligned plain-text table: numbers right-aligned, text left-aligned."""
+    """An aligned plain-text table: numbers right-aligned, text left-aligned; fits the width
+    ``table_width`` sets (``TABLE_WIDTH`` by default)."""
     cols = columns_of(rows, columns)
     if not cols:
         return "(no rows)"
     cells = [[format_value(row.get(c)) for c in cols] for row in rows]
     numeric = [_is_numeric(row.get(c) for row in rows) for c in cols]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+    width = _WIDTH.get()
+    dropped = _fit(cols, cells, numeric, width) if width is not None else []
+    widths = _widths(cols, cells)
 
     def line(vals: Sequence[str]) -> str:
         out = [
@@ -83,7 +146,11 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
         return "  ".join(out).rstrip()
 
     sep = "  ".join("-" * w for w in widths)
-    return "\n".join([line(cols), sep] + [line(r) for r in cells])
+    lines = [line(cols), sep] + [line(r) for r in cells]
+    if dropped:
+        note = f"# {len(dropped)} more columns with --wide (and in --json): {', '.join(dropped)}"
+        lines += textwrap.wrap(note, width, subsequent_indent="#   ")
+    return "\n".join(lines)
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
