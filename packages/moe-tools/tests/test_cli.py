@@ -129,7 +129,11 @@ def test_matrix_prints_header_and_table_and_writes_json(tmp_path, capsys):
     note = [i for i, line in enumerate(lines) if "more columns with --wide" in line]
     hidden = []
     if note:  # the note, wrapped: its continuation lines start "#   "
-        text = " ".join(ln.removeprefix("#   ") for ln in lines[note[0] :] if ln.startswith("#"))
+        text = lines[note[0]]
+        for ln in lines[note[0] + 1 :]:
+            if not ln.startswith("#   "):
+                break
+            text += " " + ln.removeprefix("#   ")
         hidden = text.split(": ", 1)[1].split(", ")
     assert head.split()[:-1] + hidden + head.split()[-1:] == matrix.COLUMNS
     assert cli.main([*MATRIX, "--wide"]) == 0
