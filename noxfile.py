@@ -155,15 +155,17 @@ def tests(session: nox.Session, torch: str, triton: str) -> None:
 @nox.session
 def benchmarks(session: nox.Session) -> None:
     """The pytest-benchmark suite in packages/moe-tools/benchmarks (tiny sizes on CPU, full sizes
-    on CUDA); JSON into benchmarks/results/<machine>/pytest-benchmark.json, this machine's current
-    data (``moe-bench report`` renders it with the rest of the folder)."""
+    on CUDA); JSON into build/benchmarks/<machine>/pytest-benchmark.json. To publish it as this
+    machine's current data (which ``moe-bench report`` renders): ``MOE_BENCH_SAVE=benchmarks/results
+    nox -s benchmarks``."""
     torch = os.environ.get("MOE_BENCH_TORCH", NEWEST_TORCH)
     _install_torch(session, torch)
     _install_packages(session, "pytest-benchmark>=4", "tqdm", "matplotlib")
     machine = session.run(
         "python", "-c", "from moe_tools.env import machine_slug; print(machine_slug())", silent=True
     )
-    out = ROOT / "benchmarks" / "results" / machine.strip().splitlines()[-1]
+    save = Path(os.environ.get("MOE_BENCH_SAVE", "build/benchmarks"))
+    out = (save if save.is_absolute() else ROOT / save) / machine.strip().splitlines()[-1]
     out.mkdir(parents=True, exist_ok=True)
     session.run(
         "pytest",
