@@ -1,5 +1,6 @@
-"""Developer sessions: ``tests`` (every torch version, and the newest Triton), ``benchmarks``,
-``gpu`` (the GPU tests, on a CUDA machine), ``lint``, ``build``.
+"""Developer sessions: ``tests`` (every torch version, and the newest Triton), ``quick`` (a few
+minutes' slice of it: one torch), ``benchmarks``, ``gpu`` (the GPU tests, on a CUDA machine),
+``lint``, ``build``.
 
 Kernel tests run on the torch reference path and on the Triton kernels through the interpreter
 (``TRITON_INTERPRET=1``), so CI exercises the kernels without a GPU; ``TEST_MATRIX`` says which
@@ -97,13 +98,21 @@ def _pulls_cuda_wheels(session: nox.Session, requirements: list[str]) -> bool:
     return any(name.lower().startswith("nvidia-") for name in names)
 
 
+def _has_torch(session: nox.Session, torch_version: str) -> bool:
+    """Whether the session's venv (a reused one: ``quick``) holds torch ``torch_version``."""
+    query = "import importlib.metadata as m; print(m.version('torch'))"
+    out = session.run("python", "-c", query, silent=True, success_codes=[0, 1]) or ""
+    return out.strip().split("\n")[-1].split("+")[0] == torch_version  # 2.14.1, 2.14.1+cpu
+
+
 def _install_torch(session: nox.Session, torch_version: str, triton: str = "pinned") -> None:
     """torch and its triton (or the newest Triton); skips the session (see CUDA_TORCH_PEAK_GIB)
-    where a CUDA build would not fit on the disk."""
+    where a CUDA build would not fit on the disk (and is not installed already)."""
     requirements = _torch_requirements(torch_version, triton)
     free_gib = shutil.disk_usage(session.virtualenv.location).free / 2**30
     if (
         free_gib < CUDA_TORCH_PEAK_GIB
+        and not _has_torch(session, torch_version)
         and platform.machine() in ("x86_64", "AMD64")
         and _pulls_cuda_wheels(session, requirements)
     ):
@@ -152,6 +161,38 @@ def tests(session: nox.Session, torch: str, triton: str) -> None:
         session.run(*pytest, "packages/moe-tools/tests", env=env_ref)
 
 
+# ``quick`` leaves out of its reference run the kernel tests that start fresh processes or
+# compile with Inductor (they check imports and compiled graphs, and take most of that run's time
+# on two cores), and runs in the interpreter only these files: the routing, token-movement and
+# SwiGLU ops. The examples cover the other ops (those of moe_kernels in the interpreter too).
+QUICK_SKIP = (
+    "test_inductor_graph.py",
+    "test_no_triton.py",
+    "test_cold_compile_ops.py",
+    "test_import_clean.py",
+)
+QUICK_INTERPRETER = ("test_routing.py", "test_tokens.py", "test_swiglu.py")
+
+
+@nox.session(reuse_venv=True)
+def quick(session: nox.Session) -> None:
+    """A few minutes' check that the packages work, in one venv kept between runs: the newest
+    torch (``NEWEST_TORCH``) with its pinned Triton; the examples (tests/test_examples.py), the
+    kernel tests on the reference path but ``QUICK_SKIP`` and the ``slow`` ones, and the
+    ``QUICK_INTERPRETER`` files in the interpreter. ``nox -s tests`` is the whole matrix."""
+    _install_torch(session, NEWEST_TORCH)
+    _install_packages(session)
+    workers = os.environ.get("MOE_TEST_WORKERS", "2")
+    pytest = ["pytest", "-q", "-p", "no:cacheprovider", "-n", workers, *session.posargs]
+    kernels = "packages/moe-kernels/tests"
+    skip = [f"--ignore={kernels}/{name}" for name in QUICK_SKIP]
+    examples = "packages/moe-tools/tests/test_examples.py"
+    session.run(*pytest, "-m", "not slow", *skip, examples, kernels, env={"TRITON_INTERPRET": "0"})
+    if HAS_TRITON_WHEELS:
+        files = [f"{kernels}/{name}" for name in QUICK_INTERPRETER]
+        session.run(*pytest, "-m", "not slow", *files, env={"TRITON_INTERPRET": "1"})
+
+
 @nox.session
 def benchmarks(session: nox.Session) -> None:
     """The pytest-benchmark suite in packages/moe-tools/benchmarks (tiny sizes on CPU, full sizes
@@ -191,6 +232,7 @@ def gpu(session: nox.Session) -> None:
     session.run(
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
         *session.posargs, "packages/moe-kernels/tests", "packages/moe-model/tests",
+        "packages/moe-tools/tests/test_examples.py",
         env={"PYTHONPATH": src, "TRITON_INTERPRET": "0"}, external=True,
     )  # fmt: skip
 
