@@ -35,14 +35,21 @@ EXAMPLES = ROOT / "examples"
 README = ROOT / "README.md"
 START, END = "# README >>>", "# README <<<"
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
-KERNEL_SCRIPTS = [name for name in SCRIPTS if "moe_model" not in (EXAMPLES / name).read_text()]
+
+
+def source(name: str) -> str:
+    """The text of example ``name`` (files are read as UTF-8 here, whatever the locale)."""
+    return (EXAMPLES / name).read_text(encoding="utf-8")
+
+
+KERNEL_SCRIPTS = [name for name in SCRIPTS if "moe_model" not in source(name)]
 BLOCK = re.compile(r"<!-- from (examples/[\w.]+) -->\n```python\n(.*?)```\n", re.S)
 
 
 def regions(name: str) -> list[str]:
     """The README regions of example ``name``, in order (the lines between the markers)."""
     found, current = [], None
-    for line in (EXAMPLES / name).read_text().splitlines(keepends=True):
+    for line in source(name).splitlines(keepends=True):
         if line.strip() == START:
             assert current is None, f"{name}: {START} inside a region"
             current = []
@@ -58,7 +65,7 @@ def regions(name: str) -> list[str]:
 
 def readme_blocks() -> list[tuple[str, str]]:
     """(example name, code) of every python block of README.md that names its example."""
-    text = README.read_text()
+    text = README.read_text(encoding="utf-8")
     blocks = [(m.group(1).removeprefix("examples/"), m.group(2)) for m in BLOCK.finditer(text)]
     assert len(blocks) == text.count("```python"), "a python block without <!-- from ... -->"
     return blocks
@@ -140,14 +147,15 @@ def test_readme_blocks_define_their_names():
     for name, code in readme_blocks():
         shown[name] = shown.get(name, "") + code
     for name, code in shown.items():
-        assert not undefined_names(code), f"examples/{name}'s README blocks read undefined names"
+        missing = sorted(undefined_names(code))
+        assert not missing, f"examples/{name}'s README blocks read undefined names {missing}"
 
 
 def test_examples_choose_their_device():
     """One line picks the device; "cuda" appears elsewhere only compared with (device == "cuda")."""
     choice = 'device = "cuda" if torch.cuda.is_available() else "cpu"'
     for name in SCRIPTS:
-        text = (EXAMPLES / name).read_text()
+        text = source(name)
         assert text.count(choice) == 1, name
         rest = text.replace(choice, "")
         assert not re.search(r"""(?<!== )["']cuda(:\d+)?["']|\.cuda\(""", rest), name
@@ -161,7 +169,7 @@ def test_examples_read_no_private_names():
     roots = {m.__name__: Path(m.__file__).parent for m in (moe_kernels, moe_model)}
     assert private_reads(EXAMPLES, roots) == []
     for name in SCRIPTS:  # stricter: no underscore attribute or import at all, torch's included
-        for node in ast.walk(ast.parse((EXAMPLES / name).read_text())):
+        for node in ast.walk(ast.parse(source(name))):
             if isinstance(node, ast.Attribute):
                 assert not _private(node.attr), f"{name}:{node.lineno} reads .{node.attr}"
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -179,7 +187,7 @@ def copy_regions_into_readme() -> None:
         i = seen[name] = seen.get(name, -1) + 1
         return f"<!-- from examples/{name} -->\n```python\n{regions(name)[i]}```\n"
 
-    README.write_text(BLOCK.sub(block, README.read_text()))
+    README.write_text(BLOCK.sub(block, README.read_text(encoding="utf-8")), encoding="utf-8")
 
 
 if __name__ == "__main__":
