@@ -65,6 +65,12 @@ TRITON_MISSING = (
     "on CPU tensors without TRITON_INTERPRET (the torch reference path needs no Triton)."
 )
 
+NUMPY_MISSING = (
+    "TRITON_INTERPRET=1 runs moe_kernels' Triton kernels in Triton's interpreter, which needs "
+    "numpy, and `import numpy` failed ({why}). Install it (`pip install numpy`), or unset "
+    "TRITON_INTERPRET to run the torch reference path on CPU tensors."
+)
+
 
 @functools.cache
 def triton_kernels(module: str) -> ModuleType:
@@ -73,6 +79,8 @@ def triton_kernels(module: str) -> ModuleType:
     try:
         return importlib.import_module(f"moe_kernels._triton.{module}")
     except ImportError as exc:
+        if INTERPRET and exc.name == "numpy":  # Triton's interpreter runs on numpy
+            raise RuntimeError(NUMPY_MISSING.format(why=exc)) from exc
         if not (exc.name or "").startswith("triton"):
             raise
         where = "CPU tensors under TRITON_INTERPRET=1" if INTERPRET else "CUDA tensors"

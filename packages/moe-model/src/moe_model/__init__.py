@@ -1,6 +1,7 @@
 """moe-model: an MoE layer with interchangeable implementations, and a frame-autoregressive world
 model (diffusion transformer + KV ring buffer) built on moe-kernels."""
 
+import moe_kernels  # noqa: F401  (first: its import of torch keeps torch's numpy warning quiet)
 from moe_model.config import PRESETS, WorldModelConfig
 from moe_model.engine import WorldEngine
 from moe_model.expert_parallel import ExpertParallelMoE
