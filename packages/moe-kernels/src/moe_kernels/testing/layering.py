@@ -132,6 +132,8 @@ def private_reads(root: Path, roots: dict[str, Path] | None = None) -> list[Priv
                 value = value.value
             if isinstance(value, ast.Name) and value.id in aliases:
                 target = ".".join([aliases[value.id], *reversed(chain)])
-                if is_module(target) and not is_module(f"{target}.{node.attr}"):
+                # a name of another module, or (another distribution's) private module
+                submodule = is_module(f"{target}.{node.attr}")
+                if is_module(target) and (not submodule or target.split(".")[0] != own):
                     found.append(PrivateRead(where, node.lineno, f"{target}.{node.attr}"))
     return found
