@@ -21,6 +21,7 @@ Correctness (bit for bit against the reference, graph replay, compile, FBGEMM pa
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -38,8 +39,8 @@ from moe_kernels import shuffling as sh  # noqa: E402
 from moe_kernels._triton import padded_tokens as tri_pt  # noqa: E402
 from moe_kernels._triton import shuffling as tri_sh  # noqa: E402
 from moe_kernels.reference import padded_tokens as ref_pt  # noqa: E402
-from moe_kernels.reference import shuffling as ref_sh  # noqa: E402
 from moe_kernels.reference import tokens as ref_tok  # noqa: E402
+from moe_kernels.testing import ep_inputs  # noqa: E402
 
 DEV = torch.device("cpu" if DRY else "cuda")
 BIG = (256, 64, 8, 32) if DRY else (65536 * 8, 2048, 8, 128)  # (rows, D, EP, E)
@@ -50,68 +51,16 @@ if not DRY:
         import fbgemm_gpu.experimental.gen_ai.moe as fb  # noqa: E402
     except Exception as exc:  # noqa: BLE001 - the peer is optional
         print("fbgemm_gpu not importable, its rows are skipped:", repr(exc)[:200])
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def gen(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    return torch.Generator(device).manual_seed(seed)
-
-
-def tokens_of(rows: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Random non-zero rows, generated on DEV (the big buffers would take minutes on a CPU)."""
-    x = torch.randn(rows, dim, generator=gen(seed, DEV), device=DEV) + 0.25
-    if dtype in (torch.float8_e4m3fn, torch.int64, torch.int32):
-        x = x * 8
-    return x.to(dtype)
-
-
-def split_counts(rows: int, ranks: int, cols: int, seed: int, dtype=torch.int32, cap=None):
-    """FBGEMM's test counts: a random split of ``rows`` into (ranks, cols) chunks (many zeros);
-    ``cap``: each rank's own split of at most ``cap`` rows (the padded layout)."""
-    if cap is not None:
-        per = [
-            split_counts(cap - (r * 7) % (cap // 2 + 1), 1, cols, seed + r) for r in range(ranks)
-        ]
-        return torch.cat(per).to(dtype).to(DEV)
-    cuts = torch.sort(torch.randint(0, rows + 1, (ranks * cols + 1,), generator=gen(seed)))[0]
-    cuts[0], cuts[-1] = 0, rows
-    return (cuts[1:] - cuts[:-1]).reshape(ranks, cols).to(dtype).to(DEV)
+gen, ref_shuffle = ep_inputs.gen, ep_inputs.ref_shuffle
+tokens_of = functools.partial(ep_inputs.tokens_of, device=DEV)
+split_counts = functools.partial(ep_inputs.split_counts, device=DEV)
+scatter_problem = functools.partial(ep_inputs.scatter_problem, device=DEV)
 
 
 # ------------------------------------------------------------------------------ shuffles
 
 
-def ref_shuffle(tokens, counts, start, end, padded, combine, device="cpu"):
-    """The torch reference, by default on the CPU (the oracle), on bit views of the tokens."""
-    x = tokens.to(device).view(BITS[tokens.element_size()])
-    c = counts.to(device)
-    if combine:
-        out, cnt = ref_sh.combine_shuffling(x, c, start, end, padded)
-        return out.view(tokens.dtype), cnt
-    return ref_sh.split_shuffling(x, c, start, end, padded).view(tokens.dtype), None
-
-
 # ------------------------------------------------------------------------------ padded scatter
-
-
-def scatter_problem(ep, positions, dim, experts, rows, seed, *, in_dtype=torch.bfloat16,
-                    out_dtype=torch.bfloat16, counts="bincount", top_k=1):  # fmt: skip
-    """(in (EP, T_K, D), counts (E,), indices (T_K,), out (T, D)) on DEV, FBGEMM's forms."""
-    g = gen(seed, DEV)
-    if counts == "balanced":
-        cnt = torch.full((experts,), positions // experts, dtype=torch.int32, device=DEV)
-    elif counts == "bincount":
-        choices = torch.randint(0, experts, (positions,), generator=g, device=DEV)
-        cnt = torch.bincount(choices, minlength=experts)
-    else:
-        cnt = counts.to(DEV)
-    perm = torch.randperm(positions, generator=g, device=DEV)
-    idx = (perm if top_k == 1 and rows == positions else perm % rows).int()
-    x = torch.randn(ep, positions, dim, generator=g, device=DEV, dtype=torch.bfloat16) + 0.25
-    out = torch.randn(rows, dim, generator=g, device=DEV) + 0.25
-    if not out_dtype.is_floating_point:
-        x, out = x * 1000, out * 1000
-    return x.to(in_dtype), cnt, idx, out.to(out_dtype)
 
 
 def big_scatter_shape():

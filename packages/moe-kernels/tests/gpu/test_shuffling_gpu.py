@@ -19,6 +19,8 @@ GPU). FBGEMM parity: ``test_fbgemm_parity_gpu.py``.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -29,6 +31,7 @@ from moe_kernels.testing import (
     bits_equal,
     capture,
     compile_fresh,
+    ep_inputs,
     forbid_host_sync,
     full_run,
     gpu_test_device,
@@ -43,42 +46,10 @@ pytestmark = [
 ]
 FULL = pytest.mark.skipif(not full_run(), reason="a GiB-sized shape: MOE_GPU_FULL=1")
 FB_D = 5120 if ON_GPU else 64
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def gen(seed: int, device=None) -> torch.Generator:
-    return torch.Generator(device or "cpu").manual_seed(seed)
-
-
-def tokens_of(rows: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Random non-zero rows, made on the device."""
-    x = torch.randn(rows, dim, generator=gen(seed, DEV), device=DEV) + 0.25
-    if dtype in (torch.float8_e4m3fn, torch.int64, torch.int32):
-        x = x * 8
-    return x.to(dtype)
-
-
-def split_counts(rows, ranks, cols, seed, dtype=torch.int32, cap=None) -> torch.Tensor:
-    """FBGEMM's test counts: a random split of ``rows`` into (ranks, cols) chunks (many zeros);
-    ``cap``: each rank's own split of at most ``cap`` rows (the padded layout)."""
-    if cap is not None:
-        per = [
-            split_counts(cap - (r * 7) % (cap // 2 + 1), 1, cols, seed + r) for r in range(ranks)
-        ]
-        return torch.cat(per).to(dtype).to(DEV)
-    cuts = torch.sort(torch.randint(0, rows + 1, (ranks * cols + 1,), generator=gen(seed)))[0]
-    cuts[0], cuts[-1] = 0, rows
-    return (cuts[1:] - cuts[:-1]).reshape(ranks, cols).to(dtype).to(DEV)
-
-
-def ref_shuffle(tokens, counts, start, end, padded, combine, device="cpu"):
-    """The reference on bit views of the tokens (any dtype), by default on the CPU."""
-    x = tokens.to(device).view(BITS[tokens.element_size()])
-    c = counts.to(device)
-    if combine:
-        out, cnt = ref_sh.combine_shuffling(x, c, start, end, padded)
-        return out.view(tokens.dtype), cnt
-    return ref_sh.split_shuffling(x, c, start, end, padded).view(tokens.dtype), None
+gen, ref_shuffle = ep_inputs.gen, ep_inputs.ref_shuffle
+tokens_of = functools.partial(ep_inputs.tokens_of, device=DEV)
+split_counts = functools.partial(ep_inputs.split_counts, device=DEV)
+scatter_problem = functools.partial(ep_inputs.scatter_problem, device=DEV)
 
 
 def shuffle_cases() -> list:
@@ -176,26 +147,6 @@ def test_shuffles_at_the_big_shape():
 
 
 # ------------------------------------------------------------------------------ padded scatter
-
-
-def scatter_problem(ep, positions, dim, experts, rows, seed, *, in_dtype=torch.bfloat16,
-                    out_dtype=torch.bfloat16, counts="bincount", top_k=1):  # fmt: skip
-    """(in (EP, T_K, D), counts (E,), indices (T_K,), out (T, D)) on the device, FBGEMM's forms."""
-    g = gen(seed, DEV)
-    if counts == "balanced":
-        cnt = torch.full((experts,), positions // experts, dtype=torch.int32, device=DEV)
-    elif counts == "bincount":
-        choices = torch.randint(0, experts, (positions,), generator=g, device=DEV)
-        cnt = torch.bincount(choices, minlength=experts)
-    else:
-        cnt = counts.to(DEV)
-    perm = torch.randperm(positions, generator=g, device=DEV)
-    idx = (perm if top_k == 1 and rows == positions else perm % rows).int()
-    x = torch.randn(ep, positions, dim, generator=g, device=DEV, dtype=torch.bfloat16) + 0.25
-    out = torch.randn(rows, dim, generator=g, device=DEV) + 0.25
-    if not out_dtype.is_floating_point:
-        x, out = x * 1000, out * 1000
-    return x.to(in_dtype), cnt, idx, out.to(out_dtype)
 
 
 def ref_scatter(x, cnt, idx, out, device="cpu") -> torch.Tensor:
