@@ -5,7 +5,8 @@ capture, reported together as ``setup_s``), then ``engine.reset()`` and the time
 frame bracketed by CUDA events (perf_counter on CPU), frames per second from the wall time of the
 whole timed rollout, the peak allocator figures over it, and the allocated memory after frame 16
 and after the last frame. With ``profile``, :mod:`moe_tools.rollout_profile` then profiles a few
-steady frames of the same engine: ``extra["profile"]``, printed after the row.
+steady frames of the same engine: ``extra["profile"]``, printed after the row, with the frame's
+roofline (:mod:`moe_tools.rollout_roofline`) joined to it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from moe_tools import command as cmd
-from moe_tools import rollout_profile, tables
+from moe_tools import rollout_profile, rollout_roofline, tables
 from moe_tools.plots import pyplot, save_figure
 from moe_tools.results import Result, slug
 from moe_tools.tables import Row, format_table, short_error
@@ -161,6 +162,8 @@ def run(
     profile_frames: int | None = None,
     modes: Sequence[str] | None = None,
     images: bool = True,
+    peak_tflops: float | None = None,
+    peak_gbps: float | None = None,
 ) -> Result:
     """One row per runtime: the rollout's figures; ``extra["frame_ms"]`` holds the last row's
     per-frame times.
@@ -172,7 +175,8 @@ def run(
     device, no decode). ``profile``: then ``profile_frames`` steady frames (default 16 on CUDA, 2
     on CPU) of each runtime under ``torch.profiler``: ``extra["profiles"]`` per row (the last in
     ``extra["profile"]``; ``rollout_profile.Breakdown.to_dict``, or a failed status), printed
-    after the rows (``text``)."""
+    after the rows (``text``), each with the frame's roofline (``rollout_roofline``: the device's
+    peaks from its table, ``peak_tflops`` / ``peak_gbps`` replacing them)."""
     device = torch.device(device) if device is not None else default_device()
     cuda = device.type == "cuda"
     preset = preset or ("seed-moe" if cuda else "tiny")
@@ -257,6 +261,15 @@ def run(
                         engine, profile_frames or (16 if cuda else 2), device=device
                     )
                 prof = found.to_dict()
+                peak = rollout_roofline.find_peak(
+                    torch.cuda.get_device_name(device) if cuda else None,
+                    tflops=peak_tflops,
+                    gbps=peak_gbps,
+                )
+                ops = rollout_roofline.frame_ops(
+                    engine.config, itemsize=engine.dtype.itemsize, images=images
+                )
+                prof = rollout_roofline.attach(prof, rollout_roofline.roofline(ops, peak))
             except Exception as exc:
                 prof = {"status": f"failed: {short_error(exc)}"}
             profiles.append(prof if mode is None else {"mode": mode, **prof})
@@ -352,6 +365,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="frames profiled with --profile (default 16 on CUDA, 2 on CPU)",
     )
+    for name, unit in (("--peak-tflops", "dense bf16 TFLOP/s"), ("--peak-gbps", "memory GB/s")):
+        p.add_argument(
+            name,
+            type=cmd.positive_float,
+            metavar="X",
+            help=f"--profile's roofline: the device's {unit} (default: its table, H100/H200)",
+        )
     cmd.plot_option(p, "per-frame time over the rollout (--profile: the breakdown)")
 
 
@@ -379,8 +399,9 @@ def result_name(args: argparse.Namespace) -> str:
 
 
 def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) -> Result:
-    if args.profile_frames and not args.profile:
-        raise cmd.UsageError("--profile-frames needs --profile")
+    for flag in ("profile_frames", "peak_tflops", "peak_gbps"):
+        if getattr(args, flag) and not args.profile:
+            raise cmd.UsageError(f"--{flag.replace('_', '-')} needs --profile")
     if args.modes and (args.compile or args.cuda_graph is not None):
         raise cmd.UsageError("--modes replaces --compile / --cuda-graph / --no-cuda-graph")
     graphs = args.cuda_graph or "graph" in (args.modes or ())
@@ -403,6 +424,8 @@ def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) 
         modes=args.modes,
         images=not args.no_images,
         profile_frames=args.profile_frames,
+        peak_tflops=args.peak_tflops,
+        peak_gbps=args.peak_gbps,
     )
 
 

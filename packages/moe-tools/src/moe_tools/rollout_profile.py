@@ -34,6 +34,9 @@ profiled frames: the Python side enqueueing one frame, without the image's copy 
 waits for the device). It includes the profiler's per-op bookkeeping (it inflates eager frames
 more than graph replays, which launch little) and any wait of the frame on the device (a host sync
 inside the model, a full launch queue).
+
+A profile joined with ``rollout_roofline.attach`` also carries each category's counted FLOPs,
+bytes and floor and what it achieved: its table then has the roofline's columns too.
 """
 
 from __future__ import annotations
@@ -352,6 +355,7 @@ def profile_engine(
 # presentation: the breakdown as a table, markdown and a figure
 
 PROFILE_COLUMNS = ["category", "ms_per_frame", "share_pct", "kernels_per_frame"]
+ROOFLINE_COLUMNS = ["flops", "bytes", "floor_ms", "achieved", "x_floor"]
 
 
 def _count(value: float | None) -> float | int | None:
@@ -359,14 +363,44 @@ def _count(value: float | None) -> float | int | None:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+def profile_columns(profile: Mapping[str, Any]) -> list[str]:
+    """The table's columns: the roofline's too when the profile carries one."""
+    return PROFILE_COLUMNS + (ROOFLINE_COLUMNS if profile.get("roofline") else [])
+
+
+def _achieved(c: Mapping[str, Any]) -> str | None:
+    """The rate of the resource that bounds the category's floor (its unit says which): TFLOP/s
+    when compute-bound, GB/s when memory-bound; without peaks TFLOP/s when it does FLOPs. The
+    JSON holds both (``achieved_tflops``, ``achieved_gbps``)."""
+    if c.get("achieved_tflops") is None:
+        return None
+    bound = c.get("bound") or ("compute" if c.get("flops") else "memory")
+    if bound == "compute":
+        return f"{format_value(c['achieved_tflops'])} TFLOP/s"
+    return f"{format_value(c['achieved_gbps'])} GB/s"
+
+
+def _roof(c: Mapping[str, Any]) -> Row:
+    return {
+        "flops": c.get("flops"),
+        "bytes": c.get("bytes"),
+        "floor_ms": c.get("floor_ms"),
+        "achieved": _achieved(c),
+        "x_floor": c.get("x_floor"),
+    }
+
+
 def profile_rows(profile: Mapping[str, Any]) -> list[Row]:
-    """One row per category (its share of the total in percent), then the total."""
+    """One row per category (its share of the total in percent), then the total; with a
+    roofline (``rollout_roofline.attach``) its columns too (FLOPs and bytes per frame)."""
+    roof = profile.get("roofline")
     rows: list[Row] = [
         {
             "category": c["category"],
             "ms_per_frame": c["ms_per_frame"],
             "share_pct": 100.0 * c["share"],
             "kernels_per_frame": _count(c["kernels_per_frame"]),
+            **(_roof(c) if roof else {}),
         }
         for c in profile.get("categories", [])
     ]
@@ -375,8 +409,29 @@ def profile_rows(profile: Mapping[str, Any]) -> list[Row]:
         "ms_per_frame": profile.get("device_ms_per_frame"),
         "share_pct": None,
         "kernels_per_frame": _count(profile.get("kernels_per_frame")),
+        **(_roof(roof) if roof else {}),
     }
     return [*rows, total]
+
+
+def roofline_lines(roof: Mapping[str, Any] | None) -> list[str]:
+    """The roofline's peaks and the frame's floors (``rollout_roofline``'s byte model)."""
+    if not roof:
+        return []
+    head = (
+        f"roofline: {format_value(roof['flops'] / 1e12)} TFLOP and "
+        f"{format_value(roof['bytes'] / 1e9)} GB a frame, counted from the config's shapes"
+    )
+    peak = roof.get("peak")
+    if not peak:
+        return [head + "; no peaks known for this device (--peak-tflops, --peak-gbps)"]
+    floor, bound = roof["floor_ms"], roof["frame_bound_ms"]
+    return [
+        f"{head}; at {peak['name']} peaks ({format_value(peak['tflops'])} TFLOP/s dense bf16, "
+        f"{format_value(peak['gbps'])} GB/s): floor {format_value(floor)} ms/frame (sum of each "
+        f"op's max(FLOPs/peak, bytes/bandwidth), {format_value(1e3 / floor)} fps); the frame as "
+        f"one kernel {format_value(bound)} ms ({format_value(1e3 / bound)} fps)"
+    ]
 
 
 def profile_lines(profile: Mapping[str, Any]) -> list[str]:
@@ -401,7 +456,7 @@ def profile_lines(profile: Mapping[str, Any]) -> list[str]:
             f"{counts['name_rules']} of {sum(counts.values())} device activities placed by name "
             "rules alone (no launch found in the profile's CPU events, or none in a range)"
         )
-    return lines
+    return lines + roofline_lines(profile.get("roofline"))
 
 
 def format_profile(profile: Mapping[str, Any]) -> str:
@@ -409,7 +464,7 @@ def format_profile(profile: Mapping[str, Any]) -> str:
     lines = [f"# {x}" for x in profile_lines(profile)]
     if profile.get("status") != "ok":
         return "\n".join(lines)
-    return "\n".join([format_table(profile_rows(profile), PROFILE_COLUMNS), *lines])
+    return "\n".join([format_table(profile_rows(profile), profile_columns(profile)), *lines])
 
 
 def markdown_profile(profile: Mapping[str, Any]) -> str:
@@ -417,7 +472,7 @@ def markdown_profile(profile: Mapping[str, Any]) -> str:
     notes = [f"* {x}" for x in profile_lines(profile)]
     if profile.get("status") != "ok":
         return "\n".join(notes)
-    return "\n".join([markdown_table(profile_rows(profile), PROFILE_COLUMNS), "", *notes])
+    return "\n".join([markdown_table(profile_rows(profile), profile_columns(profile)), "", *notes])
 
 
 def plot_profile(
