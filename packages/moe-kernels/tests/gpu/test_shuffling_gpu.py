@@ -184,6 +184,19 @@ def scatter_cases() -> list:
     return cases
 
 
+def same_sum(got, want, x, cnt, idx, out0) -> bool:
+    """Bit for bit on the GPU. In the CPU smoke run the interpreter truncates each bf16 add where
+    the reference rounds it to nearest: a row of n adds then differs by at most n + 1 steps of
+    its largest partial sum, bounded by the sum of its terms' magnitudes."""
+    if ON_GPU or got.dtype != torch.bfloat16:
+        return bits_equal(got, want)
+    f32 = torch.float32
+    mag = ref_scatter(x.abs().to(f32), cnt, idx, out0.abs().to(f32))
+    adds = ref_scatter(torch.ones_like(x, dtype=f32), cnt, idx, torch.zeros_like(out0, dtype=f32))
+    bound = 2.0**-7 * (adds + 1) * mag
+    return bool(((got.cpu().double() - want.cpu().double()).abs() <= bound.double()).all())
+
+
 def test_padded_scatter_add_matches_the_reference():
     bad = []
     for name, (x, cnt, idx, out0) in scatter_cases():
@@ -194,7 +207,7 @@ def test_padded_scatter_add_matches_the_reference():
             with forbid_host_sync(ON_GPU):
                 mk.scatter_add_padded_tokens(x, cnt, idx, out)
             outs.append(out)
-        if not (bits_equal(outs[0], want) and bits_equal(outs[0], outs[1])):
+        if not (same_sum(outs[0], want, x, cnt, idx, out0) and bits_equal(outs[0], outs[1])):
             bad.append(name)
     assert not bad
 
