@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from moe_kernels import _dispatch, routing
 from moe_kernels._dispatch import INTERPRET, use_triton
 from moe_kernels.dense_tokens import gather_scale_dense_tokens, scatter_add_dense_tokens
+from moe_kernels.gather_quant import gather_scale_quant_dense_tokens
 from moe_kernels.routing import RoutingPlan
 from moe_kernels.testing import (
     oracle_combine,
@@ -211,7 +212,7 @@ def test_scatter_add_strided_out_and_int64_and_determinism():
 
 def test_out_of_range_indices_are_skipped():
     """The documented contract: an index outside [0, T) counts as -1 (no host sync to raise):
-    the scatter skips its row, the gather writes zeros (an expert index outside [0, E) too)."""
+    the scatter skips its row, the gathers write zeros (an expert index outside [0, E) too)."""
     T, D, E = 4, 3, 2
     tok = torch.tensor([0, 4, -1, -5, 2**31 - 1, 3, 1], dtype=torch.int64)
     out = torch.zeros(T, D)
@@ -222,6 +223,8 @@ def test_out_of_range_indices_are_skipped():
     rows = gather_scale_dense_tokens(x, tok, exp, torch.ones(T, E))
     live = torch.tensor([True, False, False, False, False, False, False])
     assert torch.equal(rows, torch.where(live[:, None], x[tok.clamp(0, T - 1)], 0.0))
+    data, scale = gather_scale_quant_dense_tokens(x, tok, exp, torch.ones(T, E))
+    assert not data[~live].float().any() and not scale[~live].any() and scale[live].all()
 
 
 def test_scatter_add_empty():

@@ -90,6 +90,21 @@ def index_1d(name: str, t: object, ref_name: str, ref: torch.Tensor) -> torch.Te
     return t
 
 
+def dense_gather(
+    x: object, token_indices: object, expert_indices: object, scores: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FBGEMM's gather arguments: x (T, D) and scores (T, E) float on one device, token and
+    expert indices (N,) int32/int64 there."""
+    x = float_2d("x", x)
+    token_indices = index_1d("token_indices", token_indices, "x", x)
+    expert_indices = index_1d("expert_indices", expert_indices, "x", x)
+    scores = float_2d("scores", scores)
+    same_device("x", x, scores=scores)
+    dim_size("scores", scores, 0, x.shape[0], "T, the rows of x")
+    dim_size("expert_indices", expert_indices, 0, token_indices.shape[0], "len(token_indices)")
+    return x, token_indices, expert_indices, scores
+
+
 def scale_ub(ub: object, ref_name: str, ref: torch.Tensor) -> None:
     """An optional one-element float32 tensor on ``ref``'s device (read on the device)."""
     if ub is None:

@@ -116,13 +116,9 @@ def gather_scale_dense_tokens(
     Differentiable in x and scores (deterministic: the per-token sums run in ascending i through
     the scatter below, in fp32).
     """
-    x = V.float_2d("x", x)
-    token_indices = V.index_1d("token_indices", token_indices, "x", x)
-    expert_indices = V.index_1d("expert_indices", expert_indices, "x", x)
-    scores = V.float_2d("scores", scores)
-    V.same_device("x", x, scores=scores)
-    V.dim_size("scores", scores, 0, x.shape[0], "T, the rows of x")
-    V.dim_size("expert_indices", expert_indices, 0, token_indices.shape[0], "len(token_indices)")
+    x, token_indices, expert_indices, scores = V.dense_gather(
+        x, token_indices, expert_indices, scores
+    )
     V.valid_token_count(valid_token_count, "x", x)
     args = (x, token_indices, expert_indices, scores, valid_token_count)
     return gather_scale_dense_tokens_op.call(*args)

@@ -89,17 +89,13 @@ def gather_scale_quant_dense_tokens(
     (one fp32 product). Per row: ``m = max(max_j |v_j|, 1e-12)``, bounded by scale_ub;
     ``s = 448 / m``, ``scale = 1 / s`` (FBGEMM's divisions on the GPU);
     ``data = e4m3fn(clamp(v * s, -448, 448))``, rounded to nearest even. Rows with token index
-    -1, expert index -1, or i >= valid_token_count are dead: data 0 and scale 0. Indices must
-    lie in [-1, T) and [-1, E): an out-of-range index is treated as -1 (memory-safe) and is
-    undefined behaviour by contract. Specials (NaN, inf, scale_ub) as in ``silu_mul_quant``.
+    outside [0, T) (-1: padding), expert index outside [0, E), or i >= valid_token_count are
+    dead: data 0 and scale 0 (as in ``gather_scale_dense_tokens``). Specials (NaN, inf,
+    scale_ub) as in ``silu_mul_quant``.
     """
-    x = V.float_2d("x", x)
-    token_indices = V.index_1d("token_indices", token_indices, "x", x)
-    expert_indices = V.index_1d("expert_indices", expert_indices, "x", x)
-    scores = V.float_2d("scores", scores)
-    V.same_device("x", x, scores=scores)
-    V.dim_size("scores", scores, 0, x.shape[0], "T, the rows of x")
-    V.dim_size("expert_indices", expert_indices, 0, token_indices.shape[0], "len(token_indices)")
+    x, token_indices, expert_indices, scores = V.dense_gather(
+        x, token_indices, expert_indices, scores
+    )
     V.scale_ub(scale_ub, "x", x)
     V.valid_token_count(valid_token_count, "x", x)
     args = (x, token_indices, expert_indices, scores, scale_ub, valid_token_count)
