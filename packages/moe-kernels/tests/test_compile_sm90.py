@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("triton")  # compiles with Triton: nothing to test without it
 
 from moe_kernels._dispatch import INTERPRET
-from moe_kernels.testing import ROUTING_PLANS, SELECTION_PLANS
+from moe_kernels.testing import ROUTING_PLANS, SELECTION_PLANS, written_arguments
 
 pytestmark = pytest.mark.skipif(INTERPRET, reason="GPU launch plans only without the interpreter")
 
@@ -236,16 +236,6 @@ def test_rope_kernel_mutation_analysis_sees_only_its_outputs(monkeypatch):
     before the launch) counts q_out and the two caches as written, nothing else. Run on this
     CPU machine with a stand-in driver that names an sm_90 target."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    tkw = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
-    if not hasattr(tkw, "identify_accessed_tensors"):
-        pytest.skip("this torch has no identify_accessed_tensors")
-
-    class _Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
 
     tri, _, _, consts = _rope_specialisation("bf16", 64, 2)
     N, H, K, D, L, S = 512, 32, 16, 64, 2, 17
@@ -260,11 +250,7 @@ def test_rope_kernel_mutation_analysis_sees_only_its_outputs(monkeypatch):
     ints = [N, H, K, S, 1, q.stride(0), 1, k.stride(0), 1, v.stride(0), 1, D // 2, 1,
             D // 2, 1]  # fmt: skip
     kern = tri._qk_norm_rope_kernel
-    kwargs = dict(zip(kern.arg_names, [*tensors, *ints], strict=False))
-    kwargs.update((n, consts[n]) for n in kern.arg_names if n not in kwargs)
-    monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90())
-    accesses = tkw.identify_accessed_tensors(kern, kwargs, {})
-    written = sorted(d.name for d in accesses.read_writes.writes)
+    written = written_arguments(kern, [*tensors, *ints], consts, monkeypatch)
     assert written == ["k_cache_ptr", "q_out_ptr", "v_cache_ptr"]
 
 
