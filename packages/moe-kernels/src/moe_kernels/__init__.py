@@ -17,6 +17,7 @@ with warnings.catch_warnings():
     import torch  # noqa: F401
 
 from moe_kernels.activation import expert_activation
+from moe_kernels.choices_plan import plan_from_choices
 from moe_kernels.dense_tokens import gather_scale_dense_tokens, scatter_add_dense_tokens
 from moe_kernels.expert_mlp import expert_mlp
 from moe_kernels.gather_quant import gather_scale_quant_dense_tokens
@@ -60,6 +61,7 @@ __all__ = [
     "grouped_weight_grad",
     "index_shuffling",
     "mxfp8_grouped_mm",
+    "plan_from_choices",
     "qk_norm_rope",
     "route",
     "routed_experts",

@@ -85,6 +85,7 @@ def op_problems(device: str | torch.device, seed: int = 0) -> dict[str, Problem]
 
     scores = randn(T, E, dtype=torch.float32).softmax(-1)
     plan = naive_plan(scores, K)
+    top = torch.topk(scores, K)
     shuf = naive_shuffle(plan)
     x, ys, h = randn(T, D), randn(P, D), randn(P, 2 * H)
     w_in, w_out = randn(E, 2 * H, D, scale=D**-0.5), randn(E, D, H, scale=H**-0.5)
@@ -135,6 +136,11 @@ def op_problems(device: str | torch.device, seed: int = 0) -> dict[str, Problem]
             lambda s: mk.route(s, K, expert_index_start=1, expert_index_end=E - 1), (scores,)
         ),
         "topk_choices": Problem(lambda s: mk.topk_choices(s, K), (scores,)),
+        "plan_from_choices": Problem(
+            lambda e, w: mk.plan_from_choices(e, w, E, expert_index_start=1),
+            (top.indices, top.values),
+            (1,),
+        ),
         "index_shuffling": Problem(lambda s: mk.index_shuffling(s, top_k=K), (scores.to(dt),)),
         "index_shuffling_range": Problem(
             lambda s, v: mk.index_shuffling(s, 1, E - 1, v, K),

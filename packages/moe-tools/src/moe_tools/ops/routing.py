@@ -1,5 +1,5 @@
 """Registry entries of the routing ops: ``route``, ``index_shuffling``, ``topk_choices``,
-``router_scores``."""
+``plan_from_choices``, ``router_scores``."""
 
 from __future__ import annotations
 
@@ -350,4 +350,66 @@ TOPK_CHOICES = OpSpec(
     native=_topk_native,
 )
 
-ENTRIES = (ROUTE, INDEX_SHUFFLING, TOPK_CHOICES, ROUTER_SCORES)
+
+# ----------------------------------------------------------------------------------------------
+# plan_from_choices
+
+
+def _make_choices(s: Sizes, gen: torch.Generator, device: torch.device) -> Problem:
+    """Each token's k distinct experts (a framework's own top-k) and their softmax weights."""
+    T, E, k = s["T"], s["E"], s["k"]
+    weights_TK, experts_TK = torch.topk(softmax_scores(T, E, gen, device), k, dim=1)
+    return Problem(f"T={T} E={E} k={k}", s, (experts_TK, weights_TK, E))
+
+
+def _choices_oracle(p: Problem, out: tuple[torch.Tensor, ...]) -> float:
+    experts_TK, weights_TK, E = p.args
+    counts, offsets, exp_P, tok_P, w_P, inv_TK = (t.cpu() for t in out)
+    choice = experts_TK.cpu()
+    oe, ot = oracle_pairs(choice, E)
+    expect_equal("oracle counts", counts.long(), torch.bincount(choice.flatten(), minlength=E))
+    expect_equal("oracle offsets[1:]", offsets[1:].long(), torch.cumsum(counts.long(), 0))
+    expect_equal("oracle experts", exp_P.long(), oe)
+    expect_equal("oracle tokens", tok_P.long(), ot)
+    expect_equal("oracle inverse->expert", exp_P.long()[inv_TK.long()], choice)
+    expect_equal("oracle weights", w_P[inv_TK.long()], weights_TK.float().cpu())
+    return 0.0
+
+
+def _choices_native(p: Problem):
+    """What a framework does by hand (transformers' grouped_mm experts): a sort of the expert
+    ids, the weights gathered, counts by bincount."""
+    experts_TK, weights_TK, E = p.args
+
+    def run() -> tuple[torch.Tensor, ...]:
+        flat = experts_TK.flatten()
+        sorted_P, order_P = torch.sort(flat, stable=True)
+        return (
+            torch.bincount(flat, minlength=E),
+            order_P // experts_TK.shape[1],
+            sorted_P,
+            (weights_TK.flatten()[order_P]),
+        )
+
+    return run
+
+
+def _choices_reference(experts, weights, n_experts, **options):
+    """The op is plain torch on every device: the same function."""
+    from moe_kernels.choices_plan import plan_from_choices
+
+    return plan_from_choices(experts, weights, n_experts, **options)
+
+
+PLAN_FROM_CHOICES = OpSpec(
+    name="plan_from_choices",
+    sizes={"quick": [dict(T=512, E=16, k=4)], "full": [dict(T=65536, E=128, k=8)]},
+    draw=_draw_route,
+    make=_make_choices,
+    reference=_choices_reference,
+    oracle=_choices_oracle,
+    bytes_moved=lambda p: p.args[0].numel() * (8 + 4 + 4 * 4) + (2 * p.args[2] + 1) * 4,
+    native=_choices_native,
+)
+
+ENTRIES = (ROUTE, INDEX_SHUFFLING, TOPK_CHOICES, PLAN_FROM_CHOICES, ROUTER_SCORES)
