@@ -1,6 +1,6 @@
 """Developer sessions: ``tests`` (every torch version, and the newest Triton), ``quick`` (a few
-minutes' slice of it: one torch), ``benchmarks``, ``gpu`` (the GPU tests, on a CUDA machine),
-``lint``, ``build``.
+minutes' slice of it: one torch), ``interop`` (Hugging Face transformers on our kernels),
+``benchmarks``, ``gpu`` (the GPU tests, on a CUDA machine), ``lint``, ``build``.
 
 Kernel tests run on the torch reference path and on the Triton kernels through the interpreter
 (``TRITON_INTERPRET=1``), so CI exercises the kernels without a GPU; ``TEST_MATRIX`` says which
@@ -46,7 +46,7 @@ CPU_TORCH = "2.13.0"
 # moe-model and moe-tools tests).
 # * The newest torch runs everything but the interpreter; with its pinned Triton 3.8 the
 #   reference-path run also compiles every GPU launch plan for sm_90a (test_compile_sm90.py),
-#   and matplotlib is installed there, so the plot tests run.
+#   and the optional packages are installed there (EXTRAS), so the plot and interop tests run.
 # * The interpreter runs with the newest Triton (beside torch 2.13.0) and with the oldest
 #   supported (torch 2.9.1's 3.5, whose interpreter needs workarounds of its own); the older one
 #   leaves out the tests marked ``slow`` (the largest interpreter problems, and the reference
@@ -57,7 +57,10 @@ TEST_MATRIX = {
     (CPU_TORCH, "latest"): (False, True, False),
     **{(v, "pinned"): (True, True, True) for v in TORCH_VERSIONS[2:]},
 }
-PLOTS = (NEWEST_TORCH, "pinned")  # the session that installs matplotlib
+# The session that installs the optional packages: matplotlib (the plot tests) and transformers
+# (moe-model's ``hf`` extra: tests/test_hf.py and examples/hf_moe_backend.py; skipped elsewhere).
+EXTRAS = (NEWEST_TORCH, "pinned")
+EXTRA_PACKAGES = ("matplotlib", "transformers>=5,<6")
 
 # On Linux x86_64 PyPI's torch wheels are CUDA builds: torch 2.9.1 with its nvidia-* wheels took
 # 6.7 GiB installed and peaked at 10.4 GiB of disk while pip installed it without a cache (pip's
@@ -146,7 +149,7 @@ def tests(session: nox.Session, torch: str, triton: str) -> None:
     reference, interpreter, others = TEST_MATRIX[(torch, triton)]
     interpreter = interpreter and HAS_TRITON_WHEELS
     _install_torch(session, torch, triton)
-    _install_packages(session, *(["matplotlib"] if (torch, triton) == PLOTS else []))
+    _install_packages(session, *(EXTRA_PACKAGES if (torch, triton) == EXTRAS else ()))
     workers = os.environ.get("MOE_TEST_WORKERS", "2")
     pytest = ["pytest", "-q", "-p", "no:cacheprovider", "-n", workers, *session.posargs]
     env_ref = {"TRITON_INTERPRET": "0"}
@@ -191,6 +194,20 @@ def quick(session: nox.Session) -> None:
     if HAS_TRITON_WHEELS:
         files = [f"{kernels}/{name}" for name in QUICK_INTERPRETER]
         session.run(*pytest, "-m", "not slow", *files, env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session(reuse_venv=True)
+def interop(session: nox.Session) -> None:
+    """transformers' MoE models on the ``"moe_kernels"`` experts backend (moe_model.hf): the
+    parity tests against HF's eager experts and the example, newest torch, reference path.
+    ``tests`` runs the same files in its newest-torch session."""
+    _install_torch(session, NEWEST_TORCH)
+    _install_packages(session, "transformers>=5,<6")
+    session.run(
+        "pytest", "-q", "-p", "no:cacheprovider", *session.posargs,
+        "packages/moe-model/tests/test_hf.py", "packages/moe-tools/tests/test_examples.py",
+        "-k", "test_hf or hf_moe_backend", env={"TRITON_INTERPRET": "0"},
+    )  # fmt: skip
 
 
 @nox.session

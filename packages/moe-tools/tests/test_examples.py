@@ -89,7 +89,15 @@ def undefined_names(code: str) -> set[str]:
     return used - bound - set(dir(builtins))
 
 
+def needs(name: str) -> None:
+    """Skip unless the optional packages example ``name`` imports are installed (transformers:
+    moe-model's ``hf`` extra, installed by nox's newest-torch ``tests`` session)."""
+    if re.search(r"^import transformers", source(name), re.M):
+        pytest.importorskip("transformers", minversion="5.0", reason=f"{name} needs it")
+
+
 def run_example(name: str, hide_gpu: bool = True, interpret: bool = False) -> str:
+    needs(name)
     env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
     if hide_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""

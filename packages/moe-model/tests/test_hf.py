@@ -1,0 +1,143 @@
+"""moe_model.hf: transformers' MoE families on the ``"moe_kernels"`` experts backend against
+HF's own eager experts (the independent reference): logits and every gradient of tiny random
+models in fp32; the backend really runs; what it cannot run is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers", minversion="5.0")
+hf = pytest.importorskip("moe_model.hf")
+
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def family_config(family: str):
+    moe = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    if family == "mixtral":
+        return tf.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=8,
+                                num_experts_per_tok=2)  # fmt: skip
+    if family == "qwen2_moe":  # a sigmoid-gated shared expert of its own size
+        return tf.Qwen2MoeConfig(**COMMON, **moe, intermediate_size=48,
+                                 shared_expert_intermediate_size=40)  # fmt: skip
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**COMMON, **moe, intermediate_size=48, norm_topk_prob=True,
+                                 head_dim=16)  # fmt: skip
+    if family == "olmoe":
+        return tf.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    if family == "deepseek_v3":  # sigmoid, correction bias, groups, scaling, shared experts
+        return tf.DeepseekV3Config(
+            **COMMON, intermediate_size=48, moe_intermediate_size=32, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+            n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
+        )  # fmt: skip
+    raise AssertionError(family)
+
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
+
+
+def tiny_model(family: str):
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float32)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: not all zeros
+                buf.normal_(0, 0.1)
+    return model
+
+
+def logits_and_grads(model, impl: str, ids: torch.Tensor):
+    model.set_experts_implementation(impl)
+    model.zero_grad()
+    logits = model(ids).logits
+    logits.pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_backend_matches_hf_eager(family, monkeypatch):
+    calls = []
+
+    def spy(self, *args):
+        calls.append(type(self).__name__)
+        return hf.experts_forward(self, *args)
+
+    monkeypatch.setitem(tf.integrations.moe.ExpertsInterface._global_mapping, hf.BACKEND, spy)
+    model = tiny_model(family)
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    want, want_grads = logits_and_grads(model, "eager", ids)
+    assert not calls
+    got, got_grads = logits_and_grads(model, hf.BACKEND, ids)
+    assert calls  # every MoE layer ran on the backend
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        err = (got_grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-30)
+        assert err <= 1e-5, (name, err.item())
+
+
+def test_backend_is_repeatable_and_compiles():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = family_config("qwen3_moe")
+    config._experts_implementation = hf.BACKEND
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 9, 64, requires_grad=True)
+    y = block(x)
+    (gx,) = torch.autograd.grad(y.pow(2).sum(), x)
+    y2 = block(x)
+    (gx2,) = torch.autograd.grad(y2.pow(2).sum(), x)
+    assert torch.equal(y, y2) and torch.equal(gx, gx2)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    torch.testing.assert_close(compiled(x), y, rtol=0, atol=1e-6)
+
+
+def test_sentinel_choices_contribute_nothing():
+    """Expert-parallel sentinels (ids >= E) drop out, as HF's grouped_mm backend drops them."""
+    config = family_config("qwen3_moe")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    experts = Qwen3MoeExperts(config)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(5, 64)
+    idx = torch.tensor([[0, 8], [1, 2], [9, 3], [4, 5], [7, 8]])
+    w = torch.rand(5, 2)
+    got = hf.experts_forward(experts, x, idx, w)
+    keep = idx < 8
+    want = hf.experts_forward(experts, x, torch.where(keep, idx, 0), torch.where(keep, w, 0.0))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_unsupported_experts_are_refused_by_name():
+    config = tf.GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=8,
+                             num_experts_per_tok=2, head_dim=16)  # fmt: skip
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    experts = GptOssExperts(config)
+    x, idx, w = torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
+    with pytest.raises(ValueError, match="GptOssExperts: per-expert biases.*interleaved"):
+        hf.experts_forward(experts, x, idx, w)
+
+
+def test_registered_and_selectable():
+    assert hf.BACKEND in tf.integrations.moe.ALL_EXPERTS_FUNCTIONS
+    model = tf.AutoModelForCausalLM.from_config(
+        family_config("olmoe"), experts_implementation=hf.BACKEND
+    )
+    assert model.config._experts_implementation == hf.BACKEND
