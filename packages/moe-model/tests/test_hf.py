@@ -1,6 +1,7 @@
 """moe_model.hf: transformers' MoE families on the ``"moe_kernels"`` experts backend against
 HF's own eager experts (the independent reference): logits and every gradient of tiny random
-models in fp32; the backend really runs; what it cannot run is refused by name."""
+models in fp32, on the fused path (SiLU-gated families) and the composed one (GPT-OSS: biases,
+its clamped gate on interleaved rows; another activation); the backend really runs."""
 
 from __future__ import annotations
 
@@ -40,19 +41,26 @@ def family_config(family: str):
             n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
         )  # fmt: skip
+    if family == "gpt_oss":  # biases, transposed storage, interleaved gate/up, alpha, limit
+        return tf.GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=8,
+                               num_experts_per_tok=2, head_dim=16, sliding_window=16)  # fmt: skip
+    if family == "mixtral_gelu":  # another activation
+        return tf.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=8,
+                                num_experts_per_tok=2, hidden_act="gelu")  # fmt: skip
     raise AssertionError(family)
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
+FUSED = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
+FAMILIES = [*FUSED, "gpt_oss", "mixtral_gelu"]
 
 
 def tiny_model(family: str):
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float32)
     with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: not all zeros
-                buf.normal_(0, 0.1)
+        for name, t in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith(("e_score_correction_bias", "_proj_bias")):  # not all zeros
+                t.normal_(0, 0.1)
     return model
 
 
@@ -70,7 +78,7 @@ def test_backend_matches_hf_eager(family, monkeypatch):
     calls = []
 
     def spy(self, *args):
-        calls.append(type(self).__name__)
+        calls.append(hf.fused(self))
         return hf.experts_forward(self, *args)
 
     monkeypatch.setitem(tf.integrations.moe.ExpertsInterface._global_mapping, hf.BACKEND, spy)
@@ -79,7 +87,7 @@ def test_backend_matches_hf_eager(family, monkeypatch):
     want, want_grads = logits_and_grads(model, "eager", ids)
     assert not calls
     got, got_grads = logits_and_grads(model, hf.BACKEND, ids)
-    assert calls  # every MoE layer ran on the backend
+    assert calls and set(calls) == {family in FUSED}  # every MoE layer ran, on the right path
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert got_grads.keys() == want_grads.keys()
     for name, g in want_grads.items():
@@ -107,32 +115,18 @@ def test_backend_is_repeatable_and_compiles():
     torch.testing.assert_close(compiled(x), y, rtol=0, atol=1e-6)
 
 
-def test_sentinel_choices_contribute_nothing():
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_sentinel_choices_contribute_nothing(family):
     """Expert-parallel sentinels (ids >= E) drop out, as HF's grouped_mm backend drops them."""
-    config = family_config("qwen3_moe")
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    experts = Qwen3MoeExperts(config)
-    for p in experts.parameters():
-        torch.nn.init.normal_(p, std=0.1)
+    experts = tiny_model(family).model.layers[1].mlp.experts
     x = torch.randn(5, 64)
     idx = torch.tensor([[0, 8], [1, 2], [9, 3], [4, 5], [7, 8]])
     w = torch.rand(5, 2)
-    got = hf.experts_forward(experts, x, idx, w)
     keep = idx < 8
-    want = hf.experts_forward(experts, x, torch.where(keep, idx, 0), torch.where(keep, w, 0.0))
+    with torch.no_grad():
+        got = hf.experts_forward(experts, x, idx, w)
+        want = hf.experts_forward(experts, x, torch.where(keep, idx, 0), torch.where(keep, w, 0.0))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-
-
-def test_unsupported_experts_are_refused_by_name():
-    config = tf.GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=8,
-                             num_experts_per_tok=2, head_dim=16)  # fmt: skip
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-
-    experts = GptOssExperts(config)
-    x, idx, w = torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
-    with pytest.raises(ValueError, match="GptOssExperts: per-expert biases.*interleaved"):
-        hf.experts_forward(experts, x, idx, w)
 
 
 def test_registered_and_selectable():

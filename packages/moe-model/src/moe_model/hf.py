@@ -9,16 +9,20 @@ transformers (5.x) runs every MoE experts module through its ``ExpertsInterface`
     model.set_experts_implementation("moe_kernels")  # or switch a loaded model
 
 The backend takes HF's routing as given (``top_k_index``, ``top_k_weights``, from the model's
-own router) and runs the experts and the weighted combine as ``moe_kernels.routed_experts`` on
-the plan ``moe_kernels.plan_from_choices`` builds: one autograd node, deterministic, no host
-sync (torch.compile fullgraph, CUDA graphs); the gradient reaches the router through the
-weights. Outputs in the hidden states' dtype; fp32 inputs compute in fp32 (the CPU path: the
-kernels' torch references).
+own router), builds the plan with ``moe_kernels.plan_from_choices`` and runs the experts on it,
+deterministic and without host syncs (torch.compile fullgraph, CUDA graphs); the gradient
+reaches the router through the weights. Two paths, by what the experts module holds:
 
-Experts it runs: SiLU-gated (``gate_up_proj`` (E, 2H, D), gate rows first: Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE, DeepSeek-V3, ...) or SiLU (``up_proj``), transposed storage too. Experts with
-per-expert biases, another activation or gate (GPT-OSS), interleaved gate/up rows or a post-expert
-norm get a ValueError naming the feature, not a silent fallback.
+* fused: SiLU or SiLU-gated experts (gate rows first) without biases (Mixtral, Qwen2-MoE,
+  Qwen3-MoE, OLMoE, DeepSeek-V3, ...): ``moe_kernels.routed_experts``, one autograd node;
+* composed, for everything else an HF experts module can hold (per-expert biases, its own
+  ``_apply_gate`` such as GPT-OSS's clamped ``alpha`` SwiGLU on interleaved rows, another
+  activation, a post-expert norm): ``moe_kernels.gather_grouped_mm`` for both projections, the
+  biases by expert, the module's own gate or activation and norm in torch, then
+  ``moe_kernels.combine``.
+
+Outputs in the hidden states' dtype, combined in fp32 in choice order; fp32 inputs compute in
+fp32 (the CPU path runs the kernels' torch references).
 """
 
 from __future__ import annotations
@@ -39,29 +43,58 @@ except ImportError as e:  # pragma: no cover - exercised where transformers is a
 BACKEND = "moe_kernels"
 
 
-def _check_experts(experts: nn.Module) -> None:
-    """ValueError naming what this backend cannot run (no silent fallback)."""
-    name = type(experts).__name__
-    problems = []
-    if getattr(experts, "has_bias", False):
-        problems.append("per-expert biases (has_bias=True)")
+def fused(experts: nn.Module) -> bool:
+    """Whether ``experts`` runs as one ``routed_experts`` node: SiLU(-gated, gate rows first)
+    experts without biases, a post-expert norm or a gate of their own."""
+    if getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False):
+        return False
+    if getattr(experts, "has_gate", True) and (
+        not getattr(experts, "is_concatenated", True)
+        or type(experts)._apply_gate is not _hf_moe._default_apply_gate
+    ):
+        return False
+    return isinstance(getattr(experts, "act_fn", None), (nn.SiLU, SiLUActivation))
+
+
+def _weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_in (E, H', D), w_out (E, D, H)) as views in ``dtype``, whatever the storage."""
+    gated = getattr(experts, "has_gate", True)
+    w_in = experts.gate_up_proj if gated else experts.up_proj
+    w_out = experts.down_proj
+    if getattr(experts, "is_transposed", False):
+        w_in, w_out = w_in.mT, w_out.mT
+    return w_in.to(dtype), w_out.to(dtype)
+
+
+def _bias(b_EN: torch.Tensor | None, expert_R: torch.Tensor, dtype: torch.dtype):
+    """(R, N): each row's expert's bias (zero for the tail's -1), or None."""
+    if b_EN is None:
+        return None
+    ok_R = expert_R >= 0
+    rows_RN = b_EN.to(dtype).index_select(0, torch.where(ok_R, expert_R, 0).long())
+    return torch.where(ok_R[:, None], rows_RN, 0)
+
+
+def _composed(experts: nn.Module, x_TD: torch.Tensor, plan: mk.RoutingPlan) -> torch.Tensor:
+    """The experts as separate steps (any HF experts module): rows grouped by the plan."""
+    dtype = x_TD.dtype
+    w_in, w_out = _weights(experts, dtype)
+    has_bias = getattr(experts, "has_bias", False)
+    gated = getattr(experts, "has_gate", True)
+    b_in = (experts.gate_up_proj_bias if gated else experts.up_proj_bias) if has_bias else None
+    b_out = experts.down_proj_bias if has_bias else None
+    h_RX = mk.gather_grouped_mm(x_TD, w_in, plan.offsets, plan.token_indices)
+    bias_RX = _bias(b_in, plan.expert_indices, dtype)
+    if bias_RX is not None:
+        h_RX = h_RX + bias_RX
+    a_RH = experts._apply_gate(h_RX) if gated else experts.act_fn(h_RX)
+    o_RD = mk.gather_grouped_mm(a_RH.to(dtype).contiguous(), w_out, plan.offsets)
+    bias_RD = _bias(b_out, plan.expert_indices, dtype)
+    if bias_RD is not None:
+        o_RD = o_RD + bias_RD
     if getattr(experts, "has_post_expert_norm", False):
-        problems.append("a post-expert norm")
-    if getattr(experts, "has_gate", True):
-        if not getattr(experts, "is_concatenated", True):
-            problems.append("interleaved gate/up rows (is_concatenated=False)")
-        if type(experts)._apply_gate is not _hf_moe._default_apply_gate:
-            problems.append(f"its own gate ({name}._apply_gate)")
-    if getattr(experts, "limit", None) is not None:
-        problems.append("clamped activations (limit)")
-    if not isinstance(getattr(experts, "act_fn", None), (nn.SiLU, SiLUActivation)):
-        problems.append(f"activation {type(getattr(experts, 'act_fn', None)).__name__}")
-    if problems:
-        raise ValueError(
-            f"experts_implementation={BACKEND!r} cannot run {name}: {', '.join(problems)} "
-            "(supported: SiLU or SiLU-gated experts, gate rows first, no biases); use "
-            "experts_implementation='grouped_mm' for this model"
-        )
+        o_RD = experts.post_expert_norm(o_RD)
+    return mk.combine(o_RD.to(dtype), plan, weighted=True, out_dtype=dtype)
 
 
 def experts_forward(
@@ -76,18 +109,13 @@ def experts_forward(
     (ids outside [0, E), expert-parallel sentinels, contribute nothing); top_k_weights (T, k)
     float. Returns (T, D) in hidden_states' dtype: ``sum_j w[t, j] * expert_{i[t, j]}(x[t])``,
     accumulated in fp32 in choice order."""
-    _check_experts(self)
-    gated = getattr(self, "has_gate", True)
-    w_in = self.gate_up_proj if gated else self.up_proj
-    w_out = self.down_proj
-    if getattr(self, "is_transposed", False):
-        w_in, w_out = w_in.mT, w_out.mT
     x_TD = hidden_states
-    dtype = x_TD.dtype
-    plan = mk.plan_from_choices(top_k_index, top_k_weights, w_in.shape[0])
-    return mk.routed_experts(
-        x_TD, w_in.to(dtype), w_out.to(dtype), plan, gated=gated, out_dtype=dtype
-    )
+    plan = mk.plan_from_choices(top_k_index, top_k_weights, self.num_experts)
+    if not fused(self):
+        return _composed(self, x_TD, plan)
+    w_in, w_out = _weights(self, x_TD.dtype)
+    gated = getattr(self, "has_gate", True)
+    return mk.routed_experts(x_TD, w_in, w_out, plan, gated=gated, out_dtype=x_TD.dtype)
 
 
 def register(name: str = BACKEND) -> None:
