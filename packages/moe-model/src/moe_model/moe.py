@@ -83,7 +83,10 @@ LOCAL_EXCHANGE = LocalExchange()
 
 
 class MoELayer(nn.Module):
-    """Top-k Mixture-of-Experts MLP: ``x (..., d_model) -> (..., d_model)`` in x's dtype.
+    """Top-k Mixture-of-Experts MLP: ``x (..., d_model) -> (..., d_model)`` in x's dtype, with
+    the implementation's precision: the default ``"triton_bf16"`` rounds the fp32 combine to bf16
+    before that cast (fp32 x gets bf16-precision values; ``"triton_fp32"``, ``"torch"`` keep fp32;
+    docs/moe_layer.md).
 
     Args:
         d_model, n_experts (E), top_k (k), hidden: model width, routed experts, experts per
