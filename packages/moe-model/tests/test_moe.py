@@ -291,13 +291,14 @@ def _cpu_grouped_mm_works() -> bool:
 @pytest.mark.skipif(not _cpu_grouped_mm_works(), reason="torch._grouped_mm does not run on CPU")
 @pytest.mark.parametrize("impl", ["torch", "triton_bf16"])
 def test_grouped_mm_path_compiles(impl, monkeypatch):
-    """The CUDA path (torch._grouped_mm on plan.offsets[1:]) forced on CPU: eager equals the
-    static-loop fallback, and it traces with fullgraph=True (as it must on the GPU)."""
+    """The torch._grouped_mm path (on plan.offsets[1:]) forced on CPU: eager equals the
+    static-loop fallback (forced too), and it traces with fullgraph=True (as it must on the GPU)."""
     from moe_model import expert_ops
 
     torch._dynamo.reset()
     layer = make_layer(impl=impl, dtype=torch.bfloat16)
     x = torch.randn(T, D).to(torch.bfloat16)
+    monkeypatch.setattr(expert_ops, "grouped_mm_supported", lambda a, b: False)
     y_loop = layer(x)
     monkeypatch.setattr(expert_ops, "grouped_mm_supported", lambda a, b: True)
     y_gmm = layer(x)

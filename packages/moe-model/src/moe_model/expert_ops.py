@@ -82,19 +82,83 @@ def move_rows(x_ND: torch.Tensor, src_M: torch.Tensor, dst_NK: torch.Tensor) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# Grouped GEMM: torch._grouped_mm where it runs (CUDA sm90+, bf16, dims % 16), else a static loop.
+# Grouped GEMM: torch._grouped_mm where it runs, else a static loop.
+
+GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+# torch._grouped_mm on CPU: torch <= 2.8 has no CPU kernel, torch 2.9 and 2.10 need 16-byte
+# aligned data pointers (a check torch.compile cannot trace). From 2.11 a static rule suffices.
+_CPU_GROUPED_MM = hasattr(torch, "_grouped_mm") and _torch_version() >= (2, 11)
+
+
+def _grouped_mm_strides_ok(t: torch.Tensor) -> bool:
+    """torch._grouped_mm's layout rule for an operand (its meta check): the last two dims
+    row- or column-major, the other stride a multiple of 16 bytes."""
+    align = 16 // t.element_size()
+    s_rows, s_cols = t.stride()[-2:]
+    n_rows, n_cols = t.shape[-2:]
+    if s_rows == 1 and s_cols >= max(1, n_rows):
+        return s_cols % align == 0
+    if s_cols == 1 and s_rows >= max(1, n_cols):
+        return s_rows % align == 0
+    return False
 
 
 def grouped_mm_supported(a_MK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` runs a @ b[e]: CUDA sm90+, bf16 operands, K and N % 16."""
-    if not hasattr(torch, "_grouped_mm") or a_MK.device.type != "cuda":
+    """Whether ``torch._grouped_mm`` runs a @ b[e], forward and backward. CUDA: sm90+, bf16
+    operands, K and N % 16. CPU: torch 2.11+, a and b of one dtype among float32, bfloat16 and
+    float16 (bfloat16 alone under torch.compile: the op's fake kernel refuses the others), K and
+    N multiples of 16 bytes, each operand row- or column-major with its other stride a multiple
+    of 16 bytes. A static rule (shapes, strides, dtypes, the torch version): no data pointer."""
+    if not hasattr(torch, "_grouped_mm") or a_MK.dtype != b_EKN.dtype:
         return False
-    if a_MK.dtype != torch.bfloat16 or b_EKN.dtype != torch.bfloat16:
+    if a_MK.device.type == "cpu":
+        if not _CPU_GROUPED_MM or a_MK.dtype not in GROUPED_MM_CPU_DTYPES:
+            return False
+        if torch.compiler.is_compiling() and a_MK.dtype != torch.bfloat16:
+            return False
+        align = 16 // a_MK.element_size()
+        if a_MK.shape[1] % align or b_EKN.shape[2] % align:
+            return False
+        return _grouped_mm_strides_ok(a_MK) and _grouped_mm_strides_ok(b_EKN)
+    if a_MK.device.type != "cuda" or a_MK.dtype != torch.bfloat16:
         return False
     # get_device_properties (not get_device_capability) is constant-folded by dynamo.
     if torch.cuda.get_device_properties(a_MK.device).major < 9:
         return False
     return a_MK.shape[1] % 16 == 0 and b_EKN.shape[2] % 16 == 0
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm`` with the rows in no group (after offsets[-1], which the op leaves
+    unwritten) zeroed in place, in the output and in a's gradient; the backward's GEMMs on a
+    contiguous gradient (the op refuses the stride-0 one ``y.sum().backward()`` sends)."""
+
+    @staticmethod
+    def forward(ctx, a_MK, b_EKN, offs_E, tail_M1):
+        ctx.save_for_backward(a_MK, b_EKN, offs_E, tail_M1)
+        return torch._grouped_mm(a_MK, b_EKN, offs=offs_E).masked_fill_(tail_M1, 0)
+
+    @staticmethod
+    def backward(ctx, grad_MN):
+        a_MK, b_EKN, offs_E, tail_M1 = ctx.saved_tensors
+        grad_MN = grad_MN.contiguous()
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = torch._grouped_mm(grad_MN, b_EKN.mT, offs=offs_E).masked_fill_(tail_M1, 0)
+        if ctx.needs_input_grad[1]:
+            # In b's layout (b = w.mT: the weight gradient of w directly, as torch's own).
+            if b_EKN.stride(-2) == 1:
+                grad_b = torch._grouped_mm(grad_MN.mT, a_MK, offs=offs_E).mT
+            else:
+                grad_b = torch._grouped_mm(a_MK.mT, grad_MN, offs=offs_E)
+        return grad_a, grad_b, None, None
 
 
 def grouped_mm(
@@ -103,13 +167,17 @@ def grouped_mm(
     """Rows of ``a_MK`` grouped by expert times that expert's ``b_EKN[e]`` -> (M, N), a's dtype.
 
     offsets: (E+1,) int32 exclusive prefix sum of group sizes; expert_M: (M,) expert of each row
-    (-1 or any id outside [0, E) for rows in no group: their output rows are zero).
+    (-1 or any id outside [0, E) for rows in no group, which follow row offsets[-1]: their
+    output rows are zero, and so are their gradient rows).
     """
     b_EKN = b_EKN.to(a_MK.dtype)
     if grouped_mm_supported(a_MK, b_EKN):
-        return torch._grouped_mm(a_MK, b_EKN, offs=offsets[1:].to(torch.int32))
-    # Static-shape fallback (CPU, older GPUs, fp32): every expert's GEMM over all rows, keep the
-    # rows of that expert. E times the FLOPs, but no data-dependent shape and no host sync.
+        # The rows in no group, as a mask on the device (no host sync).
+        tail_M1 = (torch.arange(a_MK.shape[0], device=a_MK.device) >= offsets[-1]).unsqueeze(1)
+        return _GroupedMM.apply(a_MK, b_EKN, offsets[1:].to(torch.int32), tail_M1)
+    # Static-shape fallback (float64, older torch, older GPUs, CPU float32 under torch.compile):
+    # every expert's GEMM over all rows, keep the rows of that expert. E times the FLOPs, but no
+    # data-dependent shape and no host sync.
     out_MN = a_MK.new_zeros(a_MK.shape[0], b_EKN.shape[2])
     for e in range(b_EKN.shape[0]):
         rows_M1 = (expert_M == e).unsqueeze(1)
