@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from moe_kernels import topk_choices
 from moe_model import IMPLS, MOE_IMPLS, MoELayer
-from moe_model.expert_ops import torch_plan
 
 D, E, K, H, T = 64, 8, 3, 32, 40
 
@@ -161,24 +160,6 @@ def test_topk_ties_and_nan():
     torch.testing.assert_close(w, torch.tensor([[0.5, 0.5], [0.3, 0.3]]))
     w, e = topk_choices(s, 4, renormalize=False)
     assert e[1].tolist() == [1, 2, 3, 0]  # NaN ranks last, like -inf
-
-
-def test_torch_plan_matches_moe_kernels_route():
-    from moe_kernels.routing import route
-
-    torch.manual_seed(3)
-    scores = torch.softmax(torch.randn(T, E), -1)
-    scores[5] = scores[6]  # duplicate rows, and a tie inside a row
-    scores[7, 2] = scores[7, 3]
-    for renorm in (False, True):
-        w, e = topk_choices(scores, K, renormalize=renorm)
-        mine = torch_plan(w, e, E)
-        ref = route(scores, K, renormalize=renorm)
-        assert torch.equal(mine.offsets, ref.offsets)
-        assert torch.equal(mine.expert_indices.int(), ref.expert_indices)
-        assert torch.equal(mine.token_indices.int(), ref.token_indices)
-        assert torch.equal(mine.inverse.int(), ref.inverse)
-        torch.testing.assert_close(mine.weights, ref.weights, atol=1e-7, rtol=1e-6)
 
 
 def test_bad_arguments():

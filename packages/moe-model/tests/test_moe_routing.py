@@ -16,9 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_kernels import topk_choices
+from moe_kernels import plan_from_choices, topk_choices
 from moe_model import IMPLS, MOE_PRESETS, MoELayer
-from moe_model.expert_ops import torch_plan
 
 D, E, K, H, T = 64, 8, 3, 32, 24
 GROUPS, TOPK_GROUPS, SCALE = 4, 2, 2.5  # 4 groups of 2 experts; each token sees 2 groups
@@ -181,7 +180,7 @@ def test_torch_routing_bitwise_equals_moe_kernels_reference(n_groups, per_group)
         assert torch.equal(ch, ref_ch), trial
         ref_w = plan.weights[plan.inverse.long()]
         assert torch.equal(w.nan_to_num(7.0), ref_w.nan_to_num(7.0)), trial
-        mine = torch_plan(w, ch, e)
+        mine = plan_from_choices(ch, w, e)
         assert torch.equal(mine.offsets, plan.offsets)
         assert torch.equal(mine.expert_indices.int(), plan.expert_indices)
         assert torch.equal(mine.token_indices.int(), plan.token_indices)

@@ -1,6 +1,6 @@
 """What the MoE implementations (``moe_model.impls``) are built from: their experts' input
 (``ExpertRows``), row gathers with a fixed-order backward, torch's grouped GEMM and expert
-activation, and the torch sort of a routing into a plan.
+activation.
 
 Shapes: T tokens, k choices, P = T * k pairs, E experts (L of them local), R rows grouped by
 expert, D model width, H' the first GEMM's width (2H gated), N the rows of a gather's source.
@@ -206,31 +206,3 @@ def activation(h_MH: torch.Tensor, gated: bool) -> torch.Tensor:
         return F.silu(h_MH)
     gate_MH, up_MH = h_MH.float().chunk(2, dim=-1)
     return (F.silu(gate_MH) * up_MH).to(h_MH.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# The torch routing's plan
-
-
-def torch_plan(w_Tk: torch.Tensor, e_Tk: torch.Tensor, n_experts: int) -> RoutingPlan:
-    """The (token, choice) pairs of weights ``w_Tk`` and experts ``e_Tk`` (T, k) sorted by expert
-    then token, without host syncs: a ``RoutingPlan`` with int64 indices (counts and offsets
-    int32), as ``moe_kernels.route`` would sort them."""
-    T, k = e_Tk.shape
-    e_P = e_Tk.reshape(-1)  # P = T*k pairs in (token, choice) order
-    # Stable sort by expert keeps pairs of one expert in token order.
-    order_P = torch.sort(e_P, stable=True).indices
-    experts_E = torch.arange(n_experts, device=e_P.device)
-    counts_E = (e_P.unsqueeze(1) == experts_E).sum(0, dtype=torch.int32)
-    offsets = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0, dtype=torch.int32)])
-    inverse_P = torch.empty_like(order_P).scatter_(
-        0, order_P, torch.arange(T * k, device=e_P.device)
-    )
-    return RoutingPlan(
-        counts=counts_E,
-        offsets=offsets,
-        expert_indices=e_P[order_P],
-        token_indices=torch.div(order_P, k, rounding_mode="floor"),
-        weights=w_Tk.reshape(-1)[order_P].float(),
-        inverse=inverse_P.view(T, k),
-    )

@@ -28,7 +28,6 @@ from moe_model.expert_ops import (
     gather_rows,
     grouped_mlp,
     move_rows,
-    torch_plan,
 )
 
 KERNEL_DTYPES = FLOAT_DTYPES[:3]  # float16, bfloat16, float32: what the moe_kernels ops read
@@ -135,7 +134,8 @@ class MoEImpl:
 
 
 class TorchImpl(MoEImpl):
-    """Torch routing (``moe_kernels.topk_choices``, a stable sort into the plan), a gather,
+    """Torch routing (``moe_kernels.topk_choices``, sorted into the plan by
+    ``moe_kernels.plan_from_choices``), a gather,
     grouped GEMMs (``torch._grouped_mm`` where it runs, else a static loop), the fp32 weighted
     sum over the k choices. Sync-free, deterministic, differentiable."""
 
@@ -144,7 +144,7 @@ class TorchImpl(MoEImpl):
 
     def route(self, scores_TE: torch.Tensor, top_k: int, options: dict) -> RoutingPlan:
         w_Tk, e_Tk = mk.topk_choices(scores_TE, top_k, **options)
-        return torch_plan(w_Tk, e_Tk, scores_TE.shape[1])
+        return mk.plan_from_choices(e_Tk, w_Tk, scores_TE.shape[1])
 
     def experts(self, rows, in_proj, out_proj, gated, record):
         xs_RD = gather_rows(rows.source, rows.source_indices, rows.inverse)
