@@ -32,6 +32,7 @@ def run(label, q, k, v, mask, flops, device, gqa=False) -> None:
     for name, backend in BACKENDS.items():
         try:
             with sdpa_kernel([backend]):
+
                 def call():
                     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 

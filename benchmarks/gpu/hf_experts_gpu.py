@@ -47,6 +47,7 @@ def time_block(config, impls, T, device, dtype) -> None:
             b = block(config, impl, device, dtype)
             with torch.no_grad():
                 y = b(x)
+
             def forward(b=b):
                 with torch.no_grad():
                     return b(x)
@@ -90,7 +91,9 @@ def time_generate(config, impls, batch, device, dtype, new_tokens=32) -> None:
             out = model.generate(ids, **kw)
         sync()
         ms = (time.perf_counter() - t0) / 3 / new_tokens * 1e3
-        print(f"generate batch {batch:3d} {impl:12s} {ms:7.3f} ms/token  last {out[0, -4:].tolist()}")
+        print(
+            f"generate batch {batch:3d} {impl:12s} {ms:7.3f} ms/token  last {out[0, -4:].tolist()}"
+        )
         del model
 
 

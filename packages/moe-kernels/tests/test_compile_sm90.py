@@ -321,3 +321,72 @@ def test_weight_grad_default_config_compiles_to_pipelined_wgmma(can_compile, tma
     assert ("cp.async.bulk.tensor" in ptx) == x_tma and ("cp.async.cg" in ptx) == (tma != "both")
     stage = cfg.block_k * (cfg.block_n + cfg.block_d) * 2
     assert 3 * stage <= k.metadata.shared <= 227 * 1024
+
+
+# The portable plan (GPUs without TMA or CUTLASS grouped GEMMs: RTX 4090 sm_89, RTX 5090 sm_120,
+# ~99 KiB of shared memory per block; MOE_KERNELS_BACKEND=portable forces it on a Hopper).
+CONSUMER_SMEM = 99 * 1024
+
+
+def _compile_for(kern, sig, consts, attrs, cfg, arch):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+@pytest.mark.parametrize("arch", [89, 120])
+@pytest.mark.parametrize("n,d", [(2048, 2048), (1024, 2048), (2048, 1024), (96, 48)])
+def test_gather_grouped_mm_portable_config_fits_consumer_gpus(can_compile, arch, n, d):
+    """The gathering grouped GEMM's launch config for a GPU of ~99 KiB of shared memory and no
+    TMA (``pick_config``'s stage rule) compiles for sm_89 and sm_120 with pointer loads and MMAs
+    from ``tl.dot``, within that shared memory."""
+    from moe_kernels._triton.grouped_mm import _gather_grouped_mm_kernel as kern
+    from moe_kernels._triton.grouped_mm import pick_config
+
+    cfg = pick_config(8192, n, d, 16, 2, smem=CONSUMER_SMEM, hopper=False)
+    assert not cfg.tma
+    sig = {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "offs_ptr": "*i32", "ridx_ptr": "*i32",
+        "y_ptr": "*bf16", "a_desc": "cst", "b_desc": "cst",
+        **dict.fromkeys(("T", "P", "N", "D", "E", "stride_xt", "stride_we", "stride_wn"), "i32"),
+    }  # fmt: skip
+    consts = dict(a_desc=None, b_desc=None, stride_xd=1, stride_wd=1, HAS_RIDX=True,
+                  ACTIVATION="silu", BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                  GROUP_M=cfg.group_m, BLOCK_E=16, EVEN_K=d % cfg.block_k == 0, A_TMA=False,
+                  B_TMA=False, UPCAST=False, IEEE=False, WHILE_LOOPS=False)  # fmt: skip
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    k = _compile_for(kern, sig, consts, {}, cfg, arch)
+    ptx = k.asm["ptx"]
+    assert "mma.sync" in ptx and "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx
+    assert k.metadata.shared <= CONSUMER_SMEM
+
+
+@pytest.mark.parametrize("arch", [89, 120])
+def test_weight_grad_portable_config_fits_consumer_gpus(can_compile, arch):
+    """The weight-gradient kernel's GPU config with pointer loads (what a GPU without TMA gets:
+    ``tma_ok`` is False there) compiles for sm_89 and sm_120 within ~99 KiB of shared memory."""
+    from moe_kernels._gemm_plan import wgrad_config
+    from moe_kernels._triton.grouped_weight_grad import _grouped_weight_grad_kernel as kern
+
+    cfg = wgrad_config(1536, 2048, interpret=False)
+    sig = {
+        "dy_ptr": "*bf16", "x_ptr": "*bf16", "offs_ptr": "*i32", "ridx_ptr": "*i32",
+        "out_ptr": "*bf16", "dy_desc": "cst", "x_desc": "cst",
+        **dict.fromkeys(("T", "P", "N", "D", "E", "NUM_PROGS", "stride_dyp", "stride_xt"), "i32"),
+    }  # fmt: skip
+    consts = dict(dy_desc=None, x_desc=None, stride_dyn=1, stride_xd=1, HAS_RIDX=False,
+                  BN=cfg.block_n, BD=cfg.block_d, BK=cfg.block_k, BLOCK_E=128, TMA_DY=False,
+                  TMA_X=False, UPCAST=False, IEEE=False, WHILE_LOOPS=False)  # fmt: skip
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    attrs = {
+        (kern.arg_names.index(n),): [["tt.divisibility", 16]]
+        for n in ("dy_ptr", "x_ptr", "out_ptr", "N", "D", "stride_dyp", "stride_xt")
+    }
+    k = _compile_for(kern, sig, consts, attrs, cfg, arch)
+    ptx = k.asm["ptx"]
+    assert "mma.sync" in ptx and "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx
+    assert k.metadata.shared <= CONSUMER_SMEM

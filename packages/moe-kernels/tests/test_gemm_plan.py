@@ -5,6 +5,10 @@ gathering up-projection without gradients), not computed with the module's const
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -157,3 +161,46 @@ def test_plans_from_cpu_tensors():
         "reference",
         "triton_wgrad",
     )
+
+
+# A Hopper under MOE_KERNELS_BACKEND=portable: what gemm_device reports there (no CUTLASS grouped
+# GEMMs), and problems whose operands TMA may not read (has_tma is False).
+PORTABLE_H100 = GemmDevice("triton", 9, grouped_mm=False, scaled_grouped_mm=False)
+ALL_KINDS = [
+    rows(2048, 16),
+    rows(1 << 20, 16),
+    wgrad(2048, 16, tma=False),
+    wgrad(1 << 20, 16, tma=False),
+    GemmProblem("gather_mlp", 8192, 2048, 2048, 16),
+    GemmProblem("dequantized", 4096, 512, 512, 8),
+    GemmProblem("mxfp8", 64, 0, 32, 0),
+]
+
+
+@pytest.mark.parametrize("problem", ALL_KINDS, ids=lambda p: f"{p.kind}-{p.rows}")
+@pytest.mark.parametrize("dev", [PORTABLE_H100, A100], ids=["portable-h100", "a100"])
+def test_portable_plans_use_neither_tma_nor_cutlass(problem, dev):
+    problem = problem._replace(tma=False)  # has_tma: False on these devices
+    plan = choose_gemm(problem, dev)
+    assert plan.kernel in ("triton", "triton_wgrad", "gather_copy", "masked", "dequantized")
+    if plan.kernel == "gather_copy":  # then its rows GEMM: the Triton kernel
+        assert kernel(rows(problem.rows, problem.experts, tma=False), dev) == "triton"
+
+
+def test_portable_backend_is_read_at_import():
+    """MOE_KERNELS_BACKEND=portable: the plan's device has no CUTLASS grouped GEMMs; an unknown
+    value fails at import, naming the variable and the choices."""
+    probe = (
+        "import torch; from moe_kernels._gemm_plan import gemm_device; "
+        "d = gemm_device(torch.device('cpu')); print(d.grouped_mm, d.scaled_grouped_mm)"
+    )
+    for backend, want in (("portable", "False False"), ("auto", "True True")):
+        env = {**os.environ, "MOE_KERNELS_BACKEND": backend}
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             env=env, check=True).stdout  # fmt: skip
+        assert out.split()[-2:] == want.split(), (backend, out)
+    env = {**os.environ, "MOE_KERNELS_BACKEND": "fast"}
+    bad = subprocess.run([sys.executable, "-c", "import moe_kernels"], capture_output=True,
+                         text=True, env=env)  # fmt: skip
+    assert bad.returncode != 0 and "MOE_KERNELS_BACKEND must be one of" in bad.stderr
+    assert "portable" in bad.stderr

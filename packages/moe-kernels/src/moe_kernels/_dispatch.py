@@ -5,7 +5,10 @@
   import, like Triton itself does), in which case they run the Triton kernels in the interpreter.
   That is how CI tests the kernels without a GPU.
 * ``MOE_KERNELS_BACKEND=reference`` forces the reference everywhere (handy to bisect a GPU issue);
-  ``MOE_KERNELS_BACKEND=triton`` forces the kernels (CPU then needs ``TRITON_INTERPRET=1``).
+  ``MOE_KERNELS_BACKEND=triton`` forces the kernels (CPU then needs ``TRITON_INTERPRET=1``);
+  ``MOE_KERNELS_BACKEND=portable`` runs the kernels as on a GPU without TMA or CUTLASS grouped
+  GEMMs (an RTX 4090 / 5090's plan: pointer loads, MMAs through ``tl.dot``, no
+  ``torch._grouped_mm``), on any GPU: how the portable variants are tested and timed on a Hopper.
 
 Ops are registered by ``register_op``: a ``torch.library`` custom op with a fake kernel that, under
 ``torch.compile``, is traced into the graph where its kernels run on CUDA (what
@@ -32,11 +35,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 NAMESPACE = "moe_kernels"
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+BACKENDS = ("auto", "reference", "triton", "portable")
 _BACKEND: str = os.environ.get("MOE_KERNELS_BACKEND", "auto").lower()
-if _BACKEND not in ("auto", "reference", "triton"):
-    raise ValueError(
-        f"MOE_KERNELS_BACKEND must be 'auto', 'reference' or 'triton', got {_BACKEND!r}"
-    )
+if _BACKEND not in BACKENDS:
+    raise ValueError(f"MOE_KERNELS_BACKEND must be one of {BACKENDS}, got {_BACKEND!r}")
+PORTABLE: bool = _BACKEND == "portable"
 
 
 def use_triton(device: torch.device) -> bool:
@@ -101,6 +104,12 @@ def sm_major(index: int) -> int:
     if major is None:
         major = _SM_MAJOR[index] = torch.cuda.get_device_properties(index).major
     return major
+
+
+def has_tma(index: int) -> bool:
+    """Whether kernels on CUDA device ``index`` may read through TMA descriptors: sm90 and
+    later, unless ``MOE_KERNELS_BACKEND=portable``."""
+    return not PORTABLE and sm_major(index) >= 9
 
 
 def op_name(name: str) -> str:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_kernels._dispatch import INTERPRET, sm_major, triton_kernels, use_triton
+from moe_kernels._dispatch import INTERPRET, PORTABLE, sm_major, triton_kernels, use_triton
 from moe_kernels._triton.blocks import pow2_clamp  # plain Python: no Triton import
 
 # Mean rows per expert up to which the persistent row-grouped GEMM runs (above it CUTLASS was as
@@ -236,14 +236,17 @@ _SCALED_GROUPED_MM = hasattr(torch, "_scaled_grouped_mm") and _torch_at_least(2,
 
 
 def gemm_device(device: torch.device) -> GemmDevice:
-    """``device`` as the plan sees it (``sm_major`` is a trace-time constant under compile)."""
+    """``device`` as the plan sees it (``sm_major`` is a trace-time constant under compile);
+    ``MOE_KERNELS_BACKEND=portable``: without torch's grouped GEMMs (CUTLASS), whose TMA and
+    wgmma kernels a GPU before sm90 lacks (TMA: ``_dispatch.has_tma``)."""
     index = device.index if device.index is not None else 0
     major = sm_major(index) if device.type == "cuda" else 0
     if not use_triton(device):
         path = "reference"
     else:  # the interpreter as the launchers see it: INTERPRET set, or CPU tensors
         path = "interpreter" if INTERPRET or device.type != "cuda" else "triton"
-    return GemmDevice(path, major, _GROUPED_MM, _SCALED_GROUPED_MM)
+    cutlass = not PORTABLE
+    return GemmDevice(path, major, _GROUPED_MM and cutlass, _SCALED_GROUPED_MM and cutlass)
 
 
 def _tma(*tensors: torch.Tensor) -> bool:

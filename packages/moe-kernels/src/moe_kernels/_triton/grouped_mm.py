@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels._dispatch import INTERPRET, tracing
+from moe_kernels._dispatch import INTERPRET, has_tma, tracing
 from moe_kernels._triton.blocks import cdiv, next_pow2, pow2_clamp
 from moe_kernels._triton.launch import FastKernel, aligned
 
@@ -301,9 +301,10 @@ def pick_config(
 
 @functools.lru_cache(maxsize=16)
 def _device_limits(index: int) -> tuple[int, bool]:
-    """(shared memory per block in bytes, compute capability >= 9.0) of CUDA device ``index``."""
+    """(shared memory per block in bytes, TMA allowed: ``_dispatch.has_tma``) of CUDA device
+    ``index``."""
     props = torch.cuda.get_device_properties(index)
-    return int(getattr(props, "shared_memory_per_block_optin", 99 * 1024)), props.major >= 9
+    return int(getattr(props, "shared_memory_per_block_optin", 99 * 1024)), has_tma(index)
 
 
 _launcher = FastKernel(_gather_grouped_mm_kernel)  # compiled-handle launches (low host cost)

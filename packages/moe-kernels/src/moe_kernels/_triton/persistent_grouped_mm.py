@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels._dispatch import INTERPRET, sm_major, tracing
+from moe_kernels._dispatch import INTERPRET, has_tma, tracing
 from moe_kernels._gemm_plan import PersistentConfig, persistent_config
 from moe_kernels._triton.blocks import cdiv, next_pow2
 from moe_kernels._triton.grouped_mm import find_tile, group_tiles, k_step
@@ -147,11 +147,11 @@ def tma_layout(t: torch.Tensor) -> bool:
 
 def tma_ok(t: torch.Tensor) -> bool:
     """A TMA descriptor can view t as a 2-D row-major matrix: a CUDA tensor of ``tma_layout``
-    on sm90+ (the chips with TMA), and no trace in progress (``wrap_triton`` records no
-    host-built descriptors)."""
+    on sm90+ (the chips with TMA; ``_dispatch.has_tma``), and no trace in progress
+    (``wrap_triton`` records no host-built descriptors)."""
     if TensorDescriptor is None or tracing() or not t.is_cuda or not tma_layout(t):
         return False
-    return sm_major(t.get_device()) >= 9
+    return has_tma(t.get_device())
 
 
 _launcher = FastKernel(_persistent_grouped_mm_kernel)
