@@ -11,9 +11,11 @@ the local exchange nothing travels between the experts and the combine, so the t
 
 Routing options (expert bias, expert groups, weight scale, renormalisation) reach every
 implementation as ``MoELayer.route_options()`` (``moe_kernels.route``'s keyword arguments; the
-torch implementations compute them by ``moe_kernels.topk_choices``, route's own formula). Every
-implementation records its per-expert counts in ``layer.last_counts``; the shared experts and the
-auxiliary loss are added by the walk.
+torch implementations compute them by ``moe_kernels.topk_choices``, route's own formula); the
+router's own options (``router_bias``, ``router_dtype``) are in the scores, computed by the layer
+before any implementation runs. Every implementation records its per-expert counts in
+``layer.last_counts``; the shared experts (and their gate) and the auxiliary loss are added by
+the walk.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from moe_model.presets import preset_kwargs
 from moe_model.shared_experts import SharedExperts
 
 SCORE_FNS = ("softmax", "sigmoid")
+ROUTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEFAULT_DTYPE = "dtype (None: torch's default)"
 
 
@@ -94,6 +97,16 @@ class MoELayer(nn.Module):
         gated: SwiGLU experts (``silu(gate) * up``, gate = the first ``hidden`` rows of
             ``in_proj``) instead of SiLU.
         score_fn: ``"softmax"`` over the E router logits, or ``"sigmoid"`` of each.
+        router_bias: a learned fp32 bias ``router.bias`` (E,) added to the router logits
+            (zeros when built; GPT-OSS's router). Unlike ``expert_bias`` it changes the scores,
+            so both the choices and the weights.
+        router_dtype: None: fp32 logits of x and the fp32 router weight. Else the dtype the
+            router GEMM runs in (float32, bfloat16 or float16; TypeError otherwise): ``logits =
+            F.linear(x.to(router_dtype), weight.to(router_dtype), bias.to(router_dtype))``, the
+            score function then in fp32 of those logits (Hugging Face's ``softmax(logits,
+            dtype=float)`` on a router of the model's dtype: pass the model's dtype to route
+            exactly as it does). float32 is None's math by the torch formula in every impl
+            (None lets the kernel impls use ``moe_kernels.router_scores``).
         renormalize: divide the k weights of a token by their sum.
         expert_bias: a per-expert selection bias, the persistent fp32 buffer ``expert_bias``
             (E,) (zeros; DeepSeek-V3's auxiliary-loss-free balancing, see
@@ -104,30 +117,40 @@ class MoELayer(nn.Module):
         routed_scaling_factor: multiplies the routed weights (after renormalisation).
         n_shared_experts: an always-on MLP ``shared_experts`` of hidden size ``hidden *
             n_shared_experts`` (SwiGLU when gated) added to every token's output (None when 0).
+        shared_hidden: None, or the shared MLP's hidden size itself (Qwen2-MoE's
+            ``shared_expert_intermediate_size``): one shared MLP of that size, whatever
+            ``hidden``. ``n_shared_experts`` must then be 0 or 1 (ValueError for more: whether
+            the size would be per expert or in all is ambiguous).
+        shared_gate: scale the shared MLP's output by ``sigmoid(x @ shared_expert_gate.weight.T)``
+            (one scalar per token; Qwen2-MoE, Qwen3-Next). ValueError without a shared MLP.
         aux_loss_coef: > 0 sets ``aux_loss`` after every forward with grad enabled, the Switch
             load-balancing loss (add it to the training loss); otherwise ``aux_loss`` is None.
         impl: the implementation (``MOE_IMPLS``); can be changed on an existing layer (TypeError
             if it does not take the expert weights' dtype).
-        device, dtype: factory kwargs of the expert weights (routed and shared); the router
-            weight and ``expert_bias`` stay fp32 on ``device``. Checked when built, naming the
-            argument: ``device`` None (torch's default) or one torch parses and this process
-            can allocate on, ``meta`` included (ValueError otherwise: no CUDA, an index past
-            the last GPU, an unknown type); ``dtype`` (None: torch's default dtype) one of the
-            impl's ``x_dtypes`` (TypeError otherwise): float16, bfloat16, float32 for the
-            kernel impls (``triton_bf16``, ``triton_fp32``, ``mxfp8``, ``fbgemm``), float64 too
-            for ``torch`` and ``baseline``. A DeepSeek-V3-sized layer
+        device, dtype: factory kwargs of the expert weights (routed and shared, the shared
+            gate included); the router (weight and bias) and ``expert_bias`` stay fp32 on
+            ``device``. Checked when built, naming the argument: ``device`` None (torch's
+            default) or one torch parses and this process can allocate on, ``meta`` included
+            (ValueError otherwise: no CUDA, an index past the last GPU, an unknown type);
+            ``dtype`` (None: torch's default dtype) one of the impl's ``x_dtypes`` (TypeError
+            otherwise): float16, bfloat16, float32 for the kernel impls (``triton_bf16``,
+            ``triton_fp32``, ``mxfp8``, ``fbgemm``), float64 too for ``torch`` and
+            ``baseline``. A DeepSeek-V3-sized layer
             (``from_preset("deepseek-v3")``) is 22 GB in bf16: build it with ``device="cuda",
             dtype=torch.bfloat16``.
 
-    Parameters (no biases): ``router.weight (E, d_model)`` fp32, ``in_proj (E, hidden * (2 if
-    gated else 1), d_model)``, ``out_proj (E, d_model, hidden)``, and the shared experts'
-    ``shared_experts.in_proj``, ``shared_experts.out_proj``.
+    Parameters: ``router.weight (E, d_model)`` fp32 (and ``router.bias (E,)`` fp32 with
+    ``router_bias``), ``in_proj (E, hidden * (2 if gated else 1), d_model)``, ``out_proj (E,
+    d_model, hidden)``, the shared experts' ``shared_experts.in_proj``,
+    ``shared_experts.out_proj``, and with ``shared_gate`` ``shared_expert_gate.weight (1,
+    d_model)``. No other biases.
 
     Routing of a token with scores ``s = score_fn(router(x))`` (E,) fp32: its k experts are the
     largest ``s + expert_bias`` (NaN as -inf, ties to the lower expert) within its allowed
     groups, in descending order; the weight of choice j is ``s[e_j]`` (unbiased), divided by the
     sum of the k when ``renormalize``, times ``routed_scaling_factor``. Output:
-    ``y = sum_j w_j expert_{e_j}(x) + shared_experts(x)``.
+    ``y = sum_j w_j expert_{e_j}(x) + g(x) * shared_experts(x)``, ``g(x) = sigmoid(x @
+    shared_expert_gate.weight.T)`` with ``shared_gate``, else 1.
 
     State after each forward: ``last_counts`` (E,) int32, the pairs routed to each expert (a
     non-persistent buffer updated in place: torch.compile and CUDA graphs keep it current);
@@ -156,12 +179,16 @@ class MoELayer(nn.Module):
         *,
         gated: bool = False,
         score_fn: str = "softmax",
+        router_bias: bool = False,
+        router_dtype: torch.dtype | None = None,
         renormalize: bool = False,
         expert_bias: bool = False,
         n_groups: int = 1,
         topk_groups: int | None = None,
         routed_scaling_factor: float = 1.0,
         n_shared_experts: int = 0,
+        shared_hidden: int | None = None,
+        shared_gate: bool = False,
         aux_loss_coef: float = 0.0,
         impl: str = "triton_bf16",
         device: torch.device | str | None = None,
@@ -177,6 +204,12 @@ class MoELayer(nn.Module):
         check_bool("gated", gated)
         check_bool("renormalize", renormalize)
         check_bool("expert_bias", expert_bias)
+        check_bool("router_bias", router_bias)
+        if router_dtype is not None and router_dtype not in ROUTER_DTYPES:
+            raise TypeError(
+                f"router_dtype must be None or one of {ROUTER_DTYPES}, got {router_dtype!r}"
+            )
+        check_bool("shared_gate", shared_gate)
         opts = check_routing_args(
             n_experts,
             top_k,
@@ -186,11 +219,27 @@ class MoELayer(nn.Module):
             n_shared_experts=n_shared_experts,
             aux_loss_coef=aux_loss_coef,
         )
+        if shared_hidden is not None:
+            check_size("shared_hidden", shared_hidden)
+            if opts.n_shared_experts > 1:
+                raise ValueError(
+                    f"shared_hidden={shared_hidden} is the one shared MLP's hidden size: "
+                    f"n_shared_experts must be 0 or 1 with it, got {opts.n_shared_experts} "
+                    "(for n shared experts of the routed hidden size leave shared_hidden None)"
+                )
+        shared_size = shared_hidden if shared_hidden is not None else hidden * opts.n_shared_experts
+        if shared_gate and not shared_size:
+            raise ValueError(
+                "shared_gate=True needs a shared MLP to gate (n_shared_experts > 0 or "
+                "shared_hidden)"
+            )
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be None or one of {FLOAT_DTYPES}, got {dtype!r}")
         device = check_device(device)
         self.d_model, self.n_experts, self.top_k, self.hidden = d_model, n_experts, top_k, hidden
         self.gated, self.score_fn, self.renormalize = gated, score_fn, renormalize
+        self.router_dtype = router_dtype
+        self.shared_hidden, self.shared_gate = shared_hidden, shared_gate
         self.n_groups, self.topk_groups = opts.n_groups, opts.topk_groups
         self.routed_scaling_factor = opts.routed_scaling_factor
         self.n_shared_experts, self.aux_loss_coef = opts.n_shared_experts, opts.aux_loss_coef
@@ -204,16 +253,15 @@ class MoELayer(nn.Module):
         self.impl = impl  # checked against the sizes and options before the weights exist
         w_dtype = torch.get_default_dtype() if dtype is None else dtype
         check_dtype(w_dtype, self._impl, name="dtype" if dtype is not None else _DEFAULT_DTYPE)
-        self.router = nn.Linear(d_model, n_experts, bias=False, **f32)
+        self.router = nn.Linear(d_model, n_experts, bias=router_bias, **f32)
         h_in = hidden * (2 if gated else 1)
         w = dict(device=device, dtype=dtype)
         self.in_proj = nn.Parameter(torch.empty(n_experts, h_in, d_model, **w))
         self.out_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden, **w))
         self.shared_experts = (
-            SharedExperts(d_model, hidden * self.n_shared_experts, gated, **w)
-            if self.n_shared_experts
-            else None
+            SharedExperts(d_model, shared_size, gated, **w) if shared_size else None
         )
+        self.shared_expert_gate = nn.Linear(d_model, 1, bias=False, **w) if shared_gate else None
         self.reset_parameters()
 
     @classmethod
@@ -238,9 +286,14 @@ class MoELayer(nn.Module):
         self._impl = impl
 
     def reset_parameters(self) -> None:
-        """Random router and expert weights (normal, std 1/sqrt(fan-in)); the expert bias and
-        ``last_counts`` back to zeros. The experts only while this layer holds them."""
+        """Random router, expert and shared-gate weights (normal, std 1/sqrt(fan-in)); the
+        router bias, the expert bias and ``last_counts`` back to zeros. The experts only while
+        this layer holds them."""
         nn.init.normal_(self.router.weight, std=1.0 / math.sqrt(self.d_model))
+        if self.router.bias is not None:
+            nn.init.zeros_(self.router.bias)
+        if self.shared_expert_gate is not None:
+            nn.init.normal_(self.shared_expert_gate.weight, std=1.0 / math.sqrt(self.d_model))
         if self.experts_owner is None:
             nn.init.normal_(self.in_proj, std=1.0 / math.sqrt(self.d_model))
             nn.init.normal_(self.out_proj, std=1.0 / math.sqrt(self.hidden))
@@ -254,8 +307,9 @@ class MoELayer(nn.Module):
     def give_experts(self, owner: str) -> tuple[nn.Parameter, nn.Parameter]:
         """Hand ``in_proj`` and ``out_proj`` to ``owner`` (the name of the module that holds them
         from now on): returns them and drops them here, so the layer keeps only the router, the
-        bias and the shared experts, for its owner's walk (``run``). Afterwards calling the layer
-        raises RuntimeError and giving its experts again ValueError."""
+        bias and the shared experts (their gate too), for its owner's walk (``run``).
+        Afterwards calling the layer raises RuntimeError and giving its experts again
+        ValueError."""
         if self.experts_owner is not None:
             raise ValueError(
                 f"this MoELayer's experts already belong to an {self.experts_owner} (a layer "
@@ -283,10 +337,19 @@ class MoELayer(nn.Module):
     def shared_output(self, x_TD: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output (T, d_model) in x's dtype for x_TD (T, d_model); None
         without shared experts. Its GEMMs run in the implementation's ``shared_dtype`` (fp32 for
-        ``"baseline"``), else the shared weights' dtype; the activation in fp32."""
+        ``"baseline"``), else the shared weights' dtype; the activation in fp32. With
+        ``shared_gate`` the gate's logit (T, 1) is a GEMM of the same dtype, its sigmoid and the
+        product with the MLP's output (taken in fp32) in fp32, rounded once to x's dtype."""
         if self.shared_experts is None:
             return None
-        return self.shared_experts(x_TD, IMPLS[self._impl].shared_dtype)
+        compute_dtype = IMPLS[self._impl].shared_dtype
+        gate = self.shared_expert_gate
+        if gate is None:
+            return self.shared_experts(x_TD, compute_dtype)
+        out_TD = self.shared_experts(x_TD, compute_dtype, out_dtype=torch.float32)
+        dtype = compute_dtype or gate.weight.dtype
+        g_T1 = torch.sigmoid(F.linear(x_TD.to(dtype), gate.weight.to(dtype)).float())
+        return (g_T1 * out_TD).to(x_TD.dtype)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float) -> None:
@@ -313,19 +376,25 @@ class MoELayer(nn.Module):
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Router scores (..., E) fp32 of x (..., d_model): softmax over all E logits, or sigmoid
-        (without the expert bias). Implementations with ``kernel_router`` use
+        (without the expert bias; the router bias, if any, is in the logits). With the default
+        ``router_bias=False, router_dtype=None``, implementations with ``kernel_router`` use
         ``moe_kernels.router_scores`` (the same fp32 math summed in other orders: one Triton
         kernel for up to 32 experts, bf16 tensor-core GEMMs on the weight's exact bf16 pieces
-        for more with bf16 x); the others, the torch formula."""
+        for more with bf16 x); otherwise every implementation runs the torch formula: the
+        logits ``F.linear`` in ``router_dtype`` (None: fp32), the score function in fp32."""
         scores_TE = self._scores(self.check_x(x))
         return scores_TE.view(*x.shape[:-1], self.n_experts)
 
     def _scores(self, x_TD: torch.Tensor) -> torch.Tensor:
-        if IMPLS[self._impl].kernel_router:
+        bias = self.router.bias
+        if IMPLS[self._impl].kernel_router and bias is None and self.router_dtype is None:
             from moe_kernels import router_scores
 
             return router_scores(x_TD, self.router.weight, score_fn=self.score_fn)
-        logits_TE = F.linear(x_TD.float(), self.router.weight.float())
+        dtype = self.router_dtype or torch.float32
+        weight = self.router.weight.to(dtype)
+        logits_TE = F.linear(x_TD.to(dtype), weight, None if bias is None else bias.to(dtype))
+        logits_TE = logits_TE.float()
         if self.score_fn == "softmax":
             return torch.softmax(logits_TE, dim=-1)
         return torch.sigmoid(logits_TE)
@@ -393,6 +462,10 @@ class MoELayer(nn.Module):
             f"hidden={self.hidden}, gated={self.gated}, score_fn={self.score_fn!r}, "
             f"renormalize={self.renormalize}"
         )
+        if self.router.bias is not None:
+            text += ", router_bias=True"
+        if self.router_dtype is not None:
+            text += f", router_dtype={self.router_dtype}"
         if self.expert_bias is not None:
             text += ", expert_bias=True"
         if self.topk_groups < self.n_groups:
@@ -400,6 +473,8 @@ class MoELayer(nn.Module):
         for name, default in (
             ("routed_scaling_factor", 1.0),
             ("n_shared_experts", 0),
+            ("shared_hidden", None),
+            ("shared_gate", False),
             ("aux_loss_coef", 0.0),
         ):
             if getattr(self, name) != default:

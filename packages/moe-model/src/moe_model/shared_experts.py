@@ -17,7 +17,8 @@ class SharedExperts(nn.Module):
 
     Parameters (no biases): ``in_proj (hidden * (2 if gated else 1), d_model)`` (gate rows
     first), ``out_proj (d_model, hidden)``; ``hidden`` is the MoE layer's expert hidden size
-    times its number of shared experts (n experts of one token fused into one MLP).
+    times its number of shared experts (n experts of one token fused into one MLP), or its
+    ``shared_hidden``.
     ``device`` is checked when built (``moe_model._checks.check_device``: ValueError naming it),
     ``dtype`` too (None or a float dtype: TypeError naming it).
     """
@@ -45,9 +46,14 @@ class SharedExperts(nn.Module):
         nn.init.normal_(self.in_proj, std=1.0 / math.sqrt(self.d_model))
         nn.init.normal_(self.out_proj, std=1.0 / math.sqrt(self.hidden))
 
-    def forward(self, x_TD: torch.Tensor, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The MLP of x_TD (T, d_model), returned in x's dtype. The GEMMs run in
-        ``compute_dtype`` (default: the weights' dtype), the activation in fp32."""
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        compute_dtype: torch.dtype | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The MLP of x_TD (T, d_model), returned in ``out_dtype`` (default: x's dtype). The
+        GEMMs run in ``compute_dtype`` (default: the weights' dtype), the activation in fp32."""
         dtype = compute_dtype or self.in_proj.dtype
         h_TH = F.linear(x_TD.to(dtype), self.in_proj.to(dtype)).float()
         if self.gated:
@@ -55,7 +61,7 @@ class SharedExperts(nn.Module):
             a_TH = F.silu(gate_TH) * up_TH
         else:
             a_TH = F.silu(h_TH)
-        return F.linear(a_TH.to(dtype), self.out_proj.to(dtype)).to(x_TD.dtype)
+        return F.linear(a_TH.to(dtype), self.out_proj.to(dtype)).to(out_dtype or x_TD.dtype)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, hidden={self.hidden}, gated={self.gated}"
