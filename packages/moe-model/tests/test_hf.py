@@ -135,3 +135,28 @@ def test_registered_and_selectable():
         family_config("olmoe"), experts_implementation=hf.BACKEND
     )
     assert model.config._experts_implementation == hf.BACKEND
+
+
+def test_ungated_experts_of_another_activation():
+    """Nemotron-H's experts: ``up_proj`` without a gate and relu² (the composed path), against
+    HF's eager experts on the same module: output and every gradient."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    config = tf.NemotronHConfig(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                                num_experts_per_tok=3)  # fmt: skip
+    torch.manual_seed(0)
+    experts = NemotronHExperts(config)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    assert not experts.has_gate and not hf.fused(experts)
+    x = torch.randn(9, 64, requires_grad=True)
+    idx = torch.stack([torch.randperm(8)[:3] for _ in range(9)])
+    w = torch.rand(9, 3, requires_grad=True)
+    results = {}
+    for impl in ("eager", hf.BACKEND):
+        config._experts_implementation = impl
+        y = experts(x, idx, w)
+        grads = torch.autograd.grad(y.pow(2).sum(), (x, w, experts.up_proj, experts.down_proj))
+        results[impl] = (y, *grads)
+    for got, want in zip(results[hf.BACKEND], results["eager"], strict=True):  # fp32 sums
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
