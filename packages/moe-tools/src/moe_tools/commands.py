@@ -3,11 +3,12 @@ report`` renders their results. A new command: a module with a ``COMMAND``, list
 
 from __future__ import annotations
 
-from moe_tools import ep, kernels, matrix, rollout, train, verify
+from moe_tools import decode, ep, kernels, matrix, rollout, train, verify
 from moe_tools.command import Command
 
 MEASURING: tuple[Command, ...] = (
     matrix.COMMAND,
+    decode.COMMAND,
     rollout.COMMAND,
     kernels.COMMAND,
     verify.COMMAND,
