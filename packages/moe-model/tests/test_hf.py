@@ -52,11 +52,14 @@ def family_config(family: str):
 
 FUSED = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
 FAMILIES = [*FUSED, "gpt_oss", "mixtral_gelu"]
+# CUDA (``-m gpu``): the same fp32 parity with the Triton kernels against HF's eager experts
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def tiny_model(family: str):
+def tiny_model(family: str, device: str = "cpu"):
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float32)
+    model = model.to(device)
     with torch.no_grad():
         for name, t in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith(("e_score_correction_bias", "_proj_bias")):  # not all zeros
@@ -73,8 +76,11 @@ def logits_and_grads(model, impl: str, ids: torch.Tensor):
     return logits.detach(), grads
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_backend_matches_hf_eager(family, monkeypatch):
+def test_backend_matches_hf_eager(family, device, monkeypatch):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
     calls = []
 
     def spy(self, *args):
@@ -82,8 +88,8 @@ def test_backend_matches_hf_eager(family, monkeypatch):
         return hf.experts_forward(self, *args)
 
     monkeypatch.setitem(tf.integrations.moe.ExpertsInterface._global_mapping, hf.BACKEND, spy)
-    model = tiny_model(family)
-    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    model = tiny_model(family, device)
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
     want, want_grads = logits_and_grads(model, "eager", ids)
     assert not calls
     got, got_grads = logits_and_grads(model, hf.BACKEND, ids)
