@@ -253,6 +253,25 @@ def test_verify_lists_every_public_op_by_name(capsys):
     assert "vs_reference does not apply" in out  # the CPU run says what it compared against
 
 
+def test_rollout_config_overrides(tmp_path, capsys):
+    """--set replaces config fields, each read as its type; the run records them and its
+    result name says them; a value the config refuses stops before anything is built."""
+    out = tmp_path / "r.json"
+    assert cli.main(["rollout", "--device", "cpu", "--preset", "tiny", "--frames", "2",
+                     "--warmup-frames", "1", "--set", "window=2,d_model=96,renormalize=true",
+                     "--no-images", "--no-progress", "--json", str(out)]) == 0  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert doc["extra"]["overrides"] == {"window": 2, "d_model": 96, "renormalize": True}
+    assert "window=2" in doc["name"] and doc["rows"][0]["status"] == "ok"
+    capsys.readouterr()
+    for bad in ("window=0", "windw=2", "window=two"):  # a usage error, or argparse's exit
+        try:
+            status = cli.main(["rollout", "--device", "cpu", "--set", bad])
+        except SystemExit as exc:
+            status = exc.code
+        assert status == 2 and "--set" in capsys.readouterr().err, bad
+
+
 def test_rollout_modes_on_one_engine(capsys):
     """--modes measures each runtime on one engine: a row each, in order."""
     cli.main(["rollout", "--device", "cpu", "--preset", "tiny", "--frames", "2",

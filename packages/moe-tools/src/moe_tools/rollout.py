@@ -323,6 +323,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--impl", type=impl_name, help="MoE implementation (default: the preset's)")
     p.add_argument(
+        "--set",
+        type=config_overrides,
+        metavar="KEY=V,..",
+        help="the preset's config with these WorldModelConfig fields replaced, e.g. "
+        "d_model=4096,n_experts=32 or window=4 (a cliff check)",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile the model (on CUDA with CUDA graphs, unless --no-cuda-graph)",
@@ -375,6 +382,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cmd.plot_option(p, "per-frame time over the rollout (--profile: the breakdown)")
 
 
+def config_overrides(text: str) -> dict[str, Any]:
+    """``KEY=VALUE[,KEY=VALUE..]`` of ``moe_model.WorldModelConfig`` fields, each value read as
+    its field's type (int, float, bool: true/false, str); argparse's error names the bad one."""
+    import dataclasses
+
+    from moe_model import WorldModelConfig
+
+    types = {f.name: f.type for f in dataclasses.fields(WorldModelConfig)}
+    out: dict[str, Any] = {}
+    for item in cmd.csv(text):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in types:
+            raise argparse.ArgumentTypeError(
+                f"expected KEY=VALUE with KEY a WorldModelConfig field ({', '.join(types)}), "
+                f"got {item!r}"
+            )
+        kind = types[key] if isinstance(types[key], str) else types[key].__name__
+        try:
+            if kind == "bool":
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(value)
+                out[key] = value.lower() == "true"
+            else:
+                out[key] = {"int": int, "float": float}.get(kind, str)(value)
+        except ValueError as exc:
+            article = "an" if kind == "int" else "a"
+            raise argparse.ArgumentTypeError(
+                f"{key} takes {article} {kind}, got {value!r}"
+            ) from exc
+    return out
+
+
 def _runtime(args: argparse.Namespace) -> str:
     """The runtimes a command line measures: its modes, or the one --compile / --cuda-graph
     give (graphs by default when compiled on CUDA)."""
@@ -393,6 +433,7 @@ def result_name(args: argparse.Namespace) -> str:
         preset,
         args.impl,
         _runtime(args),
+        [f"{k}={v}" for k, v in (args.set or {}).items()],
         "latents" if args.no_images else None,
         "profile" if args.profile else None,
     )
@@ -404,6 +445,14 @@ def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) 
             raise cmd.UsageError(f"--{flag.replace('_', '-')} needs --profile")
     if args.modes and (args.compile or args.cuda_graph is not None):
         raise cmd.UsageError("--modes replaces --compile / --cuda-graph / --no-cuda-graph")
+    if args.set:  # the config checked before anything is built
+        from moe_model import WorldModelConfig
+
+        preset = args.preset or ("seed-moe" if args.device.type == "cuda" else "tiny")
+        try:
+            WorldModelConfig.from_preset(preset, **args.set)
+        except (TypeError, ValueError) as exc:
+            raise cmd.UsageError(f"--set: {exc}") from exc
     graphs = args.cuda_graph or "graph" in (args.modes or ())
     if graphs and args.device.type != "cuda":
         raise cmd.UsageError(
@@ -426,6 +475,7 @@ def run_cli(args: argparse.Namespace, checkpoint: cmd.Checkpoint | None = None) 
         profile_frames=args.profile_frames,
         peak_tflops=args.peak_tflops,
         peak_gbps=args.peak_gbps,
+        overrides=args.set,
     )
 
 
