@@ -166,3 +166,23 @@ def test_ungated_experts_of_another_activation():
         results[impl] = (y, *grads)
     for got, want in zip(results[hf.BACKEND], results["eager"], strict=True):  # fp32 sums
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_bad_calls_name_the_argument():
+    """Mismatched shapes and missing weights: a ValueError naming HF's argument or attribute
+    (plan_from_choices names its own: the weights' shape)."""
+    experts = tiny_model("qwen3_moe").model.layers[1].mlp.experts
+    x, idx, w = torch.randn(5, 64), torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2)
+    with pytest.raises(ValueError, match="hidden_states must have .* 64 columns"):
+        hf.experts_forward(experts, torch.randn(5, 32), idx, w)
+    with pytest.raises(ValueError, match="hidden_states must be a 2-D tensor"):
+        hf.experts_forward(experts, x[None], idx, w)
+    with pytest.raises(ValueError, match="top_k_index must have one row per token"):
+        hf.experts_forward(experts, x, idx[:4], w[:4])
+    with pytest.raises(ValueError, match="weights must have expert_indices' shape"):
+        hf.experts_forward(experts, x, idx, w[:, :1])
+    with pytest.raises(TypeError, match="expert_indices"):
+        hf.experts_forward(experts, x, idx.float(), w)
+    del experts.down_proj
+    with pytest.raises(ValueError, match="Qwen3MoeExperts has no down_proj"):
+        hf.experts_forward(experts, x, idx, w)

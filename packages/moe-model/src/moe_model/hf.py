@@ -57,6 +57,34 @@ def fused(experts: nn.Module) -> bool:
     return isinstance(getattr(experts, "act_fn", None), (nn.SiLU, SiLUActivation))
 
 
+def _check_call(experts: nn.Module, x_TD: object, index_TK: object, weights_TK: object) -> None:
+    """ValueError / TypeError naming what is missing or mismatched, before any kernel runs."""
+    name = type(experts).__name__
+    gated = getattr(experts, "has_gate", True)
+    needed = ["num_experts", "gate_up_proj" if gated else "up_proj", "down_proj"]
+    if getattr(experts, "has_bias", False):
+        needed += ["gate_up_proj_bias" if gated else "up_proj_bias", "down_proj_bias"]
+    missing = [a for a in needed if getattr(experts, a, None) is None]
+    if missing:
+        raise ValueError(f"experts_implementation={BACKEND!r}: {name} has no {', '.join(missing)}")
+    for arg, t in (("hidden_states", x_TD), ("top_k_index", index_TK),
+                   ("top_k_weights", weights_TK)):  # fmt: skip
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{arg} must be a 2-D tensor, got {got}")
+    w_in = experts.gate_up_proj if gated else experts.up_proj
+    d = w_in.shape[1] if getattr(experts, "is_transposed", False) else w_in.shape[2]
+    if x_TD.shape[1] != d:
+        raise ValueError(
+            f"hidden_states must have {name}'s hidden size {d} columns, got {tuple(x_TD.shape)}"
+        )
+    if index_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"top_k_index must have one row per token ({x_TD.shape[0]}), got "
+            f"{tuple(index_TK.shape)}"
+        )
+
+
 def _weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_in (E, H', D), w_out (E, D, H)) as views in ``dtype``, whatever the storage."""
     gated = getattr(experts, "has_gate", True)
@@ -127,6 +155,7 @@ def experts_forward(
     (ids outside [0, E), expert-parallel sentinels, contribute nothing); top_k_weights (T, k)
     float. Returns (T, D) in hidden_states' dtype: ``sum_j w[t, j] * expert_{i[t, j]}(x[t])``,
     accumulated in fp32 in choice order."""
+    _check_call(self, hidden_states, top_k_index, top_k_weights)
     x_TD = hidden_states
     plan = mk.plan_from_choices(top_k_index, top_k_weights, self.num_experts)
     if not fused(self):
