@@ -87,14 +87,9 @@ def move_rows(x_ND: torch.Tensor, src_M: torch.Tensor, dst_NK: torch.Tensor) -> 
 GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
 # torch._grouped_mm on CPU: torch <= 2.8 has no CPU kernel, torch 2.9 and 2.10 need 16-byte
 # aligned data pointers (a check torch.compile cannot trace). From 2.11 a static rule suffices.
-_CPU_GROUPED_MM = hasattr(torch, "_grouped_mm") and _torch_version() >= (2, 11)
+_CPU_GROUPED_MM = hasattr(torch, "_grouped_mm") and torch.__version__ >= (2, 11)
 
 
 def _grouped_mm_strides_ok(t: torch.Tensor) -> bool:
