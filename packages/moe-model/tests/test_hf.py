@@ -35,8 +35,9 @@ def family_config(family: str):
     if family == "olmoe":
         return tf.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2)
     if family == "deepseek_v3":  # sigmoid, correction bias, groups, scaling, shared experts
+        mla = {**COMMON, "num_key_value_heads": 4}  # MLA: no grouped kv heads (HF masks fail)
         return tf.DeepseekV3Config(
-            **COMMON, intermediate_size=48, moe_intermediate_size=32, n_routed_experts=8,
+            **mla, intermediate_size=48, moe_intermediate_size=32, n_routed_experts=8,
             num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
             n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,

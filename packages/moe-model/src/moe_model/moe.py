@@ -411,10 +411,17 @@ class MoELayer(nn.Module):
         return self.run(x_TD, LOCAL_EXCHANGE, self.in_proj, self.out_proj).view(x.shape)
 
     def run(
-        self, x_TD: torch.Tensor, exchange: Any, in_proj: torch.Tensor, out_proj: torch.Tensor
+        self,
+        x_TD: torch.Tensor,
+        exchange: Any,
+        in_proj: torch.Tensor,
+        out_proj: torch.Tensor,
+        scores_TE: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The walk of tokens x_TD (T, d_model), checked, through ``exchange`` to the experts
-        ``in_proj`` / ``out_proj`` -> y_TD (T, d_model) in x's dtype.
+        ``in_proj`` / ``out_proj`` -> y_TD (T, d_model) in x's dtype. ``scores_TE``: the router
+        scores (T, E) fp32 when the caller computed them (a wrapper that also hands the logits
+        elsewhere, ``moe_model.hf.MoEBlock``); None: ``scores(x)``.
 
         ``exchange``: ``to_experts(x_TD, plan, record)`` returns what it hands the experts
         (``.rows``, ``ExpertRows``) and the (E,) counts this layer records (``.counts``);
@@ -432,7 +439,13 @@ class MoELayer(nn.Module):
             x_TD.requires_grad or any(p.requires_grad for p in weights)
         )
         impl.check(options, record)
-        scores_TE = self._scores(x_TD)
+        if scores_TE is None:
+            scores_TE = self._scores(x_TD)
+        elif scores_TE.shape != (x_TD.shape[0], self.n_experts) or scores_TE.dtype != torch.float32:
+            raise ValueError(
+                f"scores_TE must be ({x_TD.shape[0]}, {self.n_experts}) float32, got "
+                f"{tuple(scores_TE.shape)} {scores_TE.dtype}"
+            )
         plan = impl.route(scores_TE, self.top_k, options)
         rows_TD = x_TD.to(impl.rows_dtype(x_TD.dtype, in_proj.dtype))
         sent = exchange.to_experts(rows_TD, plan, record)

@@ -1,17 +1,10 @@
-"""Hugging Face transformers' MoE models on moe-kernels: the ``"moe_kernels"`` experts backend.
+"""The ``"moe_kernels"`` experts backend: ``experts_forward``, an ``ExpertsInterface``
+function (transformers calls it after the model's own router).
 
-transformers (5.x) runs every MoE experts module through its ``ExpertsInterface``
-(``config._experts_implementation``). Importing this module (it needs transformers; importing
-``moe_model`` never does) registers ``"moe_kernels"`` there::
-
-    import moe_model.hf  # noqa: F401
-    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="moe_kernels")
-    model.set_experts_implementation("moe_kernels")  # or switch a loaded model
-
-The backend takes HF's routing as given (``top_k_index``, ``top_k_weights``, from the model's
-own router), builds the plan with ``moe_kernels.plan_from_choices`` and runs the experts on it,
-deterministic and without host syncs (torch.compile fullgraph, CUDA graphs); the gradient
-reaches the router through the weights. Two paths, by what the experts module holds:
+The backend takes HF's routing as given (``top_k_index``, ``top_k_weights``), builds the plan
+with ``moe_kernels.plan_from_choices`` and runs the experts on it, deterministic and without host
+syncs (torch.compile fullgraph, CUDA graphs); the gradient reaches the router through the
+weights. Two paths, by what the experts module holds:
 
 * fused: SiLU or SiLU-gated experts (gate rows first) without biases (Mixtral, Qwen2-MoE,
   Qwen3-MoE, OLMoE, DeepSeek-V3, ...): ``moe_kernels.routed_experts``, one autograd node;
@@ -30,16 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import SiLUActivation
+from transformers.integrations import moe as _hf_moe
 
 import moe_kernels as mk
-
-try:
-    from transformers.activations import SiLUActivation
-    from transformers.integrations import moe as _hf_moe
-except ImportError as e:  # pragma: no cover - exercised where transformers is absent
-    raise ImportError(
-        "moe_model.hf needs Hugging Face transformers >= 5 (pip install 'moe-model[hf]')"
-    ) from e
 
 BACKEND = "moe_kernels"
 
@@ -169,6 +156,3 @@ def register(name: str = BACKEND) -> None:
     """Register ``experts_forward`` as ``name`` in transformers' global ``ExpertsInterface``
     (idempotent; done on import under ``"moe_kernels"``)."""
     _hf_moe.ExpertsInterface.register(name, experts_forward)
-
-
-register()
