@@ -91,15 +91,18 @@ def check_block(block: nn.Module) -> Family:
     """The family of a sparse MoE block, or ValueError naming the router or experts class of
     one ``MoELayer`` cannot express."""
     name = type(_router(block)).__name__
+    hint = (
+        "MoELayer cannot express it; experts transformers runs through its ExpertsInterface "
+        "(GPT-OSS's) can take experts_implementation='moe_kernels' instead"
+    )
     if name not in FAMILIES:
         raise ValueError(
-            f"replace_moe_blocks: router {name} is not one of {sorted(FAMILIES)}; "
-            "experts_implementation='moe_kernels' runs its experts instead"
+            f"replace_moe_blocks: router {name} is not one of {sorted(FAMILIES)}: {hint}"
         )
     if not fused(block.experts):
         raise ValueError(
             f"replace_moe_blocks: {type(block.experts).__name__} is not SiLU(-gated) experts "
-            "without biases (MoELayer's); experts_implementation='moe_kernels' runs it"
+            f"without biases: {hint}"
         )
     return FAMILIES[name]
 
