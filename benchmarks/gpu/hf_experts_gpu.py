@@ -3,10 +3,11 @@ forward + backward, at Qwen3-30B-A3B's MoE sizes (d 2048, 128 experts of 768, to
 8192 tokens; then ``generate`` of a 2-layer model of those sizes at batch 1 and 32.
 
     PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \\
-        python3 benchmarks/gpu/hf_experts_gpu.py [--tokens 8192] [--dry-run]
+        python3 benchmarks/gpu/hf_experts_gpu.py [--tokens 8192,1024] [--no-generate] [--dry-run]
 
-Backends: HF's ``grouped_mm`` (its default), ``eager`` (its per-expert loop; forward only at
-1024 tokens), ours (``moe_kernels``); ``sonicmoe`` / ``deepgemm`` where they load. Medians of
+Backends: HF's ``grouped_mm`` (its default), ``eager`` (its per-expert loop; forward only, up to
+1024 tokens), ours (``moe_kernels``), ``blocks`` (not a backend: ``replace_moe_blocks``, our
+routing too); ``sonicmoe`` / ``deepgemm`` where they load. Medians of
 ``do_bench`` (ms), max |difference| from ``grouped_mm``'s output in the same run.
 """
 
@@ -26,14 +27,17 @@ QWEN3_30B_A3B = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=12
                      num_experts_per_tok=8, norm_topk_prob=True)  # fmt: skip
 
 
+BLOCKS = "blocks"  # not a backend: replace_moe_blocks, our routing and experts (MoEBlock)
+
+
 def block(config, impl: str, device, dtype):
-    config._experts_implementation = impl
+    config._experts_implementation = "eager" if impl == BLOCKS else impl
     torch.manual_seed(0)
     b = Qwen3MoeSparseMoeBlock(config).to(device=device, dtype=dtype)
     with torch.no_grad():
         for p in b.parameters():
             p.normal_(0, 0.02)
-    return b
+    return hf.MoEBlock(b) if impl == BLOCKS else b
 
 
 def time_block(config, impls, T, device, dtype) -> None:
@@ -80,8 +84,10 @@ def time_generate(config, impls, batch, device, dtype, new_tokens=16) -> None:
     for impl in impls:
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(
-            cfg, dtype=dtype, experts_implementation=impl
+            cfg, dtype=dtype, experts_implementation="eager" if impl == BLOCKS else impl
         ).to(device)
+        if impl == BLOCKS:
+            hf.replace_moe_blocks(model)
         kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         out = model.generate(ids, **kw)  # warm-up
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -98,24 +104,26 @@ def time_generate(config, impls, batch, device, dtype, new_tokens=16) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", default="8192,1024", help="block sizes, comma-separated")
+    ap.add_argument("--no-generate", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU, fp32")
     args = ap.parse_args()
     if args.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
         config = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32,
                                              num_experts=8, num_experts_per_tok=2)  # fmt: skip
-        impls, T = ["grouped_mm", hf.BACKEND], 64
+        impls, sizes = ["grouped_mm", hf.BACKEND, BLOCKS], [64]
         time_generate(config, impls, 2, device, dtype, new_tokens=4)
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
         config = transformers.Qwen3MoeConfig(**QWEN3_30B_A3B)
-        impls, T = ["grouped_mm", hf.BACKEND, "sonicmoe", "deepgemm"], args.tokens
-    time_block(config, impls, T, device, dtype)
-    if not args.dry_run:
-        time_block(config, ["grouped_mm", hf.BACKEND, "eager"], 1024, device, dtype)
+        impls = ["grouped_mm", hf.BACKEND, BLOCKS, "sonicmoe", "deepgemm"]
+        sizes = [int(t) for t in args.tokens.split(",")]
+    for T in sizes:
+        time_block(config, impls + (["eager"] if T <= 1024 else []), T, device, dtype)
+    if not args.dry_run and not args.no_generate:
         for batch in (1, 32):
-            time_generate(config, ["grouped_mm", hf.BACKEND], batch, device, dtype)
+            time_generate(config, ["grouped_mm", hf.BACKEND, BLOCKS], batch, device, dtype)
     print("OK")
 
 
