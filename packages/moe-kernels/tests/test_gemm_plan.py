@@ -1,7 +1,8 @@
 """``_gemm_plan.choose_gemm``: which kernel runs each grouped GEMM, from sizes and flags alone
 (no GPU needed). Expected plans are written out from the rules' measured bounds (1024 rows per
 expert for the persistent row-grouped GEMM, 128 for its weight gradient, X <= 1024 for the
-gathering up-projection without gradients), not computed with the module's constants."""
+gathering up-projection without gradients, 64 rows in all for the grouped GEMV: unmeasured yet),
+not computed with the module's constants."""
 
 from __future__ import annotations
 
@@ -143,20 +144,58 @@ def test_dequantized(N, out_dtype, dev, want):
     assert kernel(GemmProblem("dequantized", 256, N, 64, 4, BF16, out_dtype), dev) == want
 
 
+DECODE_DEVICES = [H100, B200, A100, INTERP, GemmDevice("triton", 9, grouped_mm=False)]
+
+
+@pytest.mark.parametrize("dev", DECODE_DEVICES)
+@pytest.mark.parametrize(
+    ("P", "E", "want"),
+    [(1 * 8, 128, True), (8 * 8, 128, True), (9 * 8, 128, False), (512 * 8, 128, False),
+     (1, 4, True), (64, 8, True), (65, 8, False), (64, 256, True), (0, 16, False), (8, 0, False)],
+)  # fmt: skip
+def test_gemv_for_the_forward_gemms_up_to_64_rows_in_all(dev, P, E, want):
+    """A decode step's T * top_k rows (Qwen3-30B-A3B: 128 experts, top-8, T = 1..8) run the
+    grouped GEMV on every Triton path and dtype; a prefill's do not, nor no experts."""
+    for dtype in (BF16, FP16, FP32):
+        for problem in (
+            rows(P, E, N=1536, K=2048, dtype=dtype),
+            rows(P, E, N=2048, K=768, dtype=dtype, layout="kn", tma=False, aligned=False),
+            GemmProblem("gather", P, 1536, 2048, E, dtype, x_rows=max(P // 8, 1), gathered=True),
+            GemmProblem("gather_mlp", P, 1536, 2048, E, dtype, gathered=True),
+        ):
+            assert (kernel(problem, dev) == "gemv") == want, (problem, dev)
+
+
+@pytest.mark.parametrize("P", [8, 64])
+def test_gemv_never_on_the_reference_nor_for_other_kinds(P):
+    assert kernel(rows(P, 16), REF) == "reference"
+    assert kernel(GemmProblem("gather_mlp", P, 1536, 2048, 16, gathered=True), REF) == "reference"
+    assert kernel(rows(P, 16), H100._replace(gemv=False)) == "persistent"  # the plan without it
+    assert kernel(wgrad(P, 16), H100) == "triton_wgrad"  # the weight gradient: its own kernels
+    assert kernel(GemmProblem("mxfp8", P, 0, 64, 0), H100) == "dequantized"
+    assert kernel(GemmProblem("dequantized", P, 512, 512, 8), H100) == "cutlass"
+
+
 def test_unknown_kind():
     with pytest.raises(ValueError, match="kind"):
         choose_gemm(GemmProblem("rowz", 1, 1, 1, 1), H100)
 
 
 def test_plans_from_cpu_tensors():
-    """The tensor readers on CPU: the reference path (or the interpreter), never a CUDA kernel."""
+    """The tensor readers on CPU: the reference path (or the interpreter), never a CUDA kernel;
+    the rows of a gathering GEMM are its row indices' (P), not x's."""
     dev = gemm_device(torch.device("cpu"))
     assert dev.sm_major == 0 and dev.path in ("reference", "interpreter")
-    x, w = torch.zeros(64, 32, dtype=BF16), torch.zeros(4, 48, 32, dtype=BF16)
-    want = "reference" if dev.path == "reference" else "triton"
-    assert plan_rows(x, w, False, False) == GemmPlan(want)
-    assert plan_rows(x, w.mT.contiguous().mT, True, False) == GemmPlan(want)
-    assert plan_gather_mlp(x, torch.zeros(4, 2048, 32, dtype=BF16)).kernel == want
+    x, w = torch.zeros(80, 32, dtype=BF16), torch.zeros(4, 48, 32, dtype=BF16)
+    rows_80, rows_16 = torch.zeros(80, dtype=torch.int32), torch.zeros(16, dtype=torch.int32)
+    ref = dev.path == "reference"
+    want, decode = ("reference", "reference") if ref else ("triton", "gemv")
+    assert plan_rows(x, w, None, False) == GemmPlan(want)
+    assert plan_rows(x, w.mT.contiguous().mT, rows_80, False) == GemmPlan(want)
+    assert plan_rows(x, w, rows_16, True) == GemmPlan(decode)  # 16 rows of 80 tokens
+    assert plan_rows(x[:16], w, rows_80, True) == GemmPlan(want)  # 80 rows of 16 tokens
+    assert plan_gather_mlp(x, torch.zeros(4, 2048, 32, dtype=BF16), rows_80).kernel == want
+    assert plan_gather_mlp(x, torch.zeros(4, 2048, 32, dtype=BF16), rows_16).kernel == decode
     assert plan_wgrad(torch.zeros(64, 48, dtype=BF16), x, 4, False).kernel in (
         "reference",
         "triton_wgrad",
@@ -167,6 +206,7 @@ def test_plans_from_cpu_tensors():
 # GEMMs), and problems whose operands TMA may not read (has_tma is False).
 PORTABLE_H100 = GemmDevice("triton", 9, grouped_mm=False, scaled_grouped_mm=False)
 ALL_KINDS = [
+    rows(8, 16),  # a decode step: the grouped GEMV
     rows(2048, 16),
     rows(1 << 20, 16),
     wgrad(2048, 16, tma=False),
@@ -182,7 +222,8 @@ ALL_KINDS = [
 def test_portable_plans_use_neither_tma_nor_cutlass(problem, dev):
     problem = problem._replace(tma=False)  # has_tma: False on these devices
     plan = choose_gemm(problem, dev)
-    assert plan.kernel in ("triton", "triton_wgrad", "gather_copy", "masked", "dequantized")
+    assert plan.kernel in ("triton", "triton_wgrad", "gather_copy", "masked", "dequantized",
+                           "gemv")  # fmt: skip
     if plan.kernel == "gather_copy":  # then its rows GEMM: the Triton kernel
         assert kernel(rows(problem.rows, problem.experts, tma=False), dev) == "triton"
 

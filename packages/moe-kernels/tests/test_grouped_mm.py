@@ -1,7 +1,8 @@
 """gather_grouped_mm against a naive per-row oracle (Python loops over rows, float64 dots).
 
-Runs on the torch reference path (TRITON_INTERPRET=0) and on the Triton kernel in the interpreter
-(TRITON_INTERPRET=1). Results are compared with a tolerance: one rounding to the output dtype
+Runs on the torch reference path (TRITON_INTERPRET=0) and on the Triton kernels in the interpreter
+(TRITON_INTERPRET=1): the op's plan (the grouped GEMV at these few rows) and the tile GEMM's
+launcher. Results are compared with a tolerance: one rounding to the output dtype
 (two bf16 ulps under the interpreter, which truncates) plus fp32 accumulation error.
 """
 
@@ -12,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_kernels._dispatch import use_triton
+from moe_kernels._dispatch import triton_kernels, use_triton
 from moe_kernels.grouped_mm import gather_grouped_mm
 from moe_kernels.testing import ULP, oracle_gather_grouped_mm
 
@@ -40,6 +41,12 @@ def assert_close(actual: torch.Tensor, expected64: torch.Tensor, dim: int) -> No
     assert bool((a[expected64 == 0] == 0).all())
 
 
+def tile_gemm(x, w, offsets, rows, activation):
+    """The tile GEMM's launcher (``_triton/grouped_mm.py``), whatever the plan."""
+    tri = triton_kernels("grouped_mm")
+    return tri.gather_grouped_mm(x, w, offsets, rows, tri.ACT_SILU if activation else tri.ACT_NONE)
+
+
 CASES = [
     # (T, D, N, counts, P) ; P = len(rows); counts may be empty groups; tail = P - sum(counts)
     (24, 32, 48, [24], 24),
@@ -62,7 +69,10 @@ def test_gathered_matches_oracle(dtype, case, activation):
     rows[int(offsets[-1]) :] = -1  # the tail of a routing plan
     y = gather_grouped_mm(x, w, offsets, rows, activation=activation)
     assert y.shape == (num_rows, n) and y.dtype == dtype
-    assert_close(y, oracle_gather_grouped_mm(x, w, offsets, rows, activation), dim)
+    expected = oracle_gather_grouped_mm(x, w, offsets, rows, activation)
+    assert_close(y, expected, dim)
+    if TRITON:  # the tile GEMM too: at these few rows the op's plan runs the grouped GEMV
+        assert_close(tile_gemm(x, w, offsets, rows, activation), expected, dim)
 
 
 @settings(max_examples=12, deadline=None)
@@ -91,7 +101,10 @@ def test_property_random_groups(counts, tail, num_tokens, dim, n, gathered, seed
         rows = torch.randint(0, num_tokens, (num_rows,), generator=g, dtype=torch.int32)
         rows[int(offsets[-1]) :] = -1
     y = gather_grouped_mm(x, w, offsets, rows, activation="silu")
-    assert_close(y, oracle_gather_grouped_mm(x, w, offsets, rows, "silu"), dim)
+    expected = oracle_gather_grouped_mm(x, w, offsets, rows, "silu")
+    assert_close(y, expected, dim)
+    if TRITON:
+        assert_close(tile_gemm(x, w, offsets, rows, "silu"), expected, dim)
 
 
 @pytest.mark.parametrize("activation", [None, "silu"])

@@ -1,7 +1,8 @@
 """Hostile offsets, indices, slots and counts (contract violations that live in device tensors
 and so are never checked: no host sync) fed to the token movement ops, the grouped GEMMs (the
-gathering, persistent and K-grouped kernels, CUTLASS on CUDA), the expert MLP, the routed
-experts, RoPE's cache write, the router, the activation, the FP8 gather and the routing.
+gathering, persistent and K-grouped kernels, the grouped GEMV, CUTLASS on CUDA), the expert MLP,
+the routed experts, RoPE's cache write, the router, the activation, the FP8 gather and the
+routing.
 
 Each case checks, on the path this session runs (the torch reference with TRITON_INTERPRET=0,
 the Triton kernels in the interpreter with TRITON_INTERPRET=1, CUDA in the ``gpu`` tests):
@@ -37,9 +38,10 @@ CPU = torch.device("cpu")
 I32_MAX, I32_MIN = 2**31 - 1, -(2**31)
 I64_MAX, I64_MIN = 2**63 - 1, -(2**63)
 # the kernel modules whose torch.empty outputs are guarded
-KERNEL_MODULES = ("tokens", "tokens_backward", "grouped_mm", "persistent_grouped_mm",
-                  "grouped_weight_grad", "rope", "router", "router_split", "activation",
-                  "gather_quant", "routing.launch", "routing.backward")  # fmt: skip
+KERNEL_MODULES = ("tokens", "tokens_backward", "grouped_mm", "grouped_gemv",
+                  "persistent_grouped_mm", "grouped_weight_grad", "rope", "router",
+                  "router_split", "activation", "gather_quant", "routing.launch",
+                  "routing.backward")  # fmt: skip
 # the public modules whose use_triton the reference comparison patches off
 PUBLIC_MODULES = ("tokens", "dense_tokens", "_gemm_plan", "rope", "router", "_router_split",
                   "routing", "activation", "gather_quant")  # fmt: skip
@@ -309,6 +311,23 @@ def test_persistent_grouped_mm_and_zero_tail_hostile_offsets(cpu, case):
             ),
         )
         close(c, want)
+
+
+@pytest.mark.skipif(not use_triton(CPU), reason="runs the tile GEMM in the interpreter")
+@pytest.mark.parametrize("case", ["end_past_P", "decreasing", "int32_extremes", "wraps_int32"])
+def test_tile_grouped_mm_hostile_offsets_and_rows(cpu, case):
+    """The tile GEMM (the op's plan above a decode step's rows; at these 12 it runs the grouped
+    GEMV, which the tests above cover), in the interpreter."""
+    E, P, K, N, T = 3, 12, 16, 8, 10
+    x, w = cpu.g(randn((T, K), 1)), cpu.g(randn((E, N, K), 2))
+    offs, offs_c = offsets_pair(cpu, case, P)
+    rows, rows_c = idx(ROWS, T)
+    rows = cpu.g(rows)
+    gm = triton_kernels("grouped_mm")
+    y = gm.gather_grouped_mm(x, w, offs, rows, gm.ACT_SILU)
+    cpu.intact()
+    same_bits(y, gm.gather_grouped_mm(x, w, offs_c, rows_c, gm.ACT_SILU))
+    close(y, cpu.reference(mk.gather_grouped_mm, x, w, offs, rows, activation="silu"))
 
 
 def test_zero_experts_gather_grouped_mm(cpu, monkeypatch):

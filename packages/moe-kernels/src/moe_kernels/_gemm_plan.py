@@ -12,7 +12,9 @@ fuses SiLU), "triton_wgrad" (``_triton/grouped_weight_grad.py``), "gather_copy" 
 no-grad up-projection: a row-gather copy, then the sorted-row GEMM's plan), "scaled_cutlass"
 (``torch._scaled_grouped_mm``, MXFP8 on sm100), "dequantized" (MXFP8 emulated: exact bf16
 dequantisation, then the "dequantized" problem's plan), "masked" (a per-expert masked torch
-GEMM with static shapes).
+GEMM with static shapes), "gemv" (``_triton/grouped_gemv.py``: the forward GEMMs at a few rows
+in all, a decode step's, each touched expert's weights read once; gathers its rows, fuses SiLU or
+SwiGLU).
 
 From the H200 (``benchmarks/gpu/persistent_grouped_mm_gpu.py``, torch 2.11, triton 3.6, bf16,
 two runs on two machines): the flattened persistent Triton kernel (128 x 256 x 64 tiles, 8
@@ -45,6 +47,12 @@ WGRAD_MAX_ROWS_PER_EXPERT = 128
 # CUTLASS chain 1.14x / 1.24x); the chain 1.11x / 1.10x at X = 1536 / 2048 (the gathering GEMM
 # 1.17x / 1.23x). The gather's copy weighs more against a narrower GEMM.
 FUSED_GATHER_MAX_X = 1024
+# Rows in all (P: a decode step's T * top_k, a static size) up to which the forward GEMMs ("rows",
+# "gather", "gather_mlp") run the grouped GEMV. A bound on the total bounds every expert's rows
+# (the kernel takes an expert's rows 16 at a time: correct for any routing, fast for few).
+# Unmeasured: a conservative first value until the H200 run of
+# benchmarks/gpu/decode_gemv_gpu.py sets it.
+GEMV_MAX_ROWS = 64
 
 
 class PersistentConfig(NamedTuple):
@@ -61,6 +69,13 @@ class PersistentConfig(NamedTuple):
     tma: bool = True
     programs_per_sm: int = 1
     flatten: bool = True
+
+
+def use_gemv(num_rows: int, num_experts: int) -> bool:
+    """Whether a forward GEMM over ``num_rows`` rows in ``num_experts`` groups runs the grouped
+    GEMV: 1 to ``GEMV_MAX_ROWS`` rows in all (static sizes: no host read of the groups; no rows
+    or no experts keep the other kernels' plans, which launch nothing there)."""
+    return num_experts > 0 and 0 < num_rows <= GEMV_MAX_ROWS
 
 
 def use_persistent(
@@ -131,29 +146,33 @@ def wgrad_config(n: int, d: int, interpret: bool, fp32: bool = False) -> WgradCo
 # the plan
 
 KINDS = ("rows", "gather", "gather_mlp", "wgrad", "mxfp8", "dequantized")
+GEMV_KINDS = ("rows", "gather", "gather_mlp")  # the forward GEMMs
 
 
 class GemmDevice(NamedTuple):
     """What the plan needs of a device: ``path`` ("triton", "interpreter" or "reference",
     ``moe_kernels.testing.execution_path``), ``sm_major`` (the CUDA compute capability's
     major, 0 off CUDA), and whether this torch has ``torch._grouped_mm`` (``grouped_mm``) and
-    an MXFP8 ``torch._scaled_grouped_mm`` (``scaled_grouped_mm``: torch >= 2.9)."""
+    an MXFP8 ``torch._scaled_grouped_mm`` (``scaled_grouped_mm``: torch >= 2.9). ``gemv``: the
+    plan may pick the grouped GEMV (False: the plan without it, which
+    ``benchmarks/gpu/decode_gemv_gpu.py`` times it against)."""
 
     path: str
     sm_major: int = 0
     grouped_mm: bool = True
     scaled_grouped_mm: bool = True
+    gemv: bool = True
 
 
 class GemmProblem(NamedTuple):
-    """One grouped GEMM: ``kind`` (``KINDS``), over ``rows`` rows in ``experts`` groups, n
-    output columns, k the contraction (for "wgrad": dy (rows, n), x (x_rows, k), out (E, n,
-    k)); ``dtype`` the operands'; ``out_dtype`` the result's. ``layout``: how w reads for the
-    persistent kernel ("nk": (E, N, K) contiguous, "kn": the ``.mT`` view of a contiguous (E, K,
-    N), "": neither); ``tma``: the operands suit TMA descriptors (CUDA sm90+, contiguous,
-    16-byte aligned, no trace in progress); ``aligned``: x's rows are unit-stride from a 16-byte
-    base (CUTLASS's forward); ``gathered``: rows come through row indices; ``compiling``: under
-    ``torch.compile``."""
+    """One grouped GEMM: ``kind`` (``KINDS``), over ``rows`` rows in ``experts`` groups (the
+    output's rows: with row indices their count, not x's), n output columns, k the contraction
+    (for "wgrad": dy (rows, n), x (x_rows, k), out (E, n, k)); ``dtype`` the operands';
+    ``out_dtype`` the result's. ``layout``: how w reads for the persistent kernel ("nk": (E, N,
+    K) contiguous, "kn": the ``.mT`` view of a contiguous (E, K, N), "": neither); ``tma``: the
+    operands suit TMA descriptors (CUDA sm90+, contiguous, 16-byte aligned, no trace in
+    progress); ``aligned``: x's rows are unit-stride from a 16-byte base (CUTLASS's forward);
+    ``gathered``: rows come through row indices; ``compiling``: under ``torch.compile``."""
 
     kind: str
     rows: int
@@ -200,6 +219,8 @@ def choose_gemm(p: GemmProblem, dev: GemmDevice) -> GemmPlan:
         return GemmPlan("cutlass" if ok and p.k % 8 == 0 and p.n % 8 == 0 else "masked")
     if dev.path == "reference":
         return GemmPlan("reference")
+    if dev.gemv and p.kind in GEMV_KINDS and use_gemv(p.rows, p.experts):
+        return GemmPlan("gemv")  # few rows in all: one read of the touched experts' weights
     if p.kind == "gather":  # a row gather or the SiLU epilogue: only the Triton GEMM has them
         return GemmPlan("triton")
     if p.kind == "gather_mlp":  # gather in the GEMM's loads, or copy the rows for CUTLASS
@@ -258,13 +279,17 @@ def _tma(*tensors: torch.Tensor) -> bool:
     return all(tma_ok(t) for t in tensors)
 
 
-def plan_rows(x_PD: torch.Tensor, w_END: torch.Tensor, gathered: bool, act: bool) -> GemmPlan:
-    """The plan of ``gather_grouped_mm(x, w, offsets, rows, activation)``: "gather" with row
+def plan_rows(
+    x_PD: torch.Tensor, w_END: torch.Tensor, rows_P: torch.Tensor | None, act: bool
+) -> GemmPlan:
+    """The plan of ``gather_grouped_mm(x, w, offsets, rows_P, activation)``: "gather" with row
     indices or an activation, else "rows" (w's layout and TMA read from the tensors)."""
     E, N, D = w_END.shape
-    if gathered or act:
-        return choose_gemm(GemmProblem("gather", x_PD.shape[0], N, D, E, x_PD.dtype),
-                           gemm_device(x_PD.device))  # fmt: skip
+    if rows_P is not None or act:
+        num_rows = x_PD.shape[0] if rows_P is None else rows_P.shape[0]
+        p = GemmProblem("gather", num_rows, N, D, E, x_PD.dtype, x_rows=x_PD.shape[0],
+                        gathered=rows_P is not None)  # fmt: skip
+        return choose_gemm(p, gemm_device(x_PD.device))
     layout, w = "", w_END
     if w_END.is_contiguous():
         layout = "nk"
@@ -276,11 +301,12 @@ def plan_rows(x_PD: torch.Tensor, w_END: torch.Tensor, gathered: bool, act: bool
     return choose_gemm(p, gemm_device(x_PD.device))
 
 
-def plan_gather_mlp(x_ND: torch.Tensor, w_in_EXD: torch.Tensor) -> GemmPlan:
-    """The plan of expert_mlp's no-grad up-projection (no stride test: the gathered rows CUTLASS
-    would read are a fresh contiguous copy)."""
+def plan_gather_mlp(x_ND: torch.Tensor, w_in_EXD: torch.Tensor, rows_R: torch.Tensor) -> GemmPlan:
+    """The plan of expert_mlp's no-grad up-projection of the rows ``x[rows_R]`` (no stride test:
+    the gathered rows CUTLASS would read are a fresh contiguous copy)."""
     E, X, D = w_in_EXD.shape
-    p = GemmProblem("gather_mlp", x_ND.shape[0], X, D, E, x_ND.dtype, gathered=True)
+    p = GemmProblem("gather_mlp", rows_R.shape[0], X, D, E, x_ND.dtype, x_rows=x_ND.shape[0],
+                    gathered=True)  # fmt: skip
     return choose_gemm(p, gemm_device(x_ND.device))
 
 

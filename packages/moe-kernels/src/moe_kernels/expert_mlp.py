@@ -22,7 +22,9 @@ round trip per op (one autograd node instead of four).
 
 Without gradients, up to ``_gemm_plan.FUSED_GATHER_MAX_X`` columns of the first GEMM (or where
 CUTLASS does not run), the Triton GEMM gathers its rows in its loads and applies SiLU to its
-fp32 accumulator (SwiGLU after it); wider, the gather and CUTLASS as with gradients.
+fp32 accumulator (SwiGLU after it); wider, the gather and CUTLASS as with gradients. At a decode
+step's few rows (``_gemm_plan.GEMV_MAX_ROWS`` in all) both GEMMs are grouped GEMVs
+(``_triton/grouped_gemv.py``), the first applying SiLU or SwiGLU to its fp32 accumulators.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from moe_kernels import _validate as V
 from moe_kernels._expert_steps import activation, gather, input_grads, sorted_mm, weight_grad
 from moe_kernels._gemm_plan import plan_gather_mlp
 from moe_kernels.activation import activation_grad_and_out_op, expert_activation_backward_op
+from moe_kernels.grouped_mm import grouped_gemv_op
 
 __all__ = ["expert_mlp"]
 
@@ -138,7 +141,8 @@ def expert_mlp(
     Differentiable in x, w_in and w_out with one backward (module docstring); ``save_rows``:
     keep the gathered rows for the up-projection's weight gradient (R x D memory), else gather
     them again there (one more copy pass). Without gradients the SiLU runs in the first GEMM's
-    epilogue (one rounding fewer than with gradients, where h is rounded before the SiLU).
+    epilogue (one rounding fewer than with gradients, where h is rounded before the SiLU); so
+    does SwiGLU at a few rows in all (the grouped GEMV).
     """
     check_args(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, inverse_NK, gated, save_rows)
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (x_ND, w_in_EXD, w_out_EDH))
@@ -151,10 +155,15 @@ def expert_mlp(
 
 def forward_no_grad(x_ND, w_in_EXD, w_out_EDH, offsets, row_indices, gated, zero_tail=True):
     """``expert_mlp``'s forward without autograd, arguments checked: the first GEMM gathers its
-    rows in its loads or reads them gathered by a copy kernel (``_gemm_plan.plan_gather_mlp``).
-    ``zero_tail=False``: the output's rows past the groups are left unwritten (a caller that
-    never reads them)."""
-    if plan_gather_mlp(x_ND, w_in_EXD).kernel != "gather_copy":
+    rows in its loads or reads them gathered by a copy kernel (``_gemm_plan.plan_gather_mlp``);
+    at a few rows in all both are grouped GEMVs, the activation (SwiGLU too) in the first one's
+    epilogue. ``zero_tail=False``: the output's rows past the groups are left unwritten (a
+    caller that never reads them)."""
+    kernel = plan_gather_mlp(x_ND, w_in_EXD, row_indices).kernel
+    if kernel == "gemv":  # the down-projection's plan ("rows", as many rows) is the GEMV too
+        act = "swiglu" if gated else "silu"
+        a_RH = grouped_gemv_op.call(x_ND, w_in_EXD, offsets, row_indices, act)
+    elif kernel != "gather_copy":
         h_RX = sorted_mm(x_ND, w_in_EXD, offsets, row_indices, "none" if gated else "silu")
         a_RH = activation(h_RX, True) if gated else h_RX
     else:

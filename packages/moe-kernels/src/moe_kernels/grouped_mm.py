@@ -5,6 +5,8 @@ activation, and the K-grouped one of its weight gradient.
 ``dispatch`` + ``torch._grouped_mm`` + ``F.silu`` of an MoE layer's first expert GEMM by one
 kernel; with ``row_indices=None`` it is a plain grouped GEMM (the second expert GEMM).
 ``grouped_weight_grad(dy, x, offsets, row_indices)`` is each expert's ``dy_e.T @ x_e``.
+At a decode step's few rows the plan runs both forward GEMMs as a grouped GEMV
+(``grouped_gemv_op``: one read of each touched expert's weights, SiLU or SwiGLU fused).
 
 Both are ``torch.library`` custom ops (``moe_kernels::<name>``) with fake implementations: on
 CUDA no host syncs (static grids, groups found on the device), safe under
@@ -41,11 +43,13 @@ def _impl(
 ) -> torch.Tensor:
     """The kernel ``_gemm_plan.plan_rows`` chooses. ``zero_tail=False`` (callers that never
     read rows past the groups): the persistent GEMM and CUTLASS then leave those rows unwritten
-    instead of a launch zeroing them."""
+    instead of a launch zeroing them (the Triton GEMMs zero them in their own launch)."""
     act = None if activation == "none" else activation
-    plan = plan_rows(x, w, row_indices is not None, act is not None)
+    plan = plan_rows(x, w, row_indices, act is not None)
     if plan.kernel == "reference":
         return _ref.gather_grouped_mm(x, w, offsets, row_indices, act)
+    if plan.kernel == "gemv":
+        return _gemv_impl(x, w, offsets, row_indices, activation)
     tri = _triton()
     if plan.kernel in ("persistent", "cutlass"):
         if plan.kernel == "persistent":
@@ -73,6 +77,34 @@ def _fake(x, w, offsets, row_indices, activation, zero_tail=True):
 
 
 gather_grouped_mm_op = register_op("gather_grouped_mm", _impl, _fake)
+
+
+def _gemv_impl(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    row_indices: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    """The grouped GEMV (``_triton/grouped_gemv.py``), whatever the plan: for callers whose
+    plan chose "gemv" (the plan's rule: few rows in all). ``activation``: "none", "silu" or
+    "swiglu" (w's gate rows first, the output H = N / 2 wide: expert_mlp's no-grad
+    up-projection)."""
+    return triton_kernels("grouped_gemv").grouped_gemv(
+        x,
+        w,
+        offsets.contiguous(),
+        row_indices.contiguous() if row_indices is not None else None,
+        activation,
+    )
+
+
+def _gemv_fake(x, w, offsets, row_indices, activation):
+    num_rows = x.shape[0] if row_indices is None else row_indices.shape[0]
+    return x.new_empty((num_rows, w.shape[1] // 2 if activation == "swiglu" else w.shape[1]))
+
+
+grouped_gemv_op = register_op("grouped_gemv", _gemv_impl, _gemv_fake)
 
 
 def _setup_context(ctx, inputs, output):
