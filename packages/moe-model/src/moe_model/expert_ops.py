@@ -131,7 +131,7 @@ def grouped_mm_supported(a_MK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
 
 
 class _GroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm`` with the rows in no group (after offsets[-1], which the op leaves
+    """CPU: ``torch._grouped_mm`` with the rows in no group (after offsets[-1], which the op leaves
     unwritten) zeroed in place, in the output and in a's gradient; the backward's GEMMs on a
     contiguous gradient (the op refuses the stride-0 one ``y.sum().backward()`` sends)."""
 
@@ -169,7 +169,10 @@ def grouped_mm(
     if grouped_mm_supported(a_MK, b_EKN):
         # The rows in no group, as a mask on the device (no host sync).
         tail_M1 = (torch.arange(a_MK.shape[0], device=a_MK.device) >= offsets[-1]).unsqueeze(1)
-        return _GroupedMM.apply(a_MK, b_EKN, offsets[1:].to(torch.int32), tail_M1)
+        offs_E = offsets[1:].to(torch.int32)
+        if a_MK.is_cuda:  # torch's own backward: _GroupedMM's hit an alignment assert on the H100
+            return torch._grouped_mm(a_MK, b_EKN, offs=offs_E).masked_fill(tail_M1, 0)
+        return _GroupedMM.apply(a_MK, b_EKN, offs_E, tail_M1)
     # Static-shape fallback (float64, older torch, older GPUs, CPU float32 under torch.compile):
     # every expert's GEMM over all rows, keep the rows of that expert. E times the FLOPs, but no
     # data-dependent shape and no host sync.
