@@ -1,7 +1,7 @@
 """``_gemm_plan.choose_gemm``: which kernel runs each grouped GEMM, from sizes and flags alone
 (no GPU needed). Expected plans are written out from the rules' measured bounds (1024 rows per
 expert for the persistent row-grouped GEMM, 128 for its weight gradient, X <= 1024 for the
-gathering up-projection without gradients, 64 rows in all for the grouped GEMV: unmeasured yet),
+gathering up-projection without gradients, 8 rows per expert and 1024 in all for the grouped GEMV),
 not computed with the module's constants."""
 
 from __future__ import annotations
@@ -150,12 +150,14 @@ DECODE_DEVICES = [H100, B200, A100, INTERP, GemmDevice("triton", 9, grouped_mm=F
 @pytest.mark.parametrize("dev", DECODE_DEVICES)
 @pytest.mark.parametrize(
     ("P", "E", "want"),
-    [(1 * 8, 128, True), (8 * 8, 128, True), (9 * 8, 128, False), (512 * 8, 128, False),
-     (1, 4, True), (64, 8, True), (65, 8, False), (64, 256, True), (0, 16, False), (8, 0, False)],
+    [(1 * 8, 128, True), (128 * 8, 128, True), (129 * 8, 128, False), (512 * 8, 128, False),
+     (1, 4, True), (32, 4, True), (33, 4, False), (64, 8, True), (65, 8, False),
+     (1024, 256, True), (1025, 256, False), (0, 16, False), (8, 0, False)],
 )  # fmt: skip
-def test_gemv_for_the_forward_gemms_up_to_64_rows_in_all(dev, P, E, want):
-    """A decode step's T * top_k rows (Qwen3-30B-A3B: 128 experts, top-8, T = 1..8) run the
-    grouped GEMV on every Triton path and dtype; a prefill's do not, nor no experts."""
+def test_gemv_for_the_forward_gemms_up_to_8_rows_per_expert(dev, P, E, want):
+    """A decode step's T * top_k rows (Qwen3-30B-A3B: 128 experts, top-8, T = 1..128) run the
+    grouped GEMV on every Triton path and dtype, at most 8 per expert on average and 1024 in
+    all; a prefill's do not, nor no experts."""
     for dtype in (BF16, FP16, FP32):
         for problem in (
             rows(P, E, N=1536, K=2048, dtype=dtype),

@@ -22,6 +22,7 @@ import moe_kernels as mk
 from moe_kernels._dispatch import INTERPRET, triton_kernels, use_triton
 from moe_kernels._gemm_plan import (
     GEMV_MAX_ROWS,
+    GEMV_MAX_ROWS_PER_EXPERT,
     GemmDevice,
     GemmProblem,
     choose_gemm,
@@ -84,11 +85,12 @@ def layer(T, k, E, dtype, gated=False, seed=0):
 
 
 def test_plan_picks_the_gemv_at_decode_sizes_only():
-    """Qwen3-30B-A3B's experts (128, top-8, d 2048, gate + up 1536) on an H100: T = 1..8 tokens
-    (8..64 rows) run the GEMV, T = 9 and a prefill do not; never on the reference path."""
+    """Qwen3-30B-A3B's experts (128, top-8, d 2048, gate + up 1536) on an H100: T = 1..128
+    tokens (8..1024 rows, 8 per expert) run the GEMV, T = 129 and a prefill do not; never on
+    the reference path."""
     h100, ref = GemmDevice("triton", 9), GemmDevice("reference")
-    assert GEMV_MAX_ROWS == 64
-    for T, want in ((1, "gemv"), (8, "gemv"), (9, "gather_copy"), (512, "gather_copy")):
+    assert (GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT) == (1024, 8)
+    for T, want in ((1, "gemv"), (128, "gemv"), (129, "gather_copy"), (512, "gather_copy")):
         p = GemmProblem("gather_mlp", T * 8, 1536, 2048, 128, gathered=True)
         assert choose_gemm(p, h100).kernel == want
         assert choose_gemm(p, ref).kernel == "reference"
@@ -99,10 +101,10 @@ def test_plan_picks_the_gemv_at_decode_sizes_only():
 @kernels
 def test_plan_from_tensors_in_the_interpreter():
     plan, x, w_in, w_out = layer(8, 8, 16, torch.float32)
-    assert plan_gather_mlp(x, w_in, plan.token_indices).kernel == "gemv"  # 64 rows
-    assert plan_rows(x.new_empty(64, N), w_out, None, False).kernel == "gemv"
-    plan9, x9, _, _ = layer(9, 8, 16, torch.float32)
-    assert plan_gather_mlp(x9, w_in, plan9.token_indices).kernel == "triton"  # 72 rows
+    assert plan_gather_mlp(x, w_in, plan.token_indices).kernel == "gemv"  # 64 rows, 16 experts
+    assert plan_rows(x.new_empty(128, N), w_out, None, False).kernel == "gemv"  # 8 per expert
+    plan17, x17, _, _ = layer(17, 8, 16, torch.float32)
+    assert plan_gather_mlp(x17, w_in, plan17.token_indices).kernel == "triton"  # 136 rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,7 +139,7 @@ def test_public_ops_at_decode_sizes(T, k, E):
 
 SKEWED = {  # name: (T, counts over E = 4 experts, P)
     "one_expert_many_chunks": (5, [0, 0, 40, 0], 40),  # 3 chunks of 16 on expert 2
-    "past_the_plans_bound": (9, [1, 0, 0, 99], 100),  # 100 rows: correct beyond GEMV_MAX_ROWS
+    "past_the_plans_bound": (9, [1, 0, 0, 99], 100),  # 100 rows: correct past the plan's bound
     "empty_experts_and_tail": (6, [0, 3, 0, 2], 9),  # 4 tail rows
     "all_tail": (3, [0, 0, 0, 0], 5),
 }

@@ -47,12 +47,16 @@ WGRAD_MAX_ROWS_PER_EXPERT = 128
 # CUTLASS chain 1.14x / 1.24x); the chain 1.11x / 1.10x at X = 1536 / 2048 (the gathering GEMM
 # 1.17x / 1.23x). The gather's copy weighs more against a narrower GEMM.
 FUSED_GATHER_MAX_X = 1024
-# Rows in all (P: a decode step's T * top_k, a static size) up to which the forward GEMMs ("rows",
-# "gather", "gather_mlp") run the grouped GEMV. A bound on the total bounds every expert's rows
-# (the kernel takes an expert's rows 16 at a time: correct for any routing, fast for few).
-# Unmeasured: a conservative first value until the H200 run of
-# benchmarks/gpu/decode_gemv_gpu.py sets it.
-GEMV_MAX_ROWS = 64
+# The grouped GEMV runs the forward GEMMs ("rows", "gather", "gather_mlp") up to
+# GEMV_MAX_ROWS_PER_EXPERT rows per expert on average and GEMV_MAX_ROWS in all (static sizes:
+# P = T * top_k). From the H100 (benchmarks/gpu/decode_gemv_gpu.py, torch 2.11, Triton 3.6, bf16,
+# both expert GEMMs in a CUDA graph, against the plan without it): 1.02-1.35x at every measured
+# point up to 8 rows per expert (Qwen3-30B-A3B and a 128-expert d 2816 layer to 1024 rows,
+# DeepSeek-V3 to 1024, Mixtral to 64), but 0.93x at DeepSeek-V3's one token; past 8 per expert it
+# loses (Mixtral 0.67x at 16, 0.42x at 32: an expert's rows 16 at a time re-read its weights).
+# The kernel takes any routing (correct for every P), fast for few rows per expert.
+GEMV_MAX_ROWS_PER_EXPERT = 8
+GEMV_MAX_ROWS = 1024  # the largest P measured
 
 
 class PersistentConfig(NamedTuple):
@@ -73,9 +77,11 @@ class PersistentConfig(NamedTuple):
 
 def use_gemv(num_rows: int, num_experts: int) -> bool:
     """Whether a forward GEMM over ``num_rows`` rows in ``num_experts`` groups runs the grouped
-    GEMV: 1 to ``GEMV_MAX_ROWS`` rows in all (static sizes: no host read of the groups; no rows
-    or no experts keep the other kernels' plans, which launch nothing there)."""
-    return num_experts > 0 and 0 < num_rows <= GEMV_MAX_ROWS
+    GEMV: 1 to ``GEMV_MAX_ROWS`` rows in all and at most ``GEMV_MAX_ROWS_PER_EXPERT`` per expert
+    on average (static sizes: no host read of the groups; no rows or no experts keep the other
+    kernels' plans, which launch nothing there)."""
+    bound = min(GEMV_MAX_ROWS, GEMV_MAX_ROWS_PER_EXPERT * num_experts)
+    return num_experts > 0 and 0 < num_rows <= bound
 
 
 def use_persistent(
