@@ -42,7 +42,7 @@ import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET
 from moe_kernels._triton.blocks import cdiv, next_pow2, pow2_clamp
-from moe_kernels._triton.grouped_mm import find_tile, group_tiles
+from moe_kernels._triton.grouped_mm import dot_acc, find_tile, group_tiles
 from moe_kernels._triton.launch import FastKernel
 
 ACTIVATIONS = {"none": 0, "silu": 1, "swiglu": 2}
@@ -56,16 +56,6 @@ def _load_k(ptrs, k0, stride_k, ks, K, K_AXIS: tl.constexpr, EVEN_K: tl.constexp
     k_in = (k0 + ks) < K
     mask = k_in[None, :] if K_AXIS == 1 else k_in[:, None]
     return tl.load(ptrs + k0 * stride_k, mask=mask, other=0.0)
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    if UPCAST:  # the interpreter's bf16 dot is wrong
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -144,10 +134,10 @@ def _grouped_gemv_kernel(
             for k in range(NUM_K):  # K in BK steps, in order: the fixed summation order
                 a = _load_k(a_ptrs, k * BK, stride_xk, ks, K, 1, EVEN_K)
                 g = _load_k(g_ptrs, k * BK, stride_wk, ks, K, 0, EVEN_K)
-                acc = _dot(a, g, acc, UPCAST, IEEE)
+                acc = dot_acc(a, g, acc, UPCAST, IEEE)
                 if ACTIVATION == 2:
                     u = _load_k(u_ptrs, k * BK, stride_wk, ks, K, 0, EVEN_K)
-                    acc_u = _dot(a, u, acc_u, UPCAST, IEEE)
+                    acc_u = dot_acc(a, u, acc_u, UPCAST, IEEE)
             if ACTIVATION == 1:
                 acc = acc / (1.0 + tl.exp(-acc))  # silu in fp32 (_triton/activation.py's)
             elif ACTIVATION == 2:

@@ -85,6 +85,18 @@ def find_tile(start, end, tiles, cum, idx, t, BM: tl.constexpr):
 
 
 @triton.jit
+def dot_acc(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b: ``UPCAST`` in fp32 (the interpreter's bf16 dot is wrong), ``IEEE`` an exact
+    fp32 dot (no TF32)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def k_step(acc, k0, a_ptrs, b_ptrs, a_desc, b_desc, a_row, b_row, n0, ks, K, stride_ak, stride_bk,
            B_KN: tl.constexpr, EVEN_K: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
            UPCAST: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
@@ -107,12 +119,7 @@ def k_step(acc, k0, a_ptrs, b_ptrs, a_desc, b_desc, a_row, b_row, n0, ks, K, str
         b = tl.load(b_ptrs + k0 * stride_bk)
     else:
         b = tl.load(b_ptrs + k0 * stride_bk, mask=((k0 + ks) < K)[:, None], other=0.0)
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+    return dot_acc(a, b, acc, UPCAST, IEEE)
 
 
 @triton.jit

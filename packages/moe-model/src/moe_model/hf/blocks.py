@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_model.hf.backend import fused
+from moe_model.impls import check_impl
 from moe_model.moe import LOCAL_EXCHANGE, MoELayer
 
 
@@ -204,8 +205,7 @@ class MoEBlock(nn.Module):
         gate.weight = moe.router.weight
         if moe.expert_bias is not None:
             gate.register_buffer("e_score_correction_bias", moe.expert_bias)
-        gated = self._names["moe.in_proj"] == "experts.gate_up_proj"
-        setattr(experts, "gate_up_proj" if gated else "up_proj", moe.in_proj)
+        setattr(experts, "gate_up_proj" if moe.gated else "up_proj", moe.in_proj)
         experts.down_proj = moe.out_proj
         for name in self.shared:
             setattr(block, name, getattr(self, name))
@@ -250,7 +250,7 @@ def replace_moe_blocks(model: nn.Module, impl: str | None = None) -> list[str]:
     for block in blocks:  # fail before touching anything
         check_block(block)
     if impl is not None:
-        MoELayer(8, 2, 1, 8, impl=impl, device="meta")  # ValueError naming impl, before a swap
+        check_impl(impl)  # ValueError naming impl, before a swap
     return _swap(model, lambda block: MoEBlock(block, impl), _is_block)
 
 
