@@ -45,6 +45,10 @@ def family_config(family: str):
     if family == "gpt_oss":  # biases, transposed storage, interleaved gate/up, alpha, limit
         return tf.GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=8,
                                num_experts_per_tok=2, head_dim=16, sliding_window=16)  # fmt: skip
+    if family == "llama4":  # sigmoid of the top-k logits, the weight on the expert's input
+        return tf.Llama4TextConfig(**COMMON, intermediate_size=32, intermediate_size_mlp=48,
+                                   num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+                                   interleave_moe_layer_step=1)  # fmt: skip
     if family == "mixtral_gelu":  # another activation
         return tf.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=8,
                                 num_experts_per_tok=2, hidden_act="gelu")  # fmt: skip
@@ -52,7 +56,8 @@ def family_config(family: str):
 
 
 FUSED = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
-FAMILIES = [*FUSED, "gpt_oss", "mixtral_gelu"]
+FAMILIES = [*FUSED, "gpt_oss", "mixtral_gelu"]  # (Llama4's experts skip ExpertsInterface)
+BLOCK_FAMILIES = [*FUSED, "gpt_oss", "llama4"]  # what replace_moe_blocks takes
 # CUDA (``-m gpu``): the same fp32 parity with the Triton kernels against HF's eager experts
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

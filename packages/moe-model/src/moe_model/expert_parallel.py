@@ -85,7 +85,13 @@ def _check_split(n_experts: int, world: int) -> None:
         )
 
 
-def _check_expert_parallel(impl: str) -> None:
+def _check_expert_parallel(layer: MoELayer) -> None:
+    if layer.has_features:
+        raise ValueError(
+            "layer has expert biases, another activation or the weight on the input "
+            "(moe_model.expert_features): ExpertParallelMoE runs plain experts only"
+        )
+    impl = layer.impl
     reason = IMPLS[impl].refuses_expert_parallel
     if reason:
         raise ValueError(
@@ -160,7 +166,7 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         if not isinstance(layer, MoELayer):
             raise TypeError(f"layer must be a MoELayer, got {type(layer).__name__}")
-        _check_expert_parallel(layer.impl)
+        _check_expert_parallel(layer)
         _check_mode(mode, capacity_factor, tokens_per_rank)
         group, W, rank = _group_size(group)
         _check_split(layer.n_experts, W)
@@ -232,7 +238,7 @@ class ExpertParallelMoE(nn.Module):
         _check_split(n_experts, W)
         # Every check of MoELayer, no memory; then everything but the experts on the CPU.
         layer = MoELayer(d_model, n_experts, top_k, hidden, device="meta", dtype=dtype, **options)
-        _check_expert_parallel(layer.impl)
+        _check_expert_parallel(layer)
         meta_in, meta_out = layer.give_experts(cls.__name__)
         layer.to_empty(device="cpu")
         for buf in layer.buffers():  # (reset_parameters zeroes the ones it knows)
@@ -295,7 +301,7 @@ class ExpertParallelMoE(nn.Module):
         limit = self.tokens_per_rank
         if self.mode == "padded" and limit is not None and x_TD.shape[0] > limit:
             raise ValueError(f"x has {x_TD.shape[0]} tokens, more than tokens_per_rank={limit}")
-        _check_expert_parallel(self.layer.impl)
+        _check_expert_parallel(self.layer)
         return x_TD
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,14 @@
   keyword arguments (``MoELayer.route_options()``).
 * ``experts(rows, in_proj, out_proj, gated, record)`` -> (R, D): the experts on rows grouped by
   expert (``ExpertRows``), the outputs in the same order.
-* ``combine(ys_PD, plan, x_TD)`` -> y_TD in x's dtype: each token's k outputs (in the plan's pair
-  order; choices with inverse -1 left out) weighted and summed in choice order.
+* ``combine(ys_PD, plan, x_TD, weighted=True)`` -> y_TD in x's dtype: each token's k outputs (in
+  the plan's pair order; choices with inverse -1 left out) weighted (or not) and summed in choice
+  order.
+
+Layers with expert features (biases, another gated activation, the weight on the input:
+``moe_model.expert_features``) run their experts as composed steps from two more:
+``gather(rows)`` -> (R, D) and ``expert_mm(a_RK, w_ENK, offsets, expert_R)`` -> (R, N), the
+grouped GEMM the implementation's experts use.
 
 ``MoELayer`` runs route -> experts -> combine with a local exchange between them (the experts
 read the tokens through the plan); ``ExpertParallelMoE`` runs the same objects with its all-to-all
@@ -27,6 +33,7 @@ from moe_model.expert_ops import (
     activation,
     gather_rows,
     grouped_mlp,
+    grouped_mm,
     move_rows,
 )
 
@@ -40,7 +47,8 @@ class MoEImpl:
     two grouped GEMMs) must be multiples of it. kernel_router: it scores with
     ``moe_kernels.router_scores`` (which picks its variant by E and x's dtype). refuses_options /
     refuses_autograd / refuses_expert_parallel: None, or why it cannot route with a bias, groups,
-    a scale or renormalisation / backpropagate / run under ``ExpertParallelMoE``. shared_dtype:
+    a scale or renormalisation / backpropagate / run under ``ExpertParallelMoE`` / run experts
+    with features (``moe_model.expert_features``). shared_dtype:
     the shared experts' GEMM dtype (None: their weights'). needs_module: a package it imports
     (``available``: whether that is installed).
     """
@@ -52,6 +60,7 @@ class MoEImpl:
     refuses_options: str | None = None
     refuses_autograd: str | None = None
     refuses_expert_parallel: str | None = None
+    refuses_features: str | None = None
     shared_dtype: torch.dtype | None = None
     needs_module: str | None = None
 
@@ -112,7 +121,19 @@ class MoEImpl:
     ) -> torch.Tensor:
         raise NotImplementedError
 
-    def combine(self, ys_PD: torch.Tensor, plan: RoutingPlan, x_TD: torch.Tensor) -> torch.Tensor:
+    def combine(
+        self, ys_PD: torch.Tensor, plan: RoutingPlan, x_TD: torch.Tensor, weighted: bool = True
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def gather(self, rows: ExpertRows) -> torch.Tensor:
+        """The experts' input rows (R, D), differentiable in ``rows.source``."""
+        raise NotImplementedError
+
+    def expert_mm(
+        self, a_RK: torch.Tensor, w_ENK: torch.Tensor, offsets: torch.Tensor, expert_R: torch.Tensor
+    ) -> torch.Tensor:
+        """(R, N): each row of ``a_RK`` (grouped by expert) times its expert's ``w_ENK[e].T``."""
         raise NotImplementedError
 
     def experts_combine(
@@ -150,12 +171,20 @@ class TorchImpl(MoEImpl):
         xs_RD = gather_rows(rows.source, rows.source_indices, rows.inverse)
         return grouped_mlp(xs_RD, in_proj, out_proj, gated, rows.offsets, rows.expert_indices)
 
-    def combine(self, ys_PD, plan, x_TD):
+    def gather(self, rows):
+        return gather_rows(rows.source, rows.source_indices, rows.inverse)
+
+    def expert_mm(self, a_RK, w_ENK, offsets, expert_R):
+        return grouped_mm(a_RK, w_ENK.mT, offsets, expert_R)
+
+    def combine(self, ys_PD, plan, x_TD, weighted=True):
         T, k = plan.inverse.shape
         inv_P = plan.inverse.reshape(-1)
         ok_P = inv_P >= 0
         safe_P = torch.where(ok_P, inv_P, 0)
         y_TkD = torch.where(ok_P[:, None], ys_PD[safe_P], 0).view(T, k, ys_PD.shape[1]).float()
+        if not weighted:
+            return y_TkD.sum(dim=1).to(x_TD.dtype)
         w_Tk = torch.where(ok_P, plan.weights[safe_P], 0).view(T, k)
         return (y_TkD * w_Tk.unsqueeze(-1)).sum(dim=1).to(x_TD.dtype)
 
@@ -183,6 +212,13 @@ class BaselineImpl(TorchImpl):
             h = xs_RD[bounds[e] : bounds[e + 1]] @ in_proj[e].float().t()
             out.append(activation(h, gated) @ out_proj[e].float().t())
         out.append(xs_RD.new_zeros(xs_RD.shape[0] - bounds[-1], out_proj.shape[1]))  # no expert
+        return torch.cat(out)
+
+    def expert_mm(self, a_RK, w_ENK, offsets, expert_R):
+        bounds = offsets.tolist()  # the host sync
+        out = [a_RK.float()[bounds[e] : bounds[e + 1]] @ w_ENK[e].float().t()
+               for e in range(w_ENK.shape[0])]  # fmt: skip
+        out.append(a_RK.new_zeros(a_RK.shape[0] - bounds[-1], w_ENK.shape[1], dtype=torch.float32))
         return torch.cat(out)
 
 
@@ -223,17 +259,21 @@ class TritonImpl(MoEImpl):
         return y_TD.to(x_TD.dtype)
 
     def unfused(self, rows, in_proj, out_proj, gated):
-        xs_RD = move_rows(rows.source, rows.source_indices, rows.inverse)
+        xs_RD = self.gather(rows)
         h_RH = self.expert_mm(xs_RD, in_proj, rows.offsets)
         return self.expert_mm(mk.expert_activation(h_RH, gated), out_proj, rows.offsets)
 
-    def expert_mm(self, a_RK: torch.Tensor, w_ENK: torch.Tensor, offsets: torch.Tensor):
+    def gather(self, rows):
+        return move_rows(rows.source, rows.source_indices, rows.inverse)
+
+    def expert_mm(self, a_RK, w_ENK, offsets, expert_R=None):
         """``moe_kernels.gather_grouped_mm`` (its sorted-row kernels: persistent Triton or CUTLASS):
         differentiable, weight gradients in the parameters' own layout."""
         return mk.gather_grouped_mm(a_RK, w_ENK.to(a_RK.dtype), offsets)
 
-    def combine(self, ys_PD, plan, x_TD):
-        return mk.combine(ys_PD, plan, weighted=True, out_dtype=self.out_dtype).to(x_TD.dtype)
+    def combine(self, ys_PD, plan, x_TD, weighted=True):
+        y_TD = mk.combine(ys_PD, plan, weighted=weighted, out_dtype=self.out_dtype)
+        return y_TD.to(x_TD.dtype)
 
 
 class Mxfp8Impl(TritonImpl):
@@ -250,7 +290,7 @@ class Mxfp8Impl(TritonImpl):
     def experts(self, rows, in_proj, out_proj, gated, record):
         return self.unfused(rows, in_proj, out_proj, gated)
 
-    def expert_mm(self, a_RK, w_ENK, offsets):
+    def expert_mm(self, a_RK, w_ENK, offsets, expert_R=None):
         out = mk.mxfp8_grouped_mm(
             a_RK.to(torch.bfloat16),
             w_ENK.mT.to(torch.bfloat16),
@@ -274,6 +314,7 @@ class FbgemmImpl(MoEImpl):
     refuses_expert_parallel = (
         "its plan has no per-choice inverse for the exchange, and it is inference-only"
     )
+    refuses_features = "it runs plain SiLU(-gated) experts only"
 
     def route(self, scores_TE, top_k, options):
         from fbgemm_gpu.experimental.gen_ai.moe import index_shuffling
@@ -295,7 +336,7 @@ class FbgemmImpl(MoEImpl):
         )
         return grouped_mlp(xs_RD, in_proj, out_proj, gated, rows.offsets, rows.expert_indices)
 
-    def combine(self, ys_PD, plan, x_TD):
+    def combine(self, ys_PD, plan, x_TD, weighted=True):
         from fbgemm_gpu.experimental.gen_ai.moe import scatter_add_dense_tokens
 
         out_TD = ys_PD.new_zeros(x_TD.shape[0], ys_PD.shape[1])

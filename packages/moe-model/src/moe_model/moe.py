@@ -38,6 +38,12 @@ from moe_model._moe_options import (
     expert_bias_step,
     switch_aux_loss,
 )
+from moe_model.expert_features import (
+    ExpertFeatures,
+    SwiGLU,
+    check_swiglu,
+    composed_experts_combine,
+)
 from moe_model.expert_ops import ExpertRows
 from moe_model.impls import (
     IMPLS,
@@ -96,6 +102,13 @@ class MoELayer(nn.Module):
             token, expert hidden size.
         gated: SwiGLU experts (``silu(gate) * up``, gate = the first ``hidden`` rows of
             ``in_proj``) instead of SiLU.
+        swiglu: None, or a ``moe_model.SwiGLU`` for another gated activation (GPT-OSS's
+            ``alpha``, ``limit``, ``up + 1`` on interleaved gate/up rows); needs ``gated``.
+        expert_biases: learned per-expert biases ``in_bias (E, hidden * (2 if gated else 1))``
+            added to the first GEMM's output and ``out_bias (E, d_model)`` to the expert's
+            output (zeros when built; GPT-OSS).
+        weight_on_input: the routing weight scales the expert's input, ``sum_j
+            expert_{e_j}(w_j x)`` (Llama4), instead of its output.
         score_fn: ``"softmax"`` over the E router logits, or ``"sigmoid"`` of each.
         router_bias: a learned fp32 bias ``router.bias`` (E,) added to the router logits
             (zeros when built; GPT-OSS's router). Unlike ``expert_bias`` it changes the scores,
@@ -142,15 +155,18 @@ class MoELayer(nn.Module):
     Parameters: ``router.weight (E, d_model)`` fp32 (and ``router.bias (E,)`` fp32 with
     ``router_bias``), ``in_proj (E, hidden * (2 if gated else 1), d_model)``, ``out_proj (E,
     d_model, hidden)``, the shared experts' ``shared_experts.in_proj``,
-    ``shared_experts.out_proj``, and with ``shared_gate`` ``shared_expert_gate.weight (1,
-    d_model)``. No other biases.
+    ``shared_experts.out_proj``, with ``shared_gate`` ``shared_expert_gate.weight (1,
+    d_model)``, with ``expert_biases`` ``in_bias`` and ``out_bias``. No other biases.
 
     Routing of a token with scores ``s = score_fn(router(x))`` (E,) fp32: its k experts are the
     largest ``s + expert_bias`` (NaN as -inf, ties to the lower expert) within its allowed
     groups, in descending order; the weight of choice j is ``s[e_j]`` (unbiased), divided by the
     sum of the k when ``renormalize``, times ``routed_scaling_factor``. Output:
-    ``y = sum_j w_j expert_{e_j}(x) + g(x) * shared_experts(x)``, ``g(x) = sigmoid(x @
-    shared_expert_gate.weight.T)`` with ``shared_gate``, else 1.
+    ``y = sum_j w_j expert_{e_j}(x) + g(x) * shared_experts(x)`` (``sum_j expert_{e_j}(w_j x)``
+    with ``weight_on_input``), ``g(x) = sigmoid(x @ shared_expert_gate.weight.T)`` with
+    ``shared_gate``, else 1. Layers with ``swiglu``, ``expert_biases`` or ``weight_on_input``
+    run their experts as composed steps (``moe_model.expert_features``) on the impl's gather
+    and grouped GEMM, not its fused node.
 
     State after each forward: ``last_counts`` (E,) int32, the pairs routed to each expert (a
     non-persistent buffer updated in place: torch.compile and CUDA graphs keep it current);
@@ -178,6 +194,9 @@ class MoELayer(nn.Module):
         hidden: int,
         *,
         gated: bool = False,
+        swiglu: SwiGLU | None = None,
+        expert_biases: bool = False,
+        weight_on_input: bool = False,
         score_fn: str = "softmax",
         router_bias: bool = False,
         router_dtype: torch.dtype | None = None,
@@ -202,6 +221,9 @@ class MoELayer(nn.Module):
         if score_fn not in SCORE_FNS:
             raise ValueError(f"score_fn must be one of {SCORE_FNS}, got {score_fn!r}")
         check_bool("gated", gated)
+        check_bool("expert_biases", expert_biases)
+        check_bool("weight_on_input", weight_on_input)
+        swiglu = check_swiglu(swiglu, gated)
         check_bool("renormalize", renormalize)
         check_bool("expert_bias", expert_bias)
         check_bool("router_bias", router_bias)
@@ -238,6 +260,8 @@ class MoELayer(nn.Module):
         device = check_device(device)
         self.d_model, self.n_experts, self.top_k, self.hidden = d_model, n_experts, top_k, hidden
         self.gated, self.score_fn, self.renormalize = gated, score_fn, renormalize
+        self.swiglu, self.weight_on_input = swiglu, weight_on_input
+        self.has_features = bool(swiglu is not None or expert_biases or weight_on_input)
         self.router_dtype = router_dtype
         self.shared_hidden, self.shared_gate = shared_hidden, shared_gate
         self.n_groups, self.topk_groups = opts.n_groups, opts.topk_groups
@@ -258,6 +282,10 @@ class MoELayer(nn.Module):
         w = dict(device=device, dtype=dtype)
         self.in_proj = nn.Parameter(torch.empty(n_experts, h_in, d_model, **w))
         self.out_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden, **w))
+        biases = ((n_experts, h_in), (n_experts, d_model)) if expert_biases else (None, None)
+        self.in_bias, self.out_bias = (
+            None if shape is None else nn.Parameter(torch.empty(shape, **w)) for shape in biases
+        )
         self.shared_experts = (
             SharedExperts(d_model, shared_size, gated, **w) if shared_size else None
         )
@@ -280,6 +308,11 @@ class MoELayer(nn.Module):
         impl = check_impl(name)
         check_impl_dims(impl, self.d_model, self.hidden)
         IMPLS[impl].check(self.route_options())
+        if self.has_features and IMPLS[impl].refuses_features:
+            raise ValueError(
+                f"impl {impl!r} cannot run experts with biases, another activation or the "
+                f"weight on the input ({IMPLS[impl].refuses_features}); use another impl"
+            )
         w = self._parameters.get("in_proj")  # (none while building, or once given away)
         if w is not None:
             check_dtype(w.dtype, impl, name="the expert weights' dtype")
@@ -287,8 +320,8 @@ class MoELayer(nn.Module):
 
     def reset_parameters(self) -> None:
         """Random router, expert and shared-gate weights (normal, std 1/sqrt(fan-in)); the
-        router bias, the expert bias and ``last_counts`` back to zeros. The experts only while
-        this layer holds them."""
+        router bias, the expert biases, the expert bias and ``last_counts`` back to zeros. The
+        experts only while this layer holds them."""
         nn.init.normal_(self.router.weight, std=1.0 / math.sqrt(self.d_model))
         if self.router.bias is not None:
             nn.init.zeros_(self.router.bias)
@@ -297,6 +330,9 @@ class MoELayer(nn.Module):
         if self.experts_owner is None:
             nn.init.normal_(self.in_proj, std=1.0 / math.sqrt(self.d_model))
             nn.init.normal_(self.out_proj, std=1.0 / math.sqrt(self.hidden))
+            for b in (self.in_bias, self.out_bias):
+                if b is not None:
+                    nn.init.zeros_(b)
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters()
         with torch.no_grad():
@@ -319,6 +355,11 @@ class MoELayer(nn.Module):
         del self.in_proj, self.out_proj
         self.experts_owner = owner
         return experts
+
+    def features(self) -> ExpertFeatures:
+        """The experts' features (``moe_model.expert_features.ExpertFeatures``): the biases,
+        the activation, whether the weight scales the input."""
+        return ExpertFeatures(self.in_bias, self.out_bias, self.swiglu, self.weight_on_input)
 
     def route_options(self) -> dict[str, Any]:
         """The layer's selection and weight options as ``moe_kernels.route`` keyword arguments:
@@ -450,7 +491,11 @@ class MoELayer(nn.Module):
         rows_TD = x_TD.to(impl.rows_dtype(x_TD.dtype, in_proj.dtype))
         sent = exchange.to_experts(rows_TD, plan, record)
         self.last_counts.copy_(sent.counts)  # in place: a mutation torch.compile traces
-        if getattr(exchange, "local", False):  # nothing travels: the impl may fuse the two
+        if self.has_features:  # composed steps (an ExpertParallelMoE refuses such layers)
+            y_TD = composed_experts_combine(
+                impl, sent.rows, sent.plan, in_proj, out_proj, self.gated, self.features(), x_TD
+            )
+        elif getattr(exchange, "local", False):  # nothing travels: the impl may fuse the two
             y_TD = impl.experts_combine(
                 sent.rows, sent.plan, in_proj, out_proj, self.gated, x_TD, record
             )
@@ -475,6 +520,12 @@ class MoELayer(nn.Module):
             f"hidden={self.hidden}, gated={self.gated}, score_fn={self.score_fn!r}, "
             f"renormalize={self.renormalize}"
         )
+        if self.swiglu is not None:
+            text += f", swiglu={self.swiglu}"
+        if self.in_bias is not None:
+            text += ", expert_biases=True"
+        if self.weight_on_input:
+            text += ", weight_on_input=True"
         if self.router.bias is not None:
             text += ", router_bias=True"
         if self.router_dtype is not None:

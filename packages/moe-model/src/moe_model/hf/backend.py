@@ -21,12 +21,12 @@ fp32 (the CPU path runs the kernels' torch references).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.integrations import moe as _hf_moe
 
 import moe_kernels as mk
+from moe_model.expert_features import row_bias
 
 BACKEND = "moe_kernels"
 
@@ -38,7 +38,7 @@ def fused(experts: nn.Module) -> bool:
         return False
     if getattr(experts, "has_gate", True) and (
         not getattr(experts, "is_concatenated", True)
-        or type(experts)._apply_gate is not _hf_moe._default_apply_gate
+        or getattr(type(experts), "_apply_gate", None) is not _hf_moe._default_apply_gate
     ):
         return False
     return isinstance(getattr(experts, "act_fn", None), (nn.SiLU, SiLUActivation))
@@ -82,30 +82,9 @@ def _weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return w_in.to(dtype), w_out.to(dtype)
 
 
-class _RowBias(torch.autograd.Function):
-    """out[r] = b[expert[r]] (zero where expert[r] = -1, the tail); the backward sums each
-    expert's rows by a one-hot GEMM in fp32: deterministic, where ``index_select``'s backward
-    adds with atomics on CUDA."""
-
-    @staticmethod
-    def forward(ctx, b_EN, expert_R):
-        ok_R = expert_R >= 0
-        ctx.save_for_backward(expert_R)
-        ctx.experts = b_EN.shape[0]
-        rows_RN = b_EN.index_select(0, torch.where(ok_R, expert_R, 0).long())
-        return torch.where(ok_R[:, None], rows_RN, 0)
-
-    @staticmethod
-    def backward(ctx, grad_RN):
-        (expert_R,) = ctx.saved_tensors
-        E = ctx.experts
-        hot_RE = F.one_hot(torch.where(expert_R >= 0, expert_R, E).long(), E + 1)[:, :E]
-        return (hot_RE.float().mT @ grad_RN.float()).to(grad_RN.dtype), None
-
-
 def _bias(b_EN: torch.Tensor | None, expert_R: torch.Tensor, dtype: torch.dtype):
     """(R, N): each row's expert's bias (zero for the tail's -1), or None."""
-    return None if b_EN is None else _RowBias.apply(b_EN.to(dtype), expert_R)
+    return None if b_EN is None else row_bias(b_EN, expert_R, dtype)
 
 
 def _composed(experts: nn.Module, x_TD: torch.Tensor, plan: mk.RoutingPlan) -> torch.Tensor:
