@@ -205,7 +205,8 @@ def interop(session: nox.Session) -> None:
     _install_packages(session, "transformers>=5,<6")
     session.run(
         "pytest", "-q", "-p", "no:cacheprovider", *session.posargs,
-        "packages/moe-model/tests/test_hf.py", "packages/moe-tools/tests/test_examples.py",
+        "packages/moe-model/tests/test_hf.py", "packages/moe-model/tests/test_hf_blocks.py",
+        "packages/moe-tools/tests/test_examples.py",
         "-k", "test_hf or hf_moe_backend", env={"TRITON_INTERPRET": "0"},
     )  # fmt: skip
 
