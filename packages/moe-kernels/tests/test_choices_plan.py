@@ -37,6 +37,8 @@ CASES = [  # (T, E, k, start, end, sentinels)
     (37, 8, 3, 2, 6, False),
     (64, 16, 4, None, None, True),  # -1 and >= E choices: expert-parallel sentinels
     (5, 128, 8, 64, 128, True),
+    (512, 64, 8, None, None, True),  # 4096 pairs: the one-program kernel's largest
+    (513, 64, 8, None, None, True),  # one token more: the sort of the reference path
 ]
 
 

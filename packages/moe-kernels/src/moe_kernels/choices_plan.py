@@ -1,8 +1,10 @@
 """``plan_from_choices``: the ``RoutingPlan`` of routing decisions made elsewhere.
 
 For a framework that routes itself (a Hugging Face router, a checkpoint's own top-k): its
-(T, k) expert indices and weights become the plan every expert op here reads, in plain torch,
-without host syncs (torch.compile fullgraph, CUDA graphs) and deterministic (a stable sort).
+(T, k) expert indices and weights become the plan every expert op here reads, without host
+syncs (torch.compile fullgraph, CUDA graphs) and deterministic (a stable sort). One custom op
+(``moe_kernels::plan_from_choices``): up to ``MAX_PAIRS`` pairs one Triton program on CUDA (a
+decode step's plan in one launch), else the torch reference (``reference.choices_plan``).
 """
 
 from __future__ import annotations
@@ -10,9 +12,29 @@ from __future__ import annotations
 import torch
 
 from moe_kernels import _validate as V
+from moe_kernels._dispatch import register_op, triton_kernels, use_triton
+from moe_kernels.reference import choices_plan as _ref
 from moe_kernels.routing import RoutingPlan
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+MAX_PAIRS = 4096  # the one-program kernel's limit (moe_kernels._triton.choices_plan)
+
+
+def _impl(idx_TK: torch.Tensor, w_TK: torch.Tensor, lo: int, L: int) -> list[torch.Tensor]:
+    if use_triton(idx_TK.device) and idx_TK.numel() <= MAX_PAIRS:
+        return list(triton_kernels("choices_plan").plan_from_choices(idx_TK, w_TK, lo, L))
+    return list(_ref.plan_from_choices(idx_TK, w_TK, lo, L))
+
+
+def _fake(idx_TK, w_TK, lo, L):
+    T, K = idx_TK.shape
+    P, i32 = T * K, dict(dtype=torch.int32, device=idx_TK.device)
+    f32 = dict(dtype=torch.float32, device=idx_TK.device)
+    sizes = ((L,), (L + 1,), (P,), (P,), (T, K))
+    return [*(torch.empty(n, **i32) for n in sizes), torch.empty(P, **f32), torch.empty(P, **i32)]
+
+
+plan_from_choices_op = register_op("plan_from_choices", _impl, _fake)
 
 
 def _check(
@@ -58,24 +80,9 @@ def plan_from_choices(
     """
     lo, hi = _check(expert_indices, weights, n_experts, expert_index_start, expert_index_end)
     T, k = expert_indices.shape
-    L, P = hi - lo, T * k
-    device = expert_indices.device
-    local_P = expert_indices.reshape(-1).long() - lo
-    routed_P = (local_P >= 0) & (local_P < L)
-    key_P = torch.where(routed_P, local_P, L)  # unrouted pairs sort after every expert
-    # Stable: one expert's pairs stay in (token, choice) order, i.e. sorted by token.
-    sorted_key_P, order_P = torch.sort(key_P, stable=True)
-    bounds = torch.arange(L + 1, device=device, dtype=sorted_key_P.dtype)
-    offsets = torch.searchsorted(sorted_key_P, bounds).to(torch.int32)
-    counts = offsets[1:] - offsets[:-1]
-    kept_P = sorted_key_P < L
-    position_P = torch.arange(P, device=device)
-    inverse_P = torch.empty_like(order_P).scatter_(0, order_P, position_P)
-    return RoutingPlan(
-        counts=counts,
-        offsets=offsets,
-        expert_indices=torch.where(kept_P, sorted_key_P.int(), -1),
-        token_indices=torch.where(kept_P, torch.div(order_P, k, rounding_mode="floor").int(), -1),
-        weights=torch.where(kept_P, weights.reshape(-1)[order_P].float(), 0.0),
-        inverse=torch.where(routed_P, inverse_P.int(), -1).view(T, k),
+    counts, offsets, expert, token, inverse, w_P, order = plan_from_choices_op.call(
+        expert_indices, weights.detach(), lo, hi - lo
     )
+    if weights.requires_grad and torch.is_grad_enabled():  # the weights as a gather: autograd
+        w_P = torch.where(expert >= 0, weights.reshape(-1)[order.long()].float(), 0.0)
+    return RoutingPlan(counts, offsets, expert, token, w_P, inverse)
