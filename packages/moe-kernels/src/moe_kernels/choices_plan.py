@@ -22,7 +22,9 @@ MAX_PAIRS = 4096  # the one-program kernel's limit (moe_kernels._triton.choices_
 
 def _impl(idx_TK: torch.Tensor, w_TK: torch.Tensor, lo: int, L: int) -> list[torch.Tensor]:
     if use_triton(idx_TK.device) and idx_TK.numel() <= MAX_PAIRS:
-        return list(triton_kernels("choices_plan").plan_from_choices(idx_TK, w_TK, lo, L))
+        kernels = triton_kernels("choices_plan")
+        if kernels.RUNS:
+            return list(kernels.plan_from_choices(idx_TK, w_TK, lo, L))
     return list(_ref.plan_from_choices(idx_TK, w_TK, lo, L))
 
 

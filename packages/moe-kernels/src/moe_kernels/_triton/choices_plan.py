@@ -14,10 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_kernels._dispatch import INTERPRET
 from moe_kernels._triton.blocks import next_pow2
 from moe_kernels._triton.launch import FastKernel
 
 MAX_PAIRS = 4096  # one program sorts them in registers
+# Triton 3.5's interpreter corrupts the heap in tl.histogram (a later free() aborts the
+# process): under that interpreter the op runs its reference instead.
+RUNS = not (INTERPRET and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 6))
 
 
 @triton.jit
@@ -45,10 +49,9 @@ def _plan_kernel(
     tl.store(inverse_ptr + order, tl.where(kept, i, -1), mask=out)
     counts = tl.histogram(key, L_PAD)
     e = tl.arange(0, L_PAD)
-    ends = tl.cumsum(counts, 0)
+    starts = tl.cumsum(counts, 0) - counts  # starts[L]: the routed total, offsets[L]
     tl.store(counts_ptr + e, counts, mask=e < L)
-    tl.store(offsets_ptr + 1 + e, ends, mask=e < L)
-    tl.store(offsets_ptr + e, 0, mask=e == 0)
+    tl.store(offsets_ptr + e, starts, mask=e <= L)
 
 
 _plan = FastKernel(_plan_kernel)
