@@ -390,3 +390,39 @@ def test_weight_grad_portable_config_fits_consumer_gpus(can_compile, arch):
     ptx = k.asm["ptx"]
     assert "mma.sync" in ptx and "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx
     assert k.metadata.shared <= CONSUMER_SMEM
+
+
+@pytest.mark.parametrize("block, idx", [(16, "*i32"), (4096, "*i64")])
+def test_plan_from_choices_kernel_compiles(can_compile, block, idx):
+    """The one-program plan of given choices (a sort, a histogram, a prefix sum) at its smallest
+    and largest block."""
+    from moe_kernels._triton import choices_plan as cp
+
+    sig = dict(idx_ptr=idx, w_ptr="*bf16", counts_ptr="*i32", offsets_ptr="*i32",
+               expert_ptr="*i32", token_ptr="*i32", weight_ptr="*fp32", inverse_ptr="*i32",
+               order_ptr="*i32", P="i32", lo="i32", L="i32")  # fmt: skip
+    _compile(cp._plan_kernel, sig, dict(K=8, BLOCK=block, L_PAD=256), 4 if block <= 1024 else 8)
+
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "sorted"])
+@pytest.mark.parametrize("block_scales", [False, True], ids=["channel", "block"])
+def test_fp8_grouped_mm_kernel_compiles_to_wgmma(can_compile, gathered, block_scales):
+    """The FP8 grouped GEMM's GPU launch (B, and sorted A, through TMA; e4m3 wgmma)."""
+    from moe_kernels._triton import fp8_grouped_mm as fm
+
+    cfg = fm.Fp8Config()
+    a_desc = f"tensordesc<fp8e4nv[{cfg.block_m}, {cfg.block_k}]>"
+    sig = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32",
+               offs_ptr="*i32", ridx_ptr="*i32", y_ptr="*bf16",
+               b_desc=f"tensordesc<fp8e4nv[{cfg.block_n}, {cfg.block_k}]>", T="i32", P="i32",
+               N="i32", D="i32", E="i32", stride_xt="i32", stride_we="i64", stride_wn="i32",
+               stride_se="i32", stride_sn="i32", stride_sk="i32")  # fmt: skip
+    consts = dict(HAS_RIDX=gathered, BLOCK_SCALES=block_scales, BM=cfg.block_m, BN=cfg.block_n,
+                  BK=cfg.block_k, GROUP_M=cfg.group_m, BLOCK_E=256, EVEN_K=True,
+                  A_TMA=not gathered, B_TMA=True, UPCAST=False, WHILE_LOOPS=False)  # fmt: skip
+    if gathered:
+        consts["a_desc"] = None
+    else:
+        sig["a_desc"] = a_desc
+    kernel = _compile(fm._fp8_grouped_mm_kernel, sig, consts, cfg.num_warps, cfg.num_stages)
+    assert "wgmma" in kernel.asm["ptx"]

@@ -247,3 +247,13 @@ def test_portable_backend_is_read_at_import():
                          text=True, env=env)  # fmt: skip
     assert bad.returncode != 0 and "MOE_KERNELS_BACKEND must be one of" in bad.stderr
     assert "portable" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("dev", "P", "want"),
+    [(H100, 4096, "triton_fp8"), (H100, 1, "triton_fp8"), (INTERP, 64, "triton_fp8"),
+     (REF, 64, "reference")],
+)  # fmt: skip
+def test_fp8_runs_the_triton_fp8_kernel_off_the_reference_path(dev, P, want):
+    """e4m3 operands: the FP8 kernel at every size (no GEMV for FP8 yet), the reference on CPU."""
+    assert kernel(GemmProblem("fp8", P, 256, 512, 8, torch.float8_e4m3fn), dev) == want

@@ -20,6 +20,7 @@ from moe_kernels.activation import expert_activation
 from moe_kernels.choices_plan import plan_from_choices
 from moe_kernels.dense_tokens import gather_scale_dense_tokens, scatter_add_dense_tokens
 from moe_kernels.expert_mlp import expert_mlp
+from moe_kernels.fp8 import Fp8Weights, fp8_grouped_mm, quantize_fp8_weights
 from moe_kernels.gather_quant import gather_scale_quant_dense_tokens
 from moe_kernels.grouped_mm import gather_grouped_mm, grouped_weight_grad
 from moe_kernels.mxfp8 import (
@@ -45,6 +46,7 @@ from moe_kernels.tokens import combine, dispatch
 __all__ = [
     "CombinedTokens",
     "Fp8Rows",
+    "Fp8Weights",
     "RoutingPlan",
     "ShuffledIndices",
     "TopkChoices",
@@ -54,6 +56,7 @@ __all__ = [
     "dispatch",
     "expert_activation",
     "expert_mlp",
+    "fp8_grouped_mm",
     "from_mxfp8",
     "gather_grouped_mm",
     "gather_scale_dense_tokens",
@@ -63,6 +66,7 @@ __all__ = [
     "mxfp8_grouped_mm",
     "plan_from_choices",
     "qk_norm_rope",
+    "quantize_fp8_weights",
     "route",
     "routed_experts",
     "router_scores",

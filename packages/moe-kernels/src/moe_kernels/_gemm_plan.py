@@ -14,7 +14,8 @@ no-grad up-projection: a row-gather copy, then the sorted-row GEMM's plan), "sca
 dequantisation, then the "dequantized" problem's plan), "masked" (a per-expert masked torch
 GEMM with static shapes), "gemv" (``_triton/grouped_gemv.py``: the forward GEMMs at a few rows
 in all, a decode step's, each touched expert's weights read once; gathers its rows, fuses SiLU or
-SwiGLU).
+SwiGLU), "triton_fp8" (``_triton/fp8_grouped_mm.py``: e4m3 operands, per-row and per-channel or
+block scales; not yet tuned on a device).
 
 From the H200 (``benchmarks/gpu/persistent_grouped_mm_gpu.py``, torch 2.11, triton 3.6, bf16,
 two runs on two machines): the flattened persistent Triton kernel (128 x 256 x 64 tiles, 8
@@ -151,7 +152,7 @@ def wgrad_config(n: int, d: int, interpret: bool, fp32: bool = False) -> WgradCo
 # ---------------------------------------------------------------------------------------------
 # the plan
 
-KINDS = ("rows", "gather", "gather_mlp", "wgrad", "mxfp8", "dequantized")
+KINDS = ("rows", "gather", "gather_mlp", "wgrad", "mxfp8", "dequantized", "fp8")
 GEMV_KINDS = ("rows", "gather", "gather_mlp")  # the forward GEMMs
 
 
@@ -225,6 +226,8 @@ def choose_gemm(p: GemmProblem, dev: GemmDevice) -> GemmPlan:
         return GemmPlan("cutlass" if ok and p.k % 8 == 0 and p.n % 8 == 0 else "masked")
     if dev.path == "reference":
         return GemmPlan("reference")
+    if p.kind == "fp8":  # e4m3 x e4m3: the Triton kernel (sm89+ on CUDA; any in the interpreter)
+        return GemmPlan("triton_fp8")
     if dev.gemv and p.kind in GEMV_KINDS and use_gemv(p.rows, p.experts):
         return GemmPlan("gemv")  # few rows in all: one read of the touched experts' weights
     if p.kind == "gather":  # a row gather or the SiLU epilogue: only the Triton GEMM has them
@@ -334,3 +337,11 @@ def plan_dequantized(a_MK: torch.Tensor, b_EKN: torch.Tensor, out_dtype: torch.d
     E, K, N = b_EKN.shape
     p = GemmProblem("dequantized", a_MK.shape[0], N, K, E, a_MK.dtype, out_dtype)
     return choose_gemm(p, gemm_device(a_MK.device))
+
+
+def plan_fp8(x_TD: torch.Tensor, w_END: torch.Tensor, rows_P: torch.Tensor | None) -> GemmPlan:
+    """The plan of ``fp8_grouped_mm(x, ..., w, ...)``."""
+    E, N, D = w_END.shape
+    num_rows = x_TD.shape[0] if rows_P is None else rows_P.shape[0]
+    p = GemmProblem("fp8", num_rows, N, D, E, x_TD.dtype, gathered=rows_P is not None)
+    return choose_gemm(p, gemm_device(x_TD.device))

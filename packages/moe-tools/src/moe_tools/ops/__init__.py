@@ -13,6 +13,7 @@ from moe_tools.ops import (
     ep_tokens,
     expert_mlp,
     experts,
+    fp8_gemm,
     fp8_rows,
     mxfp8,
     routing,
@@ -20,13 +21,14 @@ from moe_tools.ops import (
 )
 from moe_tools.ops.spec import SIZE_CLASSES, CheckFailed, OpSpec, Problem, Sizes, fbgemm_ops
 
-FAMILIES = (routing, tokens, ep_tokens, fp8_rows, experts, expert_mlp, mxfp8, attention)
+FAMILIES = (routing, tokens, ep_tokens, fp8_rows, experts, expert_mlp, fp8_gemm, mxfp8, attention)
 REGISTRY: dict[str, OpSpec] = {spec.name: spec for family in FAMILIES for spec in family.ENTRIES}
 
 # Public names of moe_kernels that are result types, not ops: the op that returns each.
 RESULT_TYPES = {
     "CombinedTokens": "combine_shuffling",
     "Fp8Rows": "silu_mul_quant",  # gather_scale_quant_dense_tokens returns one too
+    "Fp8Weights": "quantize_fp8_weights",
     "RoutingPlan": "route",
     "ShuffledIndices": "index_shuffling",
     "TopkChoices": "topk_choices",

@@ -1,0 +1,77 @@
+"""The FP8 grouped GEMM (``moe_kernels.fp8_grouped_mm``, e4m3 rows x e4m3 expert weights, per-row
+and per-channel or 128 x 128 block scales) against our bf16 grouped GEMM on the same sorted rows
+(``gather_grouped_mm``: the GEMM plan's persistent / CUTLASS kernel) and torch's FP8 rowwise
+``torch._scaled_grouped_mm`` where it runs, at MoE layers' expert GEMMs (issue 51's target:
+>= 1.6x our bf16 at >= 512 rows per expert). Medians of ``do_bench`` (us), TFLOP/s, and the
+largest error relative to the largest output against the fp32 reference of the same fp8 values.
+
+    PYTHONPATH=packages/moe-kernels/src:packages/moe-model/src:packages/moe-tools/src \\
+        python3 benchmarks/gpu/fp8_grouped_mm_gpu.py [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import bench_us
+
+import moe_kernels as mk
+from moe_kernels.reference import fp8_grouped_mm as ref
+from moe_kernels.reference.fp8_rowwise import quantize_rows
+
+SHAPES = {  # name: (rows per expert, E, N, D)
+    "seed-up 1024/e": (1024, 16, 1024, 2048),
+    "qwen3-up 512/e": (512, 128, 1536, 2048),
+    "qwen3-down 512/e": (512, 128, 2048, 768),
+    "dsv3-up 256/e": (256, 256, 4096, 7168),
+    "mixtral-up 2048/e": (2048, 8, 28672, 4096),
+}
+
+
+def run(name, rows_e, E, N, D, device, dry):
+    if dry:
+        rows_e, E, N, D = 16, 2, 64, 128
+    g = torch.Generator(device="cpu").manual_seed(0)
+    P = rows_e * E
+    x = torch.randn(P, D, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(E, N, D, generator=g) / D**0.5).to(device, torch.bfloat16)
+    offsets = torch.arange(0, P + 1, rows_e, dtype=torch.int32, device=device)
+    xq, xs = quantize_rows(x.float(), None, None)
+    flop = 2 * P * N * D
+    t_bf16 = bench_us(lambda: mk.gather_grouped_mm(x, w, offsets), dry=dry)
+    line = f"{name:18s} bf16 {t_bf16:8.1f} us {flop / t_bf16 / 1e6:6.0f} TF/s"
+    for block in (False, True):
+        q = mk.quantize_fp8_weights(w, block=block)
+        y = mk.fp8_grouped_mm(xq, xs, q.weight, q.scale, offsets)
+        want = ref.fp8_grouped_mm(xq, xs, q.weight, q.scale, offsets, None, torch.float32)
+        err = ((y.float() - want).abs().max() / want.abs().max()).item()
+        t = bench_us(lambda q=q: mk.fp8_grouped_mm(xq, xs, q.weight, q.scale, offsets), dry=dry)
+        kind = "block" if block else "chan"
+        line += f" | fp8 {kind} {t:8.1f} us {t_bf16 / t:5.2f}x err {err:.1e}"
+    if device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm"):
+        q = mk.quantize_fp8_weights(w)
+        try:
+            wt = q.weight.transpose(1, 2)
+            t = bench_us(
+                lambda: torch._scaled_grouped_mm(
+                    xq, wt, xs, q.scale, offs=offsets[1:], out_dtype=torch.bfloat16
+                )
+            )
+            line += f" | torch._scaled_grouped_mm {t:8.1f} us {t_bf16 / t:5.2f}x"
+        except Exception as e:  # noqa: BLE001 (a torch build without it here)
+            line += f" | torch._scaled_grouped_mm: {type(e).__name__} {str(e)[:60]}"
+    print(line, flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    for name, shape in SHAPES.items():
+        run(name, *shape, device, args.dry_run)
+
+
+if __name__ == "__main__":
+    main()

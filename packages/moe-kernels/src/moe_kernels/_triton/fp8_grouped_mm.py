@@ -1,0 +1,212 @@
+"""Triton FP8 grouped GEMM (e4m3 operands, fp32 accumulation, scaled epilogue) and its launcher.
+
+``y[p] = (x[rows[p]] @ w[e].T) * x_scale[rows[p]] * w_scale[e]`` for the rows p of group e: x
+(T, D) and w (E, N, D) float8_e4m3fn, x_scale (T,) fp32 per row; w_scale (E, N) fp32 per output
+channel, or with ``BLOCK_SCALES`` (E, ceil(N/128), ceil(D/128)) per 128 x 128 block of w
+(DeepSeek-V3's checkpoints), applied to each 128-deep K step's partial sum. The tile walk is the
+bf16 gathering GEMM's (``grouped_mm.group_tiles`` / ``find_tile``: a static grid, the offsets
+clamped on the device, tail rows zero). Nothing here checks arguments: ``moe_kernels.fp8`` does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_kernels._dispatch import INTERPRET, has_tma, tracing
+from moe_kernels._triton.blocks import cdiv, next_pow2, pow2_clamp
+from moe_kernels._triton.grouped_mm import find_tile, group_tiles
+from moe_kernels._triton.launch import FastKernel, aligned
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer loads
+    TensorDescriptor = None
+
+SCALE_BLOCK = 128  # the block of w's block scales, both dims
+
+
+@triton.jit
+def _k_step(acc, k, a_ptrs, b_ptrs, a_desc, b_desc, a_row, b_row, s_ptr, ks, D, stride_sk,
+            BK: tl.constexpr, EVEN_K: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+            BLOCK_SCALES: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """acc + the K step k of the tile: A (BM, BK) at ``a_ptrs`` or from ``a_desc`` (x) at row
+    ``a_row``, B (BK, BN) at ``b_ptrs`` or from ``b_desc`` (w viewed (E*N, D)) at row ``b_row``,
+    transposed (columns past D read as zero); with ``BLOCK_SCALES`` the step's partial sum times
+    its block scale (BK = 128). ``UPCAST`` (the interpreter): an exact fp32 dot of the fp8
+    values."""
+    k0 = k * BK
+    if A_TMA:
+        a = a_desc.load([a_row, k0])
+    elif EVEN_K:
+        a = tl.load(a_ptrs + k0)
+    else:
+        a = tl.load(a_ptrs + k0, mask=((k0 + ks) < D)[None, :], other=0.0)
+    if B_TMA:
+        b = b_desc.load([b_row, k0]).T
+    elif EVEN_K:
+        b = tl.load(b_ptrs + k0)
+    else:
+        b = tl.load(b_ptrs + k0, mask=((k0 + ks) < D)[:, None], other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if BLOCK_SCALES:
+        part = tl.dot(a, b, input_precision="ieee") if UPCAST else tl.dot(a, b)
+        return acc + part * tl.load(s_ptr + k * stride_sk)
+    if UPCAST:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _fp8_grouped_mm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, ridx_ptr, y_ptr, a_desc, b_desc, T, P, N, D, E,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+    HAS_RIDX: tl.constexpr, BLOCK_SCALES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOPS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(P, BM) + E
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+
+    idx = tl.arange(0, BLOCK_E)
+    raw_start = tl.load(offs_ptr + idx, mask=(idx >= 1) & (idx <= E), other=0)
+    raw_end = tl.load(offs_ptr + idx + 1, mask=idx < E, other=0)
+    start, end, tiles, cum = group_tiles(raw_start, raw_end, idx, E, P, BM, True)
+    seg, row0, row_end = find_tile(start, end, tiles, cum, idx, pid_m, BM)
+    rows = row0 + tl.arange(0, BM)
+    row_in = rows < row_end
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_in = cols < N
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if seg == E:  # tail rows: zeros
+        tl.store(y_ptrs, tl.zeros((BM, BN), dtype=y_ptr.dtype.element_ty),
+                 mask=row_in[:, None] & col_in[None, :])  # fmt: skip
+    elif seg < E:
+        safe_rows = tl.where(row_in, rows, row0)
+        if HAS_RIDX:
+            src = tl.load(ridx_ptr + safe_rows).to(tl.int64)
+            live = row_in & (src >= 0) & (src < T)
+            src = tl.where(live, src, 0)
+        else:
+            src = safe_rows.to(tl.int64)
+            live = row_in
+        safe_cols = tl.where(col_in, cols, 0)
+        ks = tl.arange(0, BK)
+        a_ptrs = x_ptr + src[:, None] * stride_xt + ks[None, :]
+        b_ptrs = w_ptr + seg.to(tl.int64) * stride_we + safe_cols.to(tl.int64)[None, :] * stride_wn
+        b_ptrs += ks[:, None]
+        s_ptr = ws_ptr + seg.to(tl.int64) * stride_se + ((pid_n * BN) // 128) * stride_sn
+        b_row = seg * N + pid_n * BN  # w viewed as (E*N, D)
+        num_k = tl.cdiv(D, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if WHILE_LOOPS:  # the interpreter: Triton 3.5's cannot range() over a runtime bound
+            k = num_k * 0
+            while k < num_k:
+                acc = _k_step(acc, k, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, s_ptr, ks, D,
+                              stride_sk, BK, EVEN_K, A_TMA, B_TMA, BLOCK_SCALES,
+                              UPCAST)  # fmt: skip
+                k += 1
+        else:  # (a for loop: software pipelined by num_stages)
+            for k in range(0, num_k):
+                acc = _k_step(acc, k, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, s_ptr, ks, D,
+                              stride_sk, BK, EVEN_K, A_TMA, B_TMA, BLOCK_SCALES,
+                              UPCAST)  # fmt: skip
+        acc = acc * tl.load(xs_ptr + src, mask=live, other=0.0)[:, None]
+        if not BLOCK_SCALES:
+            w_s = tl.load(ws_ptr + seg.to(tl.int64) * stride_se + safe_cols * stride_sn)
+            acc = acc * w_s[None, :]
+        acc = tl.where(live[:, None], acc, 0.0)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+
+
+class Fp8Config(NamedTuple):
+    """Tile shape and launch parameters of one FP8 grouped-GEMM launch; ``tma``: B (and sorted
+    A) through TMA descriptors where the tensors allow (pointer tiles of 128-deep fp8 K steps
+    spill: 380-1400 bytes a thread at sm_90a)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: bool = True
+
+
+def fp8_config(num_rows: int, n: int, d: int, block_scales: bool) -> Fp8Config:
+    """GPU: 64 x 128 x 128 tiles (BK = 128: one block scale a K step; not yet tuned on a device),
+    BN down to 16 for small n. Interpreter: few, large programs. Block scales need BK = 128 and
+    BN dividing 128."""
+    if INTERPRET:
+        bk = SCALE_BLOCK if block_scales else pow2_clamp(d, 16, 128)
+        return Fp8Config(pow2_clamp(num_rows, 16, 32), pow2_clamp(n, 16, 128), bk, 4, 4, 1, False)
+    return Fp8Config(block_n=pow2_clamp(n, 16, 128))
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor over t as a row-major matrix: CUDA sm90+, contiguous, 16-byte rows and
+    base; not while tracing (``wrap_triton`` records no host-built descriptors)."""
+    if TensorDescriptor is None or tracing() or not t.is_cuda or not has_tma(t.get_device()):
+        return False
+    return t.is_contiguous() and t.shape[-1] % 16 == 0 and aligned(t, 16)
+
+
+_launcher = FastKernel(_fp8_grouped_mm_kernel)
+
+
+def fp8_grouped_mm(
+    x_TD: torch.Tensor,
+    x_scale_T: torch.Tensor,
+    w_END: torch.Tensor,
+    w_scale: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    row_indices_P: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
+    """(P, N) in ``out_dtype``; see ``moe_kernels.fp8.fp8_grouped_mm``. Inputs checked; x and w
+    contiguous along D."""
+    num_tokens, dim = x_TD.shape
+    num_experts, n, _ = w_END.shape
+    num_rows = num_tokens if row_indices_P is None else row_indices_P.shape[0]
+    y_PN = torch.empty((num_rows, n), dtype=out_dtype, device=x_TD.device)
+    if num_rows == 0 or n == 0:
+        return y_PN
+    if num_tokens == 0 or dim == 0 or num_experts == 0:
+        return y_PN.zero_()
+    block_scales = w_scale.dim() == 3
+    cfg = config or fp8_config(num_rows, n, dim, block_scales)
+    s_strides = (*w_scale.stride(), 0)[:3]  # (per-channel scales: no K stride)
+    grid = ((cdiv(num_rows, cfg.block_m) + num_experts) * cdiv(n, cfg.block_n),)
+    a_tma = cfg.tma and row_indices_P is None and _tma_ok(x_TD)
+    b_tma = cfg.tma and _tma_ok(w_END)
+    a_desc = TensorDescriptor.from_tensor(x_TD, [cfg.block_m, cfg.block_k]) if a_tma else None
+    b_desc = None
+    if b_tma:
+        w_flat = w_END.view(num_experts * n, dim)
+        b_desc = TensorDescriptor.from_tensor(w_flat, [cfg.block_n, cfg.block_k])
+    args = (x_TD, x_scale_T, w_END, w_scale, offsets_E1,
+            offsets_E1 if row_indices_P is None else row_indices_P, y_PN, a_desc, b_desc,
+            num_tokens, num_rows,
+            n, dim, num_experts, x_TD.stride(0), w_END.stride(0), w_END.stride(1),
+            *s_strides)  # fmt: skip
+    constexprs = dict(
+        HAS_RIDX=row_indices_P is not None, BLOCK_SCALES=block_scales, BM=cfg.block_m,
+        BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_E=next_pow2(num_experts + 1), EVEN_K=dim % cfg.block_k == 0, A_TMA=a_tma,
+        B_TMA=b_tma, UPCAST=INTERPRET,
+        WHILE_LOOPS=INTERPRET,
+    )  # fmt: skip
+    _launcher.launch(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y_PN

@@ -1,0 +1,73 @@
+"""Reference of ``moe_kernels.fp8_grouped_mm`` and of ``quantize_fp8_weights``."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_kernels.reference.fp8_rowwise import FP8_DTYPE, FP8_MAX
+from moe_kernels.reference.grouped_mm import group_bounds
+
+SCALE_BLOCK = 128
+
+
+def fp8_grouped_mm(
+    x_TD: torch.Tensor,
+    x_scale_T: torch.Tensor,
+    w_END: torch.Tensor,
+    w_scale: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    row_indices_P: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(P, N) in ``out_dtype``: for offsets[e] <= p < offsets[e+1] and r = rows[p], the fp32 sum
+    ``x[r] @ w[e].T`` of the fp8 values (per 128-deep K block times its block scale with block
+    scales), times x_scale[r] (and w_scale[e] per output channel); rows past offsets[E] and rows
+    whose index is outside [0, T) zero. Offsets clamped by ``group_bounds``."""
+    num_tokens, dim = x_TD.shape
+    num_experts, n, _ = w_END.shape
+    num_rows = num_tokens if row_indices_P is None else row_indices_P.shape[0]
+    y_PN = torch.zeros((num_rows, n), dtype=torch.float32, device=x_TD.device)
+    src_P = torch.arange(num_rows, device=x_TD.device) if row_indices_P is None else (
+        row_indices_P.long())  # fmt: skip
+    live_P = (src_P >= 0) & (src_P < num_tokens)
+    bounds = group_bounds(offsets_E1, num_rows)  # the host read
+    for e in range(num_experts):
+        start, end = bounds[e], bounds[e + 1]
+        if end <= start or num_tokens == 0:
+            continue
+        src = torch.where(live_P[start:end], src_P[start:end], 0)
+        a = x_TD.index_select(0, src).float()
+        b = w_END[e].float()
+        if w_scale.dim() == 3:  # per 128 x 128 block: each K block's partial sum times its scale
+            s_nk = w_scale[e].float().repeat_interleave(SCALE_BLOCK, 0)[:n]  # (N, D/128)
+            h = torch.zeros(end - start, n, device=x_TD.device)
+            for kb in range(0, dim, SCALE_BLOCK):
+                part = a[:, kb : kb + SCALE_BLOCK] @ b[:, kb : kb + SCALE_BLOCK].T
+                h += part * s_nk[:, kb // SCALE_BLOCK][None, :]
+        else:
+            h = (a @ b.T) * w_scale[e].float()[None, :]
+        h = h * x_scale_T.index_select(0, src).float()[:, None]
+        y_PN[start:end] = torch.where(live_P[start:end, None], h, 0.0)
+    return y_PN.to(out_dtype)
+
+
+def quantize_fp8_weights(w_END: torch.Tensor, block: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_q (E, N, D) float8_e4m3fn, scale fp32): per output channel, scale (E, N) = amax over D
+    / 448 (1 for an all-zero row); with ``block`` per 128 x 128 block, scale (E, ceil(N/128),
+    ceil(D/128)). ``w_q = e4m3(w / scale)`` (round to nearest even, clamped to +-448)."""
+    E, N, D = w_END.shape
+    w = w_END.float()
+    if block:
+        nb, kb = -(-N // SCALE_BLOCK), -(-D // SCALE_BLOCK)
+        padded = w.new_zeros(E, nb * SCALE_BLOCK, kb * SCALE_BLOCK)
+        padded[:, :N, :D] = w.abs()
+        amax = padded.view(E, nb, SCALE_BLOCK, kb, SCALE_BLOCK).amax(dim=(2, 4))
+        scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+        full = scale.repeat_interleave(SCALE_BLOCK, 1).repeat_interleave(SCALE_BLOCK, 2)
+        full = full[:, :N, :D]
+    else:
+        amax = w.abs().amax(dim=2)
+        scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+        full = scale[:, :, None]
+    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
