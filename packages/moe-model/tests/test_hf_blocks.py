@@ -71,9 +71,14 @@ def test_replaced_blocks_match_hf(family, device):
     got, got_grads = grads_of(model, ids, attention_mask=mask, output_router_logits=True)
 
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-5)
-    assert len(got.router_logits) == len(want.router_logits) == len(names)
-    for a, b in zip(got.router_logits, want.router_logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # HF's own output decides: DeepSeek-V3 on CUDA returns no router logits (a plain
+    # CausalLMOutputWithPast, seen on the H100 with transformers 5.25), and neither may we
+    if getattr(want, "router_logits", None) is None:
+        assert getattr(got, "router_logits", None) is None
+    else:
+        assert len(got.router_logits) == len(want.router_logits) == len(names)
+        for a, b in zip(got.router_logits, want.router_logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     if want.aux_loss is not None or got.aux_loss is not None:  # (Llama4 has none)
         torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=0, atol=1e-6)
     assert got_grads.keys() == want_grads.keys()

@@ -96,9 +96,11 @@ def fp8_grouped_mm(
     ``gather_grouped_mm``'s, not checked: that would sync); row_indices: (P,) int32/int64 source
     rows (``RoutingPlan.token_indices``, -1 in the tail) or None (x already sorted, P = T).
 
-    Returns y_PN (P, N) in ``out_dtype`` (bfloat16, float16 or float32): the fp32 sum of the fp8
-    products (with block scales, each 128-deep K block's sum times its scale), times the row's
-    and (per channel) the column's scale, cast once; rows past offsets[E] and rows whose index
+    Returns y_PN (P, N) in ``out_dtype`` (bfloat16, float16 or float32): the sum of the fp8
+    products, each 128-deep K block summed by the tensor cores (on sm_90 with their reduced
+    accumulator precision; exactly in fp32 on the reference path and in the interpreter) and
+    added in fp32 (with block scales, times its block's scale), times the row's and (per
+    channel) the column's scale, cast once; rows past offsets[E] and rows whose index
     is outside [0, T) are zero. Not differentiable (inference).
     """
     x_TD = V.tensor("x_TD", x_TD)

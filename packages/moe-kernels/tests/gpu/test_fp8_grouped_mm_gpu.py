@@ -1,6 +1,9 @@
-"""``fp8_grouped_mm`` on the GPU: the Triton FP8 kernel (e4m3 ``tl.dot``, fp32 accumulation)
-against the torch reference of the same fp8 values (fp32 sums in another order: within 1e-5 of
-the sum of |products| plus one rounding of the output), per-channel and block scales, gathered
+"""``fp8_grouped_mm`` on the GPU: the Triton FP8 kernel (e4m3 ``tl.dot``, each 128-deep K step
+summed by the tensor cores, then added in fp32) against the torch reference of the same fp8
+values (exact fp32 products): within one rounding of the output plus 2^-12 of the sum of
+|products| (sm_90's fp8 MMA accumulates a step with about 13 mantissa bits; on the H100, with
+the whole K loop in the MMA, the error reached 5e-3 of the largest output and this bound failed),
+per-channel and block scales, gathered
 rows with sentinels and sorted rows with a tail; no host sync; bitwise repeatable; a CUDA graph
 replays to the eager output after its inputs change in place."""
 
@@ -41,7 +44,7 @@ def test_kernel_within_the_reference_bound(T, E, D, N, k, block):
     want = ref.fp8_grouped_mm(xq, xs, q.weight, q.scale, offsets, rows, torch.float32)
     mag = ref.fp8_grouped_mm(xq.float().abs().to(xq.dtype), xs, q.weight.float().abs().to(
         q.weight.dtype), q.scale, offsets, rows, torch.float32)  # fmt: skip
-    bound = ULP[torch.bfloat16] * want.abs() + 1e-5 * mag + 1e-30
+    bound = ULP[torch.bfloat16] * want.abs() + 2.0**-12 * mag + 1e-30
     assert ((y.float() - want).abs() <= bound).all()
     again = mk.fp8_grouped_mm(xq, xs, q.weight, q.scale, offsets, rows, out_dtype=torch.bfloat16)
     assert torch.equal(y, again)
