@@ -21,7 +21,7 @@ import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET, has_tma, tracing
 from moe_kernels._triton.blocks import cdiv, next_pow2, pow2_clamp
-from moe_kernels._triton.grouped_mm import find_tile, group_tiles
+from moe_kernels._triton.grouped_mm import find_tile, group_tiles, row_sources, tile_pids
 from moe_kernels._triton.launch import FastKernel, aligned
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -74,14 +74,7 @@ def _fp8_grouped_mm_kernel(
     BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr,
     A_TMA: tl.constexpr, B_TMA: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOPS: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(P, BM) + E
-    num_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = tile_pids(tl.program_id(0), tl.cdiv(P, BM) + E, tl.cdiv(N, BN), GROUP_M)
 
     idx = tl.arange(0, BLOCK_E)
     raw_start = tl.load(offs_ptr + idx, mask=(idx >= 1) & (idx <= E), other=0)
@@ -97,14 +90,8 @@ def _fp8_grouped_mm_kernel(
         tl.store(y_ptrs, tl.zeros((BM, BN), dtype=y_ptr.dtype.element_ty),
                  mask=row_in[:, None] & col_in[None, :])  # fmt: skip
     elif seg < E:
-        safe_rows = tl.where(row_in, rows, row0)
-        if HAS_RIDX:
-            src = tl.load(ridx_ptr + safe_rows).to(tl.int64)
-            live = row_in & (src >= 0) & (src < T)
-            src = tl.where(live, src, 0)
-        else:
-            src = safe_rows.to(tl.int64)
-            live = row_in
+        safe_rows = tl.where(row_in, rows, row0)  # row0 < row_end: a row of this group
+        src, live = row_sources(ridx_ptr, safe_rows, row_in, T, HAS_RIDX)
         safe_cols = tl.where(col_in, cols, 0)
         ks = tl.arange(0, BK)
         a_ptrs = x_ptr + src[:, None] * stride_xt + ks[None, :]

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET
 from moe_kernels._triton.blocks import cdiv, next_pow2, pow2_clamp
-from moe_kernels._triton.grouped_mm import dot_acc, find_tile, group_tiles
+from moe_kernels._triton.grouped_mm import dot_acc, find_tile, group_tiles, row_sources
 from moe_kernels._triton.launch import FastKernel
 
 ACTIVATIONS = {"none": 0, "silu": 1, "swiglu": 2}
@@ -121,13 +121,7 @@ def _grouped_gemv_kernel(
             rows = r + tl.arange(0, BM)
             row_in = rows < row_end
             safe_rows = tl.where(row_in, rows, r)  # r < row_end: a row of this group
-            if HAS_RIDX:
-                src = tl.load(ridx_ptr + safe_rows).to(tl.int64)
-                live = row_in & (src >= 0) & (src < T)
-                src = tl.where(live, src, 0)
-            else:
-                src = safe_rows.to(tl.int64)
-                live = row_in
+            src, live = row_sources(ridx_ptr, safe_rows, row_in, T, HAS_RIDX)
             a_ptrs = x_ptr + src[:, None] * stride_xt + ks[None, :] * stride_xk  # (BM, BK)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             acc_u = tl.zeros((BM, BN), dtype=tl.float32)

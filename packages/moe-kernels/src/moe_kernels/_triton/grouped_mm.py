@@ -85,6 +85,28 @@ def find_tile(start, end, tiles, cum, idx, t, BM: tl.constexpr):
 
 
 @triton.jit
+def tile_pids(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(m-tile, n-tile) of program ``pid``, GROUP_M consecutive m-tiles sweeping all n-tiles
+    before moving on (L2 reuse of B)."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
+def row_sources(ridx_ptr, safe_rows, row_in, T, HAS_RIDX: tl.constexpr):
+    """(source row of x as int64, live) of the output rows ``safe_rows`` (in-group rows where
+    ``row_in``): through ``row_indices`` (an index outside [0, T) reads row 0 and is not live),
+    or the rows themselves (sorted rows)."""
+    if HAS_RIDX:
+        src = tl.load(ridx_ptr + safe_rows).to(tl.int64)
+        live = row_in & (src >= 0) & (src < T)
+        return tl.where(live, src, 0), live
+    return safe_rows.to(tl.int64), row_in
+
+
+@triton.jit
 def dot_acc(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """acc + a @ b: ``UPCAST`` in fp32 (the interpreter's bf16 dot is wrong), ``IEEE`` an exact
     fp32 dot (no TF32)."""
@@ -155,16 +177,7 @@ def _gather_grouped_mm_kernel(
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
     WHILE_LOOPS: tl.constexpr,  # interpreter: triton 3.5's cannot range() over a runtime bound
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(P, BM) + E
-    num_n = tl.cdiv(N, BN)
-    # Grouped ordering: GROUP_M consecutive m-tiles sweep all n-tiles before moving on.
-    per_group = GROUP_M * num_n
-    group = pid // per_group
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = tile_pids(tl.program_id(0), tl.cdiv(P, BM) + E, tl.cdiv(N, BN), GROUP_M)
 
     idx = tl.arange(0, BLOCK_E)
     raw_start = tl.load(offs_ptr + idx, mask=(idx >= 1) & (idx <= E), other=0)
@@ -181,13 +194,7 @@ def _gather_grouped_mm_kernel(
         tl.store(y_ptrs, zero, mask=row_in[:, None] & col_in[None, :])
     elif seg < E:
         safe_rows = tl.where(row_in, rows, row0)  # row0 < row_end: a row of this group
-        if HAS_RIDX:
-            src = tl.load(ridx_ptr + safe_rows).to(tl.int64)
-            live = row_in & (src >= 0) & (src < T)
-            src = tl.where(live, src, 0)
-        else:
-            src = safe_rows.to(tl.int64)
-            live = row_in
+        src, live = row_sources(ridx_ptr, safe_rows, row_in, T, HAS_RIDX)
         safe_cols = tl.where(col_in, cols, 0)
         ks = tl.arange(0, BK)
         a_ptrs = x_ptr + src[:, None] * stride_xt + ks[None, :] * stride_xd
