@@ -106,6 +106,12 @@ def op_problems(device: str | torch.device, seed: int = 0) -> dict[str, Problem]
     cache = torch.zeros(2, KV, 4, N, HD, device=dev, dtype=dt)
     slots = torch.tensor([1], device=dev)
 
+    # FP8: e4m3 rows with their scales (FBGEMM's row-wise formula), the weights quantised once
+    from moe_kernels.reference.fp8_rowwise import quantize_rows
+
+    x8, xs8 = quantize_rows(x.float(), None, None)
+    w8, w8b = mk.quantize_fp8_weights(w_in), mk.quantize_fp8_weights(w_in, block=True)
+
     def scatter_add(out, rows, tok):
         mk.scatter_add_dense_tokens(out, rows, tok)
         return out
@@ -177,6 +183,15 @@ def op_problems(device: str | torch.device, seed: int = 0) -> dict[str, Problem]
         "gather_grouped_mm_sorted": Problem(
             lambda a, w, p: mk.gather_grouped_mm(a, w, p.offsets), (h, w_out.mT, plan), (0, 1)
         ),
+        "fp8_grouped_mm": Problem(
+            lambda a, s, w, ws, p: mk.fp8_grouped_mm(a, s, w, ws, p.offsets, p.token_indices),
+            (x8, xs8, w8.weight, w8.scale, plan),
+        ),
+        "fp8_grouped_mm_block": Problem(
+            lambda a, s, w, ws, p: mk.fp8_grouped_mm(a, s, w, ws, p.offsets, p.token_indices),
+            (x8, xs8, w8b.weight, w8b.scale, plan),
+        ),
+        "quantize_fp8_weights": Problem(lambda w: tuple(mk.quantize_fp8_weights(w)), (w_in,)),
         "grouped_weight_grad": Problem(
             lambda dy, a, p: mk.grouped_weight_grad(dy, a, p.offsets), (ys, h, plan)
         ),
