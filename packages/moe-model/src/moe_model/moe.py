@@ -260,8 +260,8 @@ class MoELayer(nn.Module):
         device = check_device(device)
         self.d_model, self.n_experts, self.top_k, self.hidden = d_model, n_experts, top_k, hidden
         self.gated, self.score_fn, self.renormalize = gated, score_fn, renormalize
-        self.swiglu, self.weight_on_input = swiglu, weight_on_input
-        self.has_features = bool(swiglu is not None or expert_biases or weight_on_input)
+        self.swiglu, self.expert_biases = swiglu, expert_biases
+        self.weight_on_input = weight_on_input
         self.router_dtype = router_dtype
         self.shared_hidden, self.shared_gate = shared_hidden, shared_gate
         self.n_groups, self.topk_groups = opts.n_groups, opts.topk_groups
@@ -355,6 +355,12 @@ class MoELayer(nn.Module):
         del self.in_proj, self.out_proj
         self.experts_owner = owner
         return experts
+
+    @property
+    def has_features(self) -> bool:
+        """Whether the experts have biases, another activation or the weight on the input
+        (then they run as composed steps)."""
+        return self.swiglu is not None or self.expert_biases or self.weight_on_input
 
     def features(self) -> ExpertFeatures:
         """The experts' features (``moe_model.expert_features.ExpertFeatures``): the biases,
@@ -522,7 +528,7 @@ class MoELayer(nn.Module):
         )
         if self.swiglu is not None:
             text += f", swiglu={self.swiglu}"
-        if self.in_bias is not None:
+        if self.expert_biases:
             text += ", expert_biases=True"
         if self.weight_on_input:
             text += ", weight_on_input=True"

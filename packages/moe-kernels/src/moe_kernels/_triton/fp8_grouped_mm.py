@@ -19,15 +19,17 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels._dispatch import INTERPRET, has_tma, tracing
-from moe_kernels._triton.blocks import cdiv, next_pow2, pow2_clamp
-from moe_kernels._triton.grouped_mm import find_tile, group_tiles, row_sources, tile_pids
-from moe_kernels._triton.launch import FastKernel, aligned
-
-try:  # host-side TMA descriptors (triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older triton: pointer loads
-    TensorDescriptor = None
+from moe_kernels._dispatch import INTERPRET, has_tma
+from moe_kernels._triton.blocks import next_pow2, pow2_clamp
+from moe_kernels._triton.grouped_mm import (
+    find_tile,
+    group_tiles,
+    num_programs,
+    row_sources,
+    tile_pids,
+    tma_descriptors,
+)
+from moe_kernels._triton.launch import FastKernel
 
 SCALE_BLOCK = 128  # the block of w's block scales, both dims
 
@@ -145,14 +147,6 @@ def fp8_config(num_rows: int, n: int, d: int, block_scales: bool) -> Fp8Config:
     return Fp8Config(block_n=pow2_clamp(n, 16, 128))
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """A TMA descriptor over t as a row-major matrix: CUDA sm90+, contiguous, 16-byte rows and
-    base; not while tracing (``wrap_triton`` records no host-built descriptors)."""
-    if TensorDescriptor is None or tracing() or not t.is_cuda or not has_tma(t.get_device()):
-        return False
-    return t.is_contiguous() and t.shape[-1] % 16 == 0 and aligned(t, 16)
-
-
 _launcher = FastKernel(_fp8_grouped_mm_kernel)
 
 
@@ -178,15 +172,11 @@ def fp8_grouped_mm(
         return y_PN.zero_()
     block_scales = w_scale.dim() == 3
     cfg = config or fp8_config(num_rows, n, dim, block_scales)
+    if cfg.tma and not (x_TD.is_cuda and has_tma(x_TD.get_device())):
+        cfg = cfg._replace(tma=False)  # (a GPU without TMA: pointer loads)
     s_strides = (*w_scale.stride(), 0)[:3]  # (per-channel scales: no K stride)
-    grid = ((cdiv(num_rows, cfg.block_m) + num_experts) * cdiv(n, cfg.block_n),)
-    a_tma = cfg.tma and row_indices_P is None and _tma_ok(x_TD)
-    b_tma = cfg.tma and _tma_ok(w_END)
-    a_desc = TensorDescriptor.from_tensor(x_TD, [cfg.block_m, cfg.block_k]) if a_tma else None
-    b_desc = None
-    if b_tma:
-        w_flat = w_END.view(num_experts * n, dim)
-        b_desc = TensorDescriptor.from_tensor(w_flat, [cfg.block_n, cfg.block_k])
+    grid = (num_programs(num_rows, n, num_experts, cfg),)
+    a_desc, b_desc = tma_descriptors(x_TD, w_END, row_indices_P is None, cfg)
     args = (x_TD, x_scale_T, w_END, w_scale, offsets_E1,
             offsets_E1 if row_indices_P is None else row_indices_P, y_PN, a_desc, b_desc,
             num_tokens, num_rows,
@@ -195,8 +185,8 @@ def fp8_grouped_mm(
     constexprs = dict(
         HAS_RIDX=row_indices_P is not None, BLOCK_SCALES=block_scales, BM=cfg.block_m,
         BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
-        BLOCK_E=next_pow2(num_experts + 1), EVEN_K=dim % cfg.block_k == 0, A_TMA=a_tma,
-        B_TMA=b_tma, UPCAST=INTERPRET,
+        BLOCK_E=next_pow2(num_experts + 1), EVEN_K=dim % cfg.block_k == 0,
+        A_TMA=a_desc is not None, B_TMA=b_desc is not None, UPCAST=INTERPRET,
         WHILE_LOOPS=INTERPRET,
     )  # fmt: skip
     _launcher.launch(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

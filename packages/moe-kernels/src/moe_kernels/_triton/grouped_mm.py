@@ -333,6 +333,21 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.is_contiguous() and row_bytes % 16 == 0 and aligned(t, 16)
 
 
+def tma_descriptors(x_TD: torch.Tensor, w_END: torch.Tensor, sorted_rows: bool, cfg) -> tuple:
+    """(A's, B's) host TMA descriptors for a launch with config ``cfg`` (``tma``, ``block_m``,
+    ``block_n``, ``block_k``), or None for the operands loaded through pointers: A (x, blocks
+    (BM, BK)) only for sorted rows, B (w viewed (E*N, D), blocks (BN, BK)); each where
+    ``_tma_ok`` allows it."""
+    a_desc = b_desc = None
+    if cfg.tma and sorted_rows and _tma_ok(x_TD):
+        a_desc = TensorDescriptor.from_tensor(x_TD, [cfg.block_m, cfg.block_k])
+    if cfg.tma and _tma_ok(w_END):
+        num_experts, n, dim = w_END.shape
+        w_flat = w_END.view(num_experts * n, dim)
+        b_desc = TensorDescriptor.from_tensor(w_flat, [cfg.block_n, cfg.block_k])
+    return a_desc, b_desc
+
+
 def num_programs(num_rows: int, n: int, num_experts: int, cfg: GemmConfig) -> int:
     """The static grid: an upper bound of (m-tiles of every group and of the tail) x n-tiles."""
     return (cdiv(num_rows, cfg.block_m) + num_experts) * cdiv(n, cfg.block_n)
@@ -363,13 +378,8 @@ def gather_grouped_mm(
         x_TD.element_size(),
         *(_device_limits(x_TD.get_device()) if x_TD.is_cuda else (227 * 1024, False)),
     )
-    a_tma = cfg.tma and row_indices_P is None and _tma_ok(x_TD)
-    b_tma = cfg.tma and _tma_ok(w_END)
-    a_desc = TensorDescriptor.from_tensor(x_TD, [cfg.block_m, cfg.block_k]) if a_tma else None
-    b_desc = None
-    if b_tma:
-        w_flat = w_END.view(num_experts * n, dim)
-        b_desc = TensorDescriptor.from_tensor(w_flat, [cfg.block_n, cfg.block_k])
+    a_desc, b_desc = tma_descriptors(x_TD, w_END, row_indices_P is None, cfg)
+    a_tma, b_tma = a_desc is not None, b_desc is not None
     grid = (num_programs(num_rows, n, num_experts, cfg),)
     args = (
         x_TD,
