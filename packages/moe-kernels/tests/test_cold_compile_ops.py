@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import inspect
 import os
-from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import moe_kernels as mk
-from moe_kernels.testing import op_problems, run_fresh, selected
+from moe_kernels.testing import FreshRun, fresh_runs, op_problems, run_fresh
 
 COLD = "from moe_kernels.testing import cold_main; cold_main()"
 NAMES = list(op_problems("cpu"))
@@ -37,14 +37,40 @@ def test_every_op_compiles_cold_on_cpu():
     assert run.output.count(": ok") == len(NAMES), run.output[-8000:]
 
 
+def test_fresh_runs_starts_each_selected_case_once(monkeypatch):
+    """Up front, once per distinct case of the requesting module in a plain session; on demand,
+    once per case asked, in an xdist worker (which collects every case of every worker)."""
+    calls = []
+
+    def one(case):
+        calls.append(case)
+        return FreshRun(0, case)
+
+    here, other = SimpleNamespace(), SimpleNamespace()
+
+    def item(module, params):
+        return SimpleNamespace(module=module, callspec=SimpleNamespace(params=params))
+
+    items = [item(here, {"name": n}) for n in "abca"] + [item(other, {"name": "z"})]
+    items.append(item(here, {"rows": 3}))
+    request = SimpleNamespace(module=here, session=SimpleNamespace(items=items))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    runs = fresh_runs(request, "name", one, workers=2)
+    assert sorted(calls) == ["a", "b", "c"] and list(runs) == ["a", "b", "c"]
+    assert runs["b"].output == "b"
+    calls.clear()
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    runs = fresh_runs(request, "name", one, workers=2)
+    assert calls == []
+    assert runs["c"].output == "c" and runs["c"].output == "c" and calls == ["c"]
+
+
 @pytest.fixture(scope="module")
 def gpu_runs(request):
-    """op name -> FreshRun for the selected ops (``-k``), one process per op, up to 8 at a time
-    (compiling is host work)."""
-    names = selected(request, "name")
+    """op name -> FreshRun, one process per op, up to 8 at a time (compiling is host work;
+    ``fresh_runs``)."""
     workers = int(os.environ.get("MOE_COLD_WORKERS", "8"))
-    with ThreadPoolExecutor(workers) as pool:
-        return dict(zip(names, pool.map(lambda n: run_fresh(COLD, "cuda", n), names), strict=True))
+    return fresh_runs(request, "name", lambda n: run_fresh(COLD, "cuda", n), workers)
 
 
 @pytest.mark.gpu

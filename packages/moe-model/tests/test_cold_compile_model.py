@@ -12,12 +12,11 @@ CUDA graphs. On CPU (CI) the torch-running implementations in one process per ch
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from moe_kernels.testing import run_fresh, selected
+from moe_kernels.testing import fresh_runs, run_fresh
 from moe_model import MOE_IMPLS
 from moe_model.impls import IMPLS
 
@@ -156,8 +155,7 @@ def _workers() -> int:
 
 @pytest.fixture(scope="module")
 def gpu_runs(request):
-    """case -> FreshRun for the selected cases (``-k``), run side by side (``_workers``)."""
-    cases = selected(request, "case")
+    """case -> FreshRun, ``_workers`` processes side by side (``fresh_runs``)."""
 
     def one(case):
         kind, impl, graphs = case
@@ -165,8 +163,7 @@ def gpu_runs(request):
             return run_fresh(LAYER, "cuda", impl)
         return run_fresh(ENGINE, "cuda", impl, graphs)
 
-    with ThreadPoolExecutor(_workers()) as pool:
-        return dict(zip(cases, pool.map(one, cases), strict=True))
+    return fresh_runs(request, "case", one, _workers())
 
 
 @pytest.mark.gpu

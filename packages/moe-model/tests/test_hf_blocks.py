@@ -79,8 +79,13 @@ def test_replaced_blocks_match_hf(family, device):
         assert len(got.router_logits) == len(want.router_logits) == len(names)
         for a, b in zip(got.router_logits, want.router_logits, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    if want.aux_loss is not None or got.aux_loss is not None:  # (Llama4 has none)
-        torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=0, atol=1e-6)
+    # the same for the auxiliary loss (Llama4 has none; on CUDA DeepSeek-V3 and Llama4 return
+    # outputs without the field)
+    want_aux, got_aux = getattr(want, "aux_loss", None), getattr(got, "aux_loss", None)
+    if want_aux is None:
+        assert got_aux is None
+    else:
+        torch.testing.assert_close(got_aux, want_aux, rtol=0, atol=1e-6)
     assert got_grads.keys() == want_grads.keys()
     for pid, g in want_grads.items():
         err = (got_grads[pid] - g).abs().max() / g.abs().max().clamp_min(1e-30)

@@ -21,9 +21,9 @@ from moe_kernels.testing.cold import (
     FreshRun,
     cold_compile,
     cold_main,
+    fresh_runs,
     run_fresh,
     same_bits,
-    selected,
     tensors_of,
 )
 from moe_kernels.testing.gpu import (
@@ -82,6 +82,7 @@ __all__ = [
     "cold_main",
     "execution_path",
     "forbid_host_sync",
+    "fresh_runs",
     "full_run",
     "gpu_test_device",
     "guarded",
@@ -94,7 +95,6 @@ __all__ = [
     "replay_mismatches",
     "run_fresh",
     "same_bits",
-    "selected",
     "sm90_compiler_missing",
     "tensors_of",
     # independent oracles, bit-equality checks, sm_90a launch compiles, the MXFP8 table

@@ -14,8 +14,9 @@ import os
 import subprocess
 import sys
 import traceback
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,8 +25,8 @@ __all__ = [
     "cold_compile",
     "cold_main",
     "run_fresh",
+    "fresh_runs",
     "same_bits",
-    "selected",
     "tensors_of",
 ]
 
@@ -136,15 +137,35 @@ def run_fresh(code: str, *args: str, env: dict[str, str] | None = None,
     return FreshRun(proc.returncode, proc.stdout)
 
 
-def selected(request, param: str) -> list:
-    """The values of the parametrised argument ``param`` that this pytest session runs in the
-    requesting module (after ``-k`` / ``-m``), in order: a module fixture that starts one fresh
-    process per case starts only those."""
-    seen = []
+def fresh_runs(request, param: str, run_one: Callable[[Any], FreshRun], workers: int) -> dict:
+    """Value of the parametrised argument ``param`` -> ``run_one(value)``, for a module fixture
+    whose tests each check one case run in a fresh process.
+
+    In a plain pytest session: every case that this session runs in the requesting module (after
+    ``-k`` / ``-m``), started up front, ``workers`` side by side. In a pytest-xdist worker, which
+    collects every case but runs only those it is handed, each case starts when its test asks:
+    the workers already run side by side, and starting every case in each of them would start
+    each case once per worker (out of GPU memory at ``-n 4``)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return _OnDemand(run_one)
+    cases = []
     for item in request.session.items:
         spec = getattr(item, "callspec", None)
         if item.module is not request.module or spec is None or param not in spec.params:
             continue
-        if spec.params[param] not in seen:
-            seen.append(spec.params[param])
-    return seen
+        if spec.params[param] not in cases:
+            cases.append(spec.params[param])
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(zip(cases, pool.map(run_one, cases), strict=True))
+
+
+class _OnDemand(dict):
+    """A dict that computes a missing key's value with ``make(key)`` and keeps it."""
+
+    def __init__(self, make: Callable[[Any], FreshRun]):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        self[key] = value = self._make(key)
+        return value
