@@ -41,9 +41,9 @@ def by_hand(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
 
 
 def assert_near(got: torch.Tensor, want: torch.Tensor, impl: str) -> None:
-    """max |got - want| within a fraction of max |want|: 8-bit GEMM operands (mxfp8), bf16
+    """max |got - want| within a fraction of max |want|: 8-bit GEMM operands (mxfp8, fp8), bf16
     roundings (bf16 x, or triton_bf16's bf16 combine output), else fp32 sums in other orders."""
-    if impl == "mxfp8":
+    if impl in ("mxfp8", "fp8"):
         rel = 0.15
     elif dtype == torch.bfloat16 or impl == "triton_bf16":
         rel = 3e-2

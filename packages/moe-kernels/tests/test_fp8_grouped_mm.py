@@ -95,6 +95,8 @@ def test_quantize_weights_within_e4m3_rounding(block):
     bound = 2.0**-4 * w.abs() + 2.0**-9 * 448 * s
     assert ((deq - w).abs() <= bound).all()
     assert (q.weight[1, 7].float() == 0).all()
+    assert torch.equal(q.dequantize(), deq)  # the NamedTuple's own dequantisation
+    assert torch.equal(q.dequantize(torch.bfloat16), deq.bfloat16())
 
 
 def test_no_graph_break():

@@ -181,6 +181,7 @@ def test_bad_arguments():
         "triton_fp32",
         "fbgemm",
         "mxfp8",
+        "fp8",
     }
     layer.impl = "triton_fused"  # a former name, kept as an alias
     assert layer.impl == "triton_bf16"

@@ -36,6 +36,18 @@ class Fp8Weights(NamedTuple):
     weight: torch.Tensor
     scale: torch.Tensor
 
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(E, N, D) ``weight * scale`` in fp32 (broadcast per channel or block), cast once to
+        ``dtype``."""
+        E, N, D = self.weight.shape
+        scale = self.scale.float()
+        if scale.dim() == 3:  # per 128 x 128 block
+            scale = scale.repeat_interleave(SCALE_BLOCK, 1).repeat_interleave(SCALE_BLOCK, 2)
+            scale = scale[:, :N, :D]
+        else:
+            scale = scale[:, :, None]
+        return (self.weight.float() * scale).to(dtype)
+
 
 def quantize_fp8_weights(w_END: torch.Tensor, *, block: bool = False) -> Fp8Weights:
     """Quantise expert weights w_END (E, N, D) (float32/bf16/fp16, ``nn.Linear``'s out x in per

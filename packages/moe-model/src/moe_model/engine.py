@@ -18,13 +18,15 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.profiler import record_function
 
 from moe_model._checks import check_device
 from moe_model._moe_options import check_bool
 from moe_model.config import WorldModelConfig
-from moe_model.impls import KERNEL_DTYPES, check_dtype, check_impl
+from moe_model.impls import IMPLS, KERNEL_DTYPES, check_dtype, check_impl
 from moe_model.kv_cache import KVRingCache
+from moe_model.moe import MoELayer
 from moe_model.world import WorldModel, check_config, model_parameter_counts
 
 Ctrl = Mapping[str, object] | None
@@ -175,6 +177,8 @@ class WorldEngine:
         for name, p in model.named_parameters():  # routers stay fp32, buffers (RoPE) stay fp32
             if not name.endswith("router.weight"):
                 p.data = p.data.to(dtype)
+        if _init_weights:
+            _quantize_fp8_experts(model)
         self.model = model.eval().requires_grad_(False)
         dev = self.device
         self.cache = KVRingCache(
@@ -443,6 +447,14 @@ class WorldEngine:
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(state[name])
+        _quantize_fp8_experts(eng.model)
         if eng._check_runtime(compile, cuda_graph):
             eng.set_runtime(compile=compile, cuda_graph=True)
         return eng
+
+
+def _quantize_fp8_experts(model: nn.Module) -> None:
+    """The MoE layers of the ``"fp8"`` impl quantise their experts as the weights now are."""
+    for m in model.modules():
+        if isinstance(m, MoELayer) and IMPLS[m.impl].fp8_experts:
+            m.quantize_experts()

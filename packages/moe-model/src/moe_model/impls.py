@@ -50,7 +50,9 @@ class MoEImpl:
     a scale or renormalisation / backpropagate / run under ``ExpertParallelMoE`` / run experts
     with features (``moe_model.expert_features``). shared_dtype:
     the shared experts' GEMM dtype (None: their weights'). needs_module: a package it imports
-    (``available``: whether that is installed).
+    (``available``: whether that is installed). fp8_experts: its experts step reads the layer's
+    quantised experts (``MoELayer.fp8_experts()``, two ``moe_kernels.Fp8Weights``) in place of
+    ``in_proj`` / ``out_proj``.
     """
 
     name: str
@@ -63,6 +65,7 @@ class MoEImpl:
     refuses_features: str | None = None
     shared_dtype: torch.dtype | None = None
     needs_module: str | None = None
+    fp8_experts = False
 
     @property
     def available(self) -> bool:
@@ -300,6 +303,41 @@ class Mxfp8Impl(TritonImpl):
         return out.to(a_RK.dtype)
 
 
+class Fp8Impl(TritonImpl):
+    """FP8 (e4m3) experts for inference, FBGEMM's chain: moe-kernels ``route``; the routed rows
+    gathered and quantised per row in one pass (``gather_scale_quant_dense_tokens``, unit
+    scores); ``fp8_grouped_mm`` against the layer's quantised ``in_proj`` (bf16 out); SiLU (times
+    up when gated) quantised per row in one pass (``silu_mul_quant``); ``fp8_grouped_mm`` against
+    the quantised ``out_proj`` (bf16 out); the weighted ``combine`` in fp32."""
+
+    experts_combine = MoEImpl.experts_combine
+    refuses_autograd = "its FP8 experts have no backward yet"
+    refuses_expert_parallel = "its quantised experts stay with the layer"
+    refuses_features = "it runs plain SiLU(-gated) experts only"
+    fp8_experts = True
+
+    def __init__(self) -> None:
+        super().__init__("fp8", torch.float32)
+
+    def rows_dtype(self, x_dtype, w_dtype):
+        return x_dtype  # (the gather quantises the tokens as they are)
+
+    def experts(self, rows, in_proj, out_proj, gated, record):
+        x_TD = rows.source
+        ones_TE = x_TD.new_ones((1, 1), dtype=torch.float32).expand(x_TD.shape[0], 1)
+        picked_P = torch.zeros_like(rows.expert_indices)  # (the scores' one column)
+        x8 = mk.gather_scale_quant_dense_tokens(
+            x_TD, rows.source_indices, torch.where(rows.expert_indices >= 0, picked_P, -1),
+            ones_TE,
+        )  # fmt: skip
+        bf16 = torch.bfloat16
+        h_PH = mk.fp8_grouped_mm(x8.data, x8.scale, *in_proj, rows.offsets, out_dtype=bf16)
+        H = out_proj.weight.shape[2]
+        up_PH = h_PH[:, H:] if gated else h_PH.new_ones((1, 1)).expand(h_PH.shape[0], H)
+        a8 = mk.silu_mul_quant(h_PH[:, :H], up_PH)
+        return mk.fp8_grouped_mm(a8.data, a8.scale, *out_proj, rows.offsets, out_dtype=bf16)
+
+
 class FbgemmImpl(MoEImpl):
     """fbgemm_gpu's ``index_shuffling`` / ``gather_scale_dense_tokens`` /
     ``scatter_add_dense_tokens`` around torch grouped GEMMs. fbgemm scales tokens on the gather
@@ -354,6 +392,7 @@ IMPLS: dict[str, MoEImpl] = {
         TritonImpl("triton_fp32", torch.float32),
         FbgemmImpl(),
         Mxfp8Impl(),
+        Fp8Impl(),
     )
 }
 MOE_IMPLS: tuple[str, ...] = tuple(IMPLS)

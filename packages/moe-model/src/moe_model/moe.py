@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_kernels import RoutingPlan
+from moe_kernels import Fp8Weights, RoutingPlan
 from moe_model._checks import check_device
 from moe_model._moe_options import (
     FLOAT_DTYPES,
@@ -45,6 +45,7 @@ from moe_model.expert_features import (
     composed_experts_combine,
 )
 from moe_model.expert_ops import ExpertRows
+from moe_model.fp8_experts import QuantisedExperts, requantise_after_load
 from moe_model.impls import (
     IMPLS,
     check_dtype,
@@ -139,7 +140,9 @@ class MoELayer(nn.Module):
         aux_loss_coef: > 0 sets ``aux_loss`` after every forward with grad enabled, the Switch
             load-balancing loss (add it to the training loss); otherwise ``aux_loss`` is None.
         impl: the implementation (``MOE_IMPLS``); can be changed on an existing layer (TypeError
-            if it does not take the expert weights' dtype).
+            if it does not take the expert weights' dtype). ``"fp8"`` (inference) runs FP8 copies
+            of the experts, made when the layer is built or switched to it
+            (``quantize_experts``), or loaded (``load_fp8_experts``).
         device, dtype: factory kwargs of the expert weights (routed and shared, the shared
             gate included); the router (weight and bias) and ``expert_bias`` stay fp32 on
             ``device``. Checked when built, naming the argument: ``device`` None (torch's
@@ -176,6 +179,11 @@ class MoELayer(nn.Module):
     only: ValueError for a bias, groups, a scale or renormalisation) backpropagates to x, the
     router and the experts. All but ``"baseline"`` are free of host syncs (torch.compile
     fullgraph, CUDA graphs) and bitwise deterministic, gradients included.
+
+    FP8 experts (``fp8``, a ``moe_model.fp8_experts.QuantisedExperts`` or None): derived from
+    ``in_proj`` / ``out_proj``, not in the state dict, re-made after ``load_state_dict``; a
+    forward of the ``"fp8"`` impl after the weights changed otherwise raises RuntimeError until
+    ``quantize_experts()`` runs again.
 
     Ownership: an ``ExpertParallelMoE`` built on this layer takes its experts
     (``experts_owner`` then names it): the layer keeps the router, bias and shared experts for
@@ -269,6 +277,7 @@ class MoELayer(nn.Module):
         self.n_shared_experts, self.aux_loss_coef = opts.n_shared_experts, opts.aux_loss_coef
         self.aux_loss = None
         self.experts_owner: str | None = None
+        self.fp8: QuantisedExperts | None = None
         f32 = dict(device=device, dtype=torch.float32)
         bias = torch.zeros(n_experts, **f32) if expert_bias else None
         self.register_buffer("expert_bias", bias)
@@ -291,6 +300,9 @@ class MoELayer(nn.Module):
         )
         self.shared_expert_gate = nn.Linear(d_model, 1, bias=False, **w) if shared_gate else None
         self.reset_parameters()
+        if IMPLS[self._impl].fp8_experts and self.in_proj.device.type != "meta":
+            self.quantize_experts()
+        self.register_load_state_dict_post_hook(requantise_after_load)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> MoELayer:
@@ -317,6 +329,8 @@ class MoELayer(nn.Module):
         if w is not None:
             check_dtype(w.dtype, impl, name="the expert weights' dtype")
         self._impl = impl
+        if IMPLS[impl].fp8_experts and w is not None and getattr(self, "fp8", None) is None:
+            self.quantize_experts()
 
     def reset_parameters(self) -> None:
         """Random router, expert and shared-gate weights (normal, std 1/sqrt(fan-in)); the
@@ -355,6 +369,49 @@ class MoELayer(nn.Module):
         del self.in_proj, self.out_proj
         self.experts_owner = owner
         return experts
+
+    def quantize_experts(self, *, block: bool | None = None) -> None:
+        """Make the FP8 experts ``fp8`` from ``in_proj`` / ``out_proj`` as they are now
+        (``moe_kernels.quantize_fp8_weights``: scales per output channel, or with ``block`` per
+        128 x 128 block; None: as the previous copies, else per channel). Call it after changing
+        the weights in place; the ``"fp8"`` impl reads these copies."""
+        block = (self.fp8 is not None and self.fp8.block) if block is None else block
+        self.fp8 = QuantisedExperts.quantise(*self._own_experts("quantize_experts"), block)
+
+    def load_fp8_experts(self, in_proj: Fp8Weights, out_proj: Fp8Weights) -> None:
+        """Take a checkpoint's FP8 experts (``moe_kernels.Fp8Weights``: float8_e4m3fn weights
+        ``(E, hidden * (2 if gated else 1), d_model)`` and ``(E, d_model, hidden)`` in
+        ``nn.Linear``'s layout, fp32 scales per output channel or per 128 x 128 block, as
+        DeepSeek-V3 ships them) as ``fp8``, and set ``in_proj`` / ``out_proj`` to their
+        dequantised values (so every impl computes the same experts). TypeError / ValueError
+        naming the argument (shapes, dtypes, a scale that is not finite and positive)."""
+        weights = self._own_experts("load_fp8_experts")
+        self.fp8 = QuantisedExperts.load(*weights, in_proj, out_proj)
+
+    def fp8_experts(self) -> tuple[Fp8Weights, Fp8Weights]:
+        """The FP8 experts (in_proj, out_proj) the ``"fp8"`` impl runs: RuntimeError if there
+        are none or the weights changed since they were made."""
+        if self.fp8 is None:
+            raise RuntimeError("this layer has no FP8 experts: call quantize_experts() first")
+        if not torch.compiler.is_compiling():  # (host-side facts; a compiled frame skips them)
+            self.fp8.check_current(self.in_proj, self.out_proj)
+        return self.fp8.get()
+
+    def _own_experts(self, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.experts_owner is not None:
+            raise RuntimeError(f"this MoELayer's experts belong to an {self.experts_owner}: {what} "
+                               "needs the layer that holds them")  # fmt: skip
+        return self.in_proj, self.out_proj
+
+    def _apply(self, fn, recurse=True):
+        """``Module._apply`` (``to``, ``cuda``, ``half``): FP8 experts that were current stay
+        current (the weights moved or were cast with them)."""
+        fp8 = self.fp8 if self.experts_owner is None else None
+        current = fp8 is not None and fp8.current(self.in_proj, self.out_proj)
+        out = super()._apply(fn, recurse)
+        if current:
+            fp8.remember(self.in_proj, self.out_proj)
+        return out
 
     @property
     def has_features(self) -> bool:
@@ -497,6 +554,8 @@ class MoELayer(nn.Module):
         rows_TD = x_TD.to(impl.rows_dtype(x_TD.dtype, in_proj.dtype))
         sent = exchange.to_experts(rows_TD, plan, record)
         self.last_counts.copy_(sent.counts)  # in place: a mutation torch.compile traces
+        if impl.fp8_experts:  # its quantised copies (an ExpertParallelMoE refuses the impl)
+            in_proj, out_proj = self.fp8_experts()
         if self.has_features:  # composed steps (an ExpertParallelMoE refuses such layers)
             y_TD = composed_experts_combine(
                 impl, sent.rows, sent.plan, in_proj, out_proj, self.gated, self.features(), x_TD

@@ -121,8 +121,8 @@ def moe_rows(ctx: Ctx) -> list[Row]:
     d, E, k, h, T = (512, 16, 4, 256, 512) if cuda else (64, 8, 2, 32, 48)
     dtype = torch.bfloat16 if cuda else torch.float32
     default_tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
-    # mxfp8: e4m3 data, ~2^-4 relative per element; triton_bf16: its combine writes bf16
-    tolerances = {"mxfp8": 0.1, "triton_bf16": 1e-2}
+    # mxfp8, fp8: e4m3 data, ~2^-4 relative per element; triton_bf16: its combine writes bf16
+    tolerances = {"mxfp8": 0.1, "fp8": 0.1, "triton_bf16": 1e-2}
     shape = f"T={T} d={d} E={E} k={k} h={h} {str(dtype).removeprefix('torch.')}"
     sizes = dict(d_model=d, n_experts=E, top_k=k, hidden=h, gated=False, score_fn="softmax")
     layer = build_layer(sizes, ctx.device, dtype, seed=ctx.rng.randint(0, 2**31 - 1))
