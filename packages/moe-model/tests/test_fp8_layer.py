@@ -105,6 +105,17 @@ def test_stale_copies_refused_until_requantised():
         after = layer(x)
     ratio = after.float().abs().sum() / before.float().abs().sum()
     assert 1.9 < ratio < 2.1  # (SiLU is not linear in in_proj; out_proj scales the output)
+    # switching to the impl makes stale copies again; current (or loaded) ones are kept
+    layer.impl = "torch"
+    with torch.no_grad():
+        layer.out_proj.mul_(0.5)
+    layer.impl = "fp8"
+    with torch.no_grad():
+        assert torch.equal(layer(x), before)
+    kept = layer.fp8
+    layer.impl = "torch"
+    layer.impl = "fp8"
+    assert layer.fp8 is kept
 
 
 def test_cast_and_move_keep_the_copies_current():
