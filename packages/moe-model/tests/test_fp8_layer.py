@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import moe_kernels as mk
+from moe_kernels.testing import execution_path
 from moe_model import MoELayer, WorldEngine, WorldModelConfig
 
 FP8 = torch.float8_e4m3fn
@@ -63,10 +64,12 @@ def test_matches_the_oracle_and_repeats(gated, dtype, block):
         got, again = layer(x), layer(x)
     want = oracle(layer, x)
     assert got.dtype == dtype and torch.equal(got, again)
-    # Equal on the reference path; elsewhere only the K sums' order can move a bf16 rounding of
+    # Equal on the reference path; on the GPU only the K sums' order can move a bf16 rounding of
     # an expert's output, rarely an e4m3 one of its activation: a few bf16 ulps of the largest.
+    # Triton's interpreter truncates bf16 stores (the GEMM's outputs), which moves e4m3 roundings
+    # of the activations more often.
     err = (got.float() - want.float()).abs().max() / want.float().abs().max()
-    assert err < 1e-2, err
+    assert err < (5e-2 if execution_path(x.device) == "interpreter" else 1e-2), err
 
 
 def test_same_function_as_the_unquantised_layer():
@@ -156,7 +159,8 @@ def test_loads_a_checkpoints_fp8_experts():
     x = torch.randn(21, D, generator=g).to(torch.bfloat16)
     with torch.no_grad():
         got = layer(x)
-    torch.testing.assert_close(got, oracle(layer, x), rtol=0, atol=2e-2 * got.abs().max().item())
+    tol = 5e-2 if execution_path(x.device) == "interpreter" else 1e-2  # (as above)
+    torch.testing.assert_close(got, oracle(layer, x), rtol=0, atol=tol * got.abs().max().item())
 
 
 def test_bad_fp8_experts_named_and_nothing_changed():
