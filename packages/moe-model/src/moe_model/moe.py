@@ -330,9 +330,9 @@ class MoELayer(nn.Module):
             check_dtype(w.dtype, impl, name="the expert weights' dtype")
         self._impl = impl
         fp8 = getattr(self, "fp8", None)  # (made again unless current: loaded ones are kept)
-        if IMPLS[impl].fp8_experts and w is not None:
-            if fp8 is None or not fp8.current(w, self.out_proj):
-                self.quantize_experts()
+        stale = fp8 is None or (w is not None and not fp8.current(w, self.out_proj))
+        if IMPLS[impl].fp8_experts and w is not None and stale:
+            self.quantize_experts()
 
     def reset_parameters(self) -> None:
         """Random router, expert and shared-gate weights (normal, std 1/sqrt(fan-in)); the
