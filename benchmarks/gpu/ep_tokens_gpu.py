@@ -107,15 +107,20 @@ def time_shuffles(rows, dim, ep, cols, start, end, padded, label, native=False) 
         else:
             ours = timed(shape, op, lambda: sh.split_shuffling(x, counts, start, end, padded),
                          nbytes, clone)  # fmt: skip
+        # FBGEMM's contract (the rows no chunk holds left unwritten): the bytes it moves
+        fn = sh.combine_shuffling if combine else sh.split_shuffling
+        unwritten = timed(shape, f"{op} zero_unowned=False",
+                          lambda: fn(x, counts, start, end, padded, zero_unowned=False),
+                          2 * live * dim * 2, ours)  # fmt: skip
         if fb is None:
             continue
         kw = {_fb_padded_kw(): padded}
         if combine:
             timed(shape, f"{op} FBGEMM", lambda: fb.combine_shuffling(x, counts, start, end, **kw),
-                  2 * live * dim * 2, ours)  # fmt: skip
+                  2 * live * dim * 2, unwritten)  # fmt: skip
         else:
             timed(shape, f"{op} FBGEMM", lambda: fb.split_shuffling(x, counts, start, end, **kw),
-                  2 * live * dim * 2, ours)  # fmt: skip
+                  2 * live * dim * 2, unwritten)  # fmt: skip
             if "init_with_zeros" in inspect.signature(fb.split_shuffling).parameters:
                 timed(shape, f"{op} FBGEMM init_with_zeros",
                       lambda: fb.split_shuffling(x, counts, start, end, init_with_zeros=True, **kw),

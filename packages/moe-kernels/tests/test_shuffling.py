@@ -275,12 +275,25 @@ CONFIGS = [(4, 16, 1, 1, 4), (2, 16, 2, 2, 4), (8, 32, 1, 4, 4), (1, 16, 3, 8, 2
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="the kernel runs under TRITON_INTERPRET=1")
 
 
+def owned_rows(tokens, counts, start, end, padded, combine):
+    """(T,) bool: the output rows some chunk holds (the oracle run on all-ones tokens)."""
+    ones = torch.ones(tokens.shape[0], 1, dtype=torch.int32)
+    return oracle_shuffle(ones, counts, start, end, padded, combine)[:, 0] == 1
+
+
 def check_kernel(tokens, counts, start, end, padded, config=None):
     from moe_kernels._triton import shuffling as tri
 
     for combine in (True, False):
         out, c = tri.shuffle(tokens, counts, start, end, padded, combine, config=config)
-        assert torch.equal(out, oracle_shuffle(tokens, counts, start, end, padded, combine))
+        want = oracle_shuffle(tokens, counts, start, end, padded, combine)
+        assert torch.equal(out, want)
+        if combine:
+            assert torch.equal(c, oracle_shuffle_counts(counts, start, end))
+        # FBGEMM's contract: the owned rows alone, the others left as torch.empty made them
+        out, c = tri.shuffle(tokens, counts, start, end, padded, combine, config, zero=False)
+        owned = owned_rows(tokens, counts, start, end, padded, combine)
+        assert torch.equal(out[owned], want[owned])
         if combine:
             assert torch.equal(c, oracle_shuffle_counts(counts, start, end))
 
@@ -313,7 +326,9 @@ def test_opcheck():
     tokens = rand((20, 12), torch.bfloat16, 25)
     counts = random_counts(20, 2, 4, 26)
     ops = torch.ops.moe_kernels
-    for args in ((tokens, counts, 1, 3, False), (tokens, counts.long(), 0, 4, True)):
+    # (zeroing the rows no chunk holds: opcheck compares whole outputs, and without zeroing the
+    # kernel leaves those rows as torch.empty made them)
+    for args in ((tokens, counts, 1, 3, False, True), (tokens, counts.long(), 0, 4, True, True)):
         torch.library.opcheck(ops.combine_shuffling.default, args)
         torch.library.opcheck(ops.split_shuffling.default, args)
 
@@ -340,6 +355,31 @@ def test_compile_fullgraph_matches_eager(device):
     compiled = torch.compile(step, fullgraph=True, backend="inductor")(tokens, counts)
     for e, c in zip(eager, compiled, strict=True):
         assert torch.equal(e, c)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_unowned_rows_left_unwritten_on_request(padded):
+    """``zero_unowned=False`` (FBGEMM's contract): the owned rows as always; the others are
+    unspecified (zero on the reference path, untouched by the kernel); ``init_with_zeros``
+    zeroes them anyway; a program past the owned rows stops early without losing counts."""
+    tokens = rand((48, 24), torch.bfloat16, 41)
+    counts = padded_counts(12, 4, 6, 42) if padded else random_counts(30, 4, 6, 42)
+    for start, end in ((0, 6), (2, 3), (5, 5)):
+        out, c = combine_shuffling(tokens, counts, start, end, padded, zero_unowned=False)
+        owned = owned_rows(tokens, counts, start, end, padded, True)
+        want = oracle_shuffle(tokens, counts, start, end, padded, True)
+        assert torch.equal(out[owned], want[owned])
+        assert torch.equal(c, oracle_shuffle_counts(counts, start, end))
+        back = split_shuffling(tokens, counts, start, end, padded, zero_unowned=False)
+        owned = owned_rows(tokens, counts, start, end, padded, False)
+        want = oracle_shuffle(tokens, counts, start, end, padded, False)
+        assert torch.equal(back[owned], want[owned])
+        zeroed = split_shuffling(tokens, counts, start, end, padded, True, zero_unowned=False)
+        assert torch.equal(zeroed, want)
+    with pytest.raises(TypeError, match="zero_unowned"):
+        combine_shuffling(tokens, counts, zero_unowned=0)
+    with pytest.raises(TypeError, match="zero_unowned"):
+        split_shuffling(tokens, counts, zero_unowned=None)
 
 
 def test_direct_eager_path_matches_custom_op(monkeypatch):
@@ -434,6 +474,8 @@ def test_launches_compile_for_sm90(monkeypatch):
         for counts_dtype, combine in ((torch.int32, True), (torch.int64, False)):
             counts = torch.empty(ep, cols, dtype=counts_dtype, device="meta")
             calls.append(lambda a=(tokens, counts, start, end, padded, combine): tri.shuffle(*a))
+            calls.append(lambda a=(tokens, counts, start, end, padded, combine): tri.shuffle(
+                *a, zero=False))  # fmt: skip
     strided = torch.empty(300, 2 * 2048, dtype=torch.bfloat16, device="meta")[:, ::2]
     counts = torch.empty(4, 8, dtype=torch.int32, device="meta")
     calls.append(lambda: tri.shuffle(strided, counts, 0, 8, False, True))

@@ -19,9 +19,11 @@ Both ops are ``torch.library`` custom ops (``moe_kernels::combine_shuffling``,
 ``moe_kernels::split_shuffling``) with fake kernels: one kernel launch each on CUDA, counts read
 on the device (no host sync), output shapes from the input shapes alone; safe under
 ``torch.compile(fullgraph=True)`` and CUDA-graph capture; deterministic (every output row is one
-input row or zero).
+input row or zero; with ``zero_unowned=False`` the rows no chunk holds are not determined).
 
-Differences from FBGEMM: rows FBGEMM leaves unwritten (``torch.empty_like``) are zero here;
+Differences from FBGEMM: rows FBGEMM leaves unwritten (``torch.empty_like``) are zero here
+unless ``zero_unowned=False`` asks for FBGEMM's contract (then they are left unwritten, and a
+program whose rows all lie past the last owned row does no more than read the counts);
 tokens of any 1/2/4/8-byte dtype (a bit copy) and strided tokens / counts are accepted; counts
 that break the contract (negative, summing past T, or past a rank's padded block) are undefined
 by contract but memory-safe: counts are clamped into [0, T] (negative counts count as zero, huge
@@ -54,10 +56,10 @@ class CombinedTokens(NamedTuple):
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _run(tokens, token_counts, expert_start, expert_end, is_padded, combine):
+def _run(tokens, token_counts, expert_start, expert_end, is_padded, combine, zero):
     if use_triton(tokens.device):
         return triton_kernels("shuffling").shuffle(
-            tokens, token_counts, expert_start, expert_end, is_padded, combine
+            tokens, token_counts, expert_start, expert_end, is_padded, combine, zero=zero
         )
     bits = _BITS[tokens.element_size()]  # the reference moves bits too (fp8, bool, ... on CPU)
     if combine:
@@ -75,11 +77,12 @@ def _combine_impl(
     expert_start: int,
     expert_end: int,
     is_padded: bool,
+    zero_unowned: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run(tokens, token_counts, expert_start, expert_end, is_padded, True)
+    return _run(tokens, token_counts, expert_start, expert_end, is_padded, True, zero_unowned)
 
 
-def _combine_fake(tokens, token_counts, expert_start, expert_end, is_padded):
+def _combine_fake(tokens, token_counts, expert_start, expert_end, is_padded, zero_unowned):
     counts = token_counts.new_empty(expert_end - expert_start + 1)
     return torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device), counts
 
@@ -93,11 +96,12 @@ def _split_impl(
     expert_start: int,
     expert_end: int,
     is_padded: bool,
+    zero_unowned: bool,
 ) -> torch.Tensor:
-    return _run(tokens, token_counts, expert_start, expert_end, is_padded, False)[0]
+    return _run(tokens, token_counts, expert_start, expert_end, is_padded, False, zero_unowned)[0]
 
 
-def _split_fake(tokens, token_counts, expert_start, expert_end, is_padded):
+def _split_fake(tokens, token_counts, expert_start, expert_end, is_padded, zero_unowned):
     return torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
 
 
@@ -152,6 +156,7 @@ def combine_shuffling(
     is_padded: bool = False,
     *,
     is_balanced: bool | None = None,
+    zero_unowned: bool = True,
 ) -> CombinedTokens:
     """Regroup rank-first rows into expert-first order, for the local experts only.
 
@@ -164,14 +169,15 @@ def combine_shuffling(
 
     Returns ``CombinedTokens(tokens, token_counts)``: tokens (T, D), where output chunk (e, r)
     (local experts in order, ranks in order inside an expert, compact from row 0) is input chunk
-    (r, e) of the rank-first layout; rows past the total are zero (FBGEMM leaves them unwritten).
-    token_counts (EG + 1,) in the counts' dtype: for each local expert the sum over ranks, then
-    the sum of those.
+    (r, e) of the rank-first layout; rows past the total are zero, or with ``zero_unowned=False``
+    unspecified (FBGEMM's contract: left unwritten, and skipped, on CUDA). token_counts (EG + 1,)
+    in the counts' dtype: for each local expert the sum over ranks, then the sum of those.
     """
     tokens, token_counts, start, end, padded = _check(
         tokens, token_counts, expert_start, expert_end, is_padded, is_balanced
     )
-    out, counts = combine_shuffling_op.call(tokens, token_counts, start, end, padded)
+    _check_flag("zero_unowned", zero_unowned)
+    out, counts = combine_shuffling_op.call(tokens, token_counts, start, end, padded, zero_unowned)
     return CombinedTokens(out, counts)
 
 
@@ -184,19 +190,27 @@ def split_shuffling(
     init_with_zeros: bool = False,
     *,
     is_balanced: bool | None = None,
+    zero_unowned: bool = True,
 ) -> torch.Tensor:
     """The inverse of ``combine_shuffling``: expert-first rows back into rank-first order.
 
     Arguments as in ``combine_shuffling``; tokens hold the local experts' chunks expert-first
     (compact from row 0). Returns (T, D) in tokens' dtype where output chunk (r, e) of the
     rank-first layout over all E columns (padded blocks with ``is_padded``) is input chunk (e, r);
-    every other row (non-local experts' chunks, padding, rows past the total) is zero.
-    ``init_with_zeros`` is accepted for FBGEMM's signature and changes nothing: unwritten rows are
-    always zero here (FBGEMM leaves them as garbage unless it is set).
+    every other row (non-local experts' chunks, padding, rows past the total) is zero, or with
+    ``zero_unowned=False`` unspecified (FBGEMM's contract: left unwritten on CUDA).
+    ``init_with_zeros`` (FBGEMM's name) zeroes them whatever ``zero_unowned`` says: FBGEMM leaves
+    them as garbage unless it is set; here they are zero unless ``zero_unowned=False`` is asked.
     """
-    if not isinstance(init_with_zeros, bool):
-        raise TypeError(f"init_with_zeros must be a bool, got {type(init_with_zeros).__name__}")
+    _check_flag("init_with_zeros", init_with_zeros)
+    _check_flag("zero_unowned", zero_unowned)
     tokens, token_counts, start, end, padded = _check(
         tokens, token_counts, expert_start, expert_end, is_padded, is_balanced
     )
-    return split_shuffling_op.call(tokens, token_counts, start, end, padded)
+    zero = zero_unowned or init_with_zeros
+    return split_shuffling_op.call(tokens, token_counts, start, end, padded, zero)
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

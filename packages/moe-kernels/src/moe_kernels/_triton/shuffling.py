@@ -11,10 +11,12 @@ a range of D_ITERS * BLOCK_D columns. It first finds each of its rows' source fr
    of every chunk in registers and tests every row against every chunk: chunks are disjoint, so
    a masked sum of ``source + 1`` gives the source (0: no chunk holds the row, it is zero).
 
-Then it copies the rows (or writes zeros): plain loads and stores, a bit copy (dtypes Triton does
-not know go through an integer view), 16-byte vectors along D where D and the strides allow. Row
-offsets are int64; counts are clamped into [0, T] and summed in int64. Nothing here checks
-arguments: ``moe_kernels.shuffling`` does.
+Then it copies the rows (or, with ZERO, writes zeros to rows no chunk holds): plain loads and
+stores, a bit copy (dtypes Triton does not know go through an integer view), 16-byte vectors along
+D where D and the strides allow. Without ZERO (FBGEMM's contract: such rows are left unwritten) a
+program whose rows all lie past the last owned row (combine: the local total; split, unpadded:
+every rank's rows) stops after the counts pass. Row offsets are int64; counts are clamped into
+[0, T] and summed in int64. Nothing here checks arguments: ``moe_kernels.shuffling`` does.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def _shuffle_kernel(
     stride_ce,
     COMBINE: tl.constexpr,
     PADDED: tl.constexpr,
+    ZERO: tl.constexpr,
     BLOCK_EP: tl.constexpr,
     BLOCK_E: tl.constexpr,
     N_EBLK: tl.constexpr,
@@ -70,6 +73,7 @@ def _shuffle_kernel(
     # clamped into [0, T] (negatives as 0; the sums cannot overflow, so chunks stay disjoint)
     rank_rows = tl.zeros((BLOCK_EP,), tl.int64)
     pre_start = tl.zeros((BLOCK_EP,), tl.int64)
+    local_rows = tl.zeros((BLOCK_EP,), tl.int64)
     for i in range(N_EBLK):
         e = i * BLOCK_E + tl.arange(0, BLOCK_E)
         m = r_ok[:, None] & (e < E)[None, :]
@@ -77,11 +81,36 @@ def _shuffle_kernel(
         k = tl.minimum(tl.maximum(c.to(tl.int64), 0), T)
         rank_rows += tl.sum(k, axis=1)
         pre_start += tl.sum(tl.where(e[None, :] < start, k, 0), axis=1)
+        local_rows += tl.sum(tl.where((e[None, :] >= start) & (e[None, :] < start + EG), k, 0), 1)
     rank_first = tl.cumsum(rank_rows, 0) - rank_rows  # unpadded rank-first base of each rank
+    # the rows past which no chunk writes (T: every row is written, or no bound is known)
+    if ZERO:
+        owned_end = tl.sum(local_rows * 0, axis=0) + T
+    elif COMBINE:
+        owned_end = tl.sum(local_rows, axis=0)
+    elif PADDED:
+        owned_end = tl.sum(local_rows * 0, axis=0) + T
+    else:
+        owned_end = tl.sum(rank_rows, axis=0)
+    first = (pid_t + pid_d) == 0  # the program that writes counts_out
+    if first | (pid_t.to(tl.int64) * BLOCK_T < owned_end):
+        _chunks_and_copy(in_ptr, out_ptr, counts_ptr, counts_out_ptr, T, D, EG, start, B_T,
+                         stride_it, stride_id, stride_cr, stride_ce, rows, row_in, r, r_ok, r64,
+                         rank_rows, pre_start, rank_first, first, pid_t, pid_d, COMBINE, PADDED,
+                         ZERO, BLOCK_G, N_GBLK, BLOCK_T, BLOCK_D, D_ITERS)  # fmt: skip
+
+
+@triton.jit
+def _chunks_and_copy(
+    in_ptr, out_ptr, counts_ptr, counts_out_ptr, T, D, EG, start, B_T, stride_it, stride_id,
+    stride_cr, stride_ce, rows, row_in, r, r_ok, r64, rank_rows, pre_start, rank_first, first,
+    pid_t, pid_d, COMBINE: tl.constexpr, PADDED: tl.constexpr, ZERO: tl.constexpr,
+    BLOCK_G: tl.constexpr, N_GBLK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_ITERS: tl.constexpr,
+):  # fmt: skip
 
     # 2. the local chunks, BLOCK_G experts at a time; carries: rows of the earlier local experts
     # (all ranks: expert-first base) and per rank (rank-first prefix)
-    first = (pid_t + pid_d) == 0  # the program that writes counts_out
     src1 = tl.zeros((BLOCK_T,), tl.int64)  # source row + 1 of each row, 0: none
     carry_e = tl.sum(rank_rows * 0, axis=0)
     carry_raw = carry_e
@@ -136,9 +165,9 @@ def _shuffle_kernel(
             mask=live[:, None] & col_in[None, :],
             other=0,
         )
-        tl.store(
-            out_ptr + rows[:, None] * D + cols[None, :], v, mask=row_in[:, None] & col_in[None, :]
-        )
+        written = row_in if ZERO else live  # (rows no chunk holds: zeros, or left as they are)
+        tl.store(out_ptr + rows[:, None] * D + cols[None, :], v,
+                 mask=written[:, None] & col_in[None, :])  # fmt: skip
 
 
 _shuffle = FastKernel(_shuffle_kernel)
@@ -201,6 +230,7 @@ def launch_constants(
     padded: bool,
     combine: bool,
     cfg: ShuffleConfig,
+    zero: bool = True,
 ) -> dict:
     """The kernel's constexprs for a launch of ``cfg``."""
     block_e = max(1, min(next_pow2(max(num_experts, 1)), _LOOKUP // next_pow2(num_ranks)))
@@ -212,6 +242,7 @@ def launch_constants(
     return dict(
         COMBINE=combine,
         PADDED=padded,
+        ZERO=zero,
         BLOCK_EP=max(2, next_pow2(num_ranks)),
         BLOCK_E=block_e,
         N_EBLK=cdiv(num_experts, block_e),
@@ -231,9 +262,11 @@ def shuffle(
     padded: bool,
     combine: bool,
     config: ShuffleConfig | None = None,
+    zero: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out (T, D) in tokens' dtype, counts_out (EG + 1,) or None when not ``combine``): the
-    reshuffle of ``moe_kernels.reference.shuffling`` in one launch."""
+    reshuffle of ``moe_kernels.reference.shuffling`` in one launch; without ``zero`` the rows no
+    chunk holds are left unwritten (``torch.empty``'s contents)."""
     num_rows, dim = tokens_TD.shape
     num_ranks, num_experts = counts_RE.shape
     num_local = end - start
@@ -246,7 +279,7 @@ def shuffle(
     bits = tokens_TD.dtype if tokens_TD.dtype in _NATIVE else _BITS[tokens_TD.element_size()]
     cfg = config or pick_config(num_rows, dim, tokens_TD.element_size(), num_ranks, num_local)
     consts = launch_constants(num_rows, dim, num_ranks, num_experts, num_local, padded, combine,
-                              cfg)  # fmt: skip
+                              cfg, zero)  # fmt: skip
     # at least one program: combine writes counts_out even when there are no rows
     grid = (max(1, cdiv(num_rows, cfg.block_t)), max(1, cdiv(cdiv(dim, cfg.block_d), cfg.d_iters)))
     _shuffle.launch(

@@ -103,6 +103,9 @@ def _make_shuffle(s: Sizes, gen: torch.Generator, device: torch.device) -> Probl
     tokens = _values((T, D), gen, device, _dtype(s, "dtype", "bfloat16"))
     label = f"T={T} D={D} E={E} counts=({EP},{cols})[{start},{end}){' padded' if padded else ''}"
     label += f" {str(tokens.dtype)[6:]} {str(counts.dtype)[6:]}"
+    if s.get("unwritten"):  # FBGEMM's contract: the rows no chunk holds left unwritten
+        label += " zero_unowned=False"
+        return Problem(label, s, (tokens, counts, start, end, padded), {"zero_unowned": False})
     return Problem(label, s, (tokens, counts, start, end, padded))
 
 
@@ -117,7 +120,12 @@ def _shuffle_oracle(combine: bool):
             raise CheckFailed(f"tokens dtype {got.dtype} != {tokens.dtype}")
         c = counts.cpu()
         want = oracle_shuffle(bits(tokens.cpu()), c, start, end, padded, combine)
-        expect_equal("tokens vs oracle", bits(got.cpu()), want)
+        got = bits(got.cpu())
+        if p.kwargs.get("zero_unowned") is False:  # only the rows some chunk holds are defined
+            ones = torch.ones(tokens.shape[0], 1, dtype=torch.int32)
+            owned = oracle_shuffle(ones, c, start, end, padded, combine)[:, 0] == 1
+            got, want = got[owned], want[owned]
+        expect_equal("tokens vs oracle", got, want)
         if combine:
             if out[1].dtype != counts.dtype:
                 raise CheckFailed(f"counts dtype {out[1].dtype} != {counts.dtype}")
@@ -146,10 +154,12 @@ def _split_reference(tokens, token_counts, expert_start, expert_end, is_padded):
 
 
 def _shuffle_bytes(p: Problem) -> int:
-    """The local chunks' rows read, every row written (zeros past them), the counts."""
+    """The local chunks' rows read, every row written (zeros past them; only the local rows
+    with ``zero_unowned=False``), the counts."""
     tokens, counts, start, end, _ = p.args
     live = int(counts[:, start:end].long().clamp(min=0).sum())
-    return (live + tokens.shape[0]) * tokens.shape[1] * tokens.element_size() + (
+    written = live if p.kwargs.get("zero_unowned") is False else tokens.shape[0]
+    return (live + written) * tokens.shape[1] * tokens.element_size() + (
         counts.numel() + end - start + 1
     ) * counts.element_size()
 
@@ -160,6 +170,7 @@ SHUFFLE_SIZES = {
         dict(T=524288, D=2048, EP=8, E=128),
         dict(T=524288, D=2048, EP=8, E=128, padded=True),
         dict(T=524288, D=2048, EP=8, E=128, sparse=True),
+        dict(T=524288, D=2048, EP=8, E=128, sparse=True, unwritten=True),
     ],
 }
 
