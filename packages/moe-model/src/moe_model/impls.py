@@ -323,13 +323,11 @@ class Fp8Impl(TritonImpl):
         return x_dtype  # (the gather quantises the tokens as they are)
 
     def experts(self, rows, in_proj, out_proj, gated, record):
-        x_TD = rows.source
-        ones_TE = x_TD.new_ones((1, 1), dtype=torch.float32).expand(x_TD.shape[0], 1)
-        picked_P = torch.zeros_like(rows.expert_indices)  # (the scores' one column)
+        x_TD, E = rows.source, in_proj.weight.shape[0]
+        ones_TE = x_TD.new_ones((1, 1), dtype=torch.float32).expand(x_TD.shape[0], E)
         x8 = mk.gather_scale_quant_dense_tokens(
-            x_TD, rows.source_indices, torch.where(rows.expert_indices >= 0, picked_P, -1),
-            ones_TE,
-        )  # fmt: skip
+            x_TD, rows.source_indices, rows.expert_indices, ones_TE
+        )  # (rows of no expert, -1: data and scale 0)
         bf16 = torch.bfloat16
         h_PH = mk.fp8_grouped_mm(x8.data, x8.scale, *in_proj, rows.offsets, out_dtype=bf16)
         H = out_proj.weight.shape[2]
