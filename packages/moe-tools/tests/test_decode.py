@@ -21,6 +21,10 @@ def test_decode_bytes_by_hand():
     shared = (12 * 8 + 8 * 6) * 4
     io = 2 * 5 * 8 * 4
     assert decode_bytes(layer, counts, 5) == 2 * expert + router + shared + io
+    # the fp8 impl reads its FP8 experts: a byte a weight, an fp32 scale per output channel
+    layer.impl = "fp8"
+    fp8_expert = 12 * 8 + 8 * 6 + (12 + 8) * 4
+    assert decode_bytes(layer, counts, 5) == 2 * fp8_expert + router + shared + io
 
 
 def test_cpu_rows(capsys):

@@ -28,15 +28,20 @@ from moe_tools.timing import graph_time_fn, time_fn
 COLUMNS = ["preset", "tokens", "impl", "ms", "touched", "read_mb", "gbps", "hbm_pct", "status"]
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CUDA_PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
-IMPLS = ("triton_bf16", "torch")  # ours (its prefill path today), and torch's
+IMPLS = ("triton_bf16", "torch", "fp8")  # ours in bf16, torch's, ours with FP8 experts
 
 
 def decode_bytes(layer: torch.nn.Module, counts_E: torch.Tensor, tokens: int) -> int:
     """The bytes one forward of ``tokens`` tokens must read or write at least: the in and out
     projections of every expert with a routed pair (``counts_E`` > 0), the router's weight, the
-    shared experts' weights, x in and y out (in the expert weights' dtype)."""
+    shared experts' weights, x in and y out (in the expert weights' dtype). An impl that runs
+    the layer's FP8 experts reads those (one byte a weight, and their fp32 scales)."""
+    from moe_model.impls import IMPLS as MOE_IMPLS
+
     touched = int((counts_E > 0).sum())
     expert = (layer.in_proj[0].numel() + layer.out_proj[0].numel()) * layer.in_proj.element_size()
+    if MOE_IMPLS[layer.impl].fp8_experts:
+        expert = sum(t[0].numel() * t.element_size() for w in layer.fp8.get() for t in w)
     router = sum(p.numel() * p.element_size() for p in layer.router.parameters())
     shared = 0
     if layer.shared_experts is not None:
