@@ -87,8 +87,10 @@ def _fp8_grouped_mm_kernel(
     row_in = rows < row_end
     cols = pid_n * BN + tl.arange(0, BN)
     col_in = cols < N
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    # (the output pointers are formed where they are stored: a (BM, BN) int64 tile held across
+    # the K loop took 128 registers a thread and made the sorted 128 x 128 tile spill)
     if seg == E:  # tail rows: zeros
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(y_ptrs, tl.zeros((BM, BN), dtype=y_ptr.dtype.element_ty),
                  mask=row_in[:, None] & col_in[None, :])  # fmt: skip
     elif seg < E:
@@ -120,6 +122,7 @@ def _fp8_grouped_mm_kernel(
             w_s = tl.load(ws_ptr + seg.to(tl.int64) * stride_se + safe_cols * stride_sn)
             acc = acc * w_s[None, :]
         acc = tl.where(live[:, None], acc, 0.0)
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
 
@@ -137,14 +140,20 @@ class Fp8Config(NamedTuple):
     tma: bool = True
 
 
-def fp8_config(num_rows: int, n: int, d: int, block_scales: bool) -> Fp8Config:
-    """GPU: 128 x 128 x 128 tiles (BK = 128: one block scale a K step; not yet tuned),
-    BN down to 16 for small n. Interpreter: few, large programs. Block scales need BK = 128 and
-    BN dividing 128."""
+def fp8_config(
+    num_rows: int, n: int, d: int, block_scales: bool, gathered: bool = False
+) -> Fp8Config:
+    """GPU: 128 x 128 x 128 tiles on sorted rows, 64 x 128 x 128 on gathered rows (BK = 128: one
+    block scale a K step), 8 warps, 3 stages; BN down to 16 for small n. Register use at sm_90a
+    (``moe_kernels.testing.register_use``, test_compile_sm90.py): no spill for
+    both (sorted: 255 registers, gathered: 219-234; Triton 3.6 and 3.8 alike); a gathered
+    128-row tile spills 350-530 bytes a thread (its A tile is loaded through registers). Speed
+    not yet tuned on a device. Interpreter: few, large programs. Block scales
+    need BK = 128 and BN dividing 128."""
     if INTERPRET:
         bk = SCALE_BLOCK if block_scales else pow2_clamp(d, 16, 128)
         return Fp8Config(pow2_clamp(num_rows, 16, 32), pow2_clamp(n, 16, 128), bk, 4, 4, 1, False)
-    return Fp8Config(block_n=pow2_clamp(n, 16, 128))
+    return Fp8Config(block_m=64 if gathered else 128, block_n=pow2_clamp(n, 16, 128))
 
 
 _launcher = FastKernel(_fp8_grouped_mm_kernel)
@@ -171,7 +180,7 @@ def fp8_grouped_mm(
     if num_tokens == 0 or dim == 0 or num_experts == 0:
         return y_PN.zero_()
     block_scales = w_scale.dim() == 3
-    cfg = config or fp8_config(num_rows, n, dim, block_scales)
+    cfg = config or fp8_config(num_rows, n, dim, block_scales, row_indices_P is not None)
     if cfg.tma and not (x_TD.is_cuda and has_tma(x_TD.get_device())):
         cfg = cfg._replace(tma=False)  # (a GPU without TMA: pointer loads)
     s_strides = (*w_scale.stride(), 0)[:3]  # (per-channel scales: no K stride)

@@ -53,7 +53,7 @@ from moe_kernels.testing.mxfp8_values import SPECIAL_CASES, special_table
 from moe_kernels.testing.oracles import *  # noqa: F403 (the oracles, listed in oracles.__all__)
 from moe_kernels.testing.oracles import __all__ as _ORACLES
 from moe_kernels.testing.problems import Problem, Sizes, naive_plan, naive_shuffle, op_problems
-from moe_kernels.testing.sm90 import sm90_compiler_missing
+from moe_kernels.testing.sm90 import RegisterUse, register_use, sm90_compiler_missing
 from moe_kernels.testing.tolerance import (
     E4M3_STEP,
     ULP,
@@ -96,6 +96,8 @@ __all__ = [
     "run_fresh",
     "same_bits",
     "sm90_compiler_missing",
+    "RegisterUse",
+    "register_use",
     "tensors_of",
     # independent oracles, bit-equality checks, sm_90a launch compiles, the MXFP8 table
     "IEEE_DIV_PTX",
