@@ -97,6 +97,12 @@ def test_quantize_weights_within_e4m3_rounding(block):
     assert (q.weight[1, 7].float() == 0).all()
     assert torch.equal(q.dequantize(), deq)  # the NamedTuple's own dequantisation
     assert torch.equal(q.dequantize(torch.bfloat16), deq.bfloat16())
+    # a few experts at a time (a large layer's bounded temporaries): the same bits
+    from moe_kernels.reference.fp8_grouped_mm import quantize_fp8_weights
+
+    q1, s1 = quantize_fp8_weights(w, block, chunk_elements=200 * 136)  # one expert a chunk
+    assert torch.equal(q1.view(torch.uint8), q.weight.view(torch.uint8))
+    assert torch.equal(s1, q.scale)
 
 
 def test_no_graph_break():

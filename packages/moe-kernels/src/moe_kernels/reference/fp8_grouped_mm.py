@@ -51,10 +51,26 @@ def fp8_grouped_mm(
     return y_PN.to(out_dtype)
 
 
-def quantize_fp8_weights(w_END: torch.Tensor, block: bool) -> tuple[torch.Tensor, torch.Tensor]:
+CHUNK_ELEMENTS = 2**26  # the experts quantised at a time: fp32 temporaries of ~256 MiB each
+
+
+def quantize_fp8_weights(
+    w_END: torch.Tensor, block: bool, chunk_elements: int = CHUNK_ELEMENTS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_q (E, N, D) float8_e4m3fn, scale fp32): per output channel, scale (E, N) = amax over D
     / 448 (1 for an all-zero row); with ``block`` per 128 x 128 block, scale (E, ceil(N/128),
-    ceil(D/128)). ``w_q = e4m3(w / scale)`` (round to nearest even, clamped to +-448)."""
+    ceil(D/128)). ``w_q = e4m3(w / scale)`` (round to nearest even, clamped to +-448). Experts
+    are independent: quantised a few at a time (``chunk_elements`` weights), so a DeepSeek-V3
+    layer's fp32 temporaries stay bounded, with the same bits."""
+    E, N, D = w_END.shape
+    step = max(1, chunk_elements // max(1, N * D))
+    if step < E:
+        parts = [_quantize(w_END[e : e + step], block) for e in range(0, E, step)]
+        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+    return _quantize(w_END, block)
+
+
+def _quantize(w_END: torch.Tensor, block: bool) -> tuple[torch.Tensor, torch.Tensor]:
     E, N, D = w_END.shape
     w = w_END.float()
     if block:
