@@ -39,14 +39,36 @@ class Fp8Weights(NamedTuple):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(E, N, D) ``weight * scale`` in fp32 (broadcast per channel or block), cast once to
         ``dtype``."""
-        E, N, D = self.weight.shape
-        scale = self.scale.float()
-        if scale.dim() == 3:  # per 128 x 128 block
-            scale = scale.repeat_interleave(SCALE_BLOCK, 1).repeat_interleave(SCALE_BLOCK, 2)
-            scale = scale[:, :N, :D]
-        else:
-            scale = scale[:, :, None]
-        return (self.weight.float() * scale).to(dtype)
+        _, N, D = self.weight.shape
+        return (self.weight.float() * _ref.broadcast_scale(self.scale, N, D)).to(dtype)
+
+    def checked(self, name: str, shape: tuple[int, int, int]) -> Fp8Weights:
+        """These weights if they are expert weights of ``shape`` (E, N, D) as ``fp8_grouped_mm``
+        takes them (float8_e4m3fn weight, float32 scale per channel or 128 x 128 block, one
+        device) with finite, positive scales (read on the host: a load-time check, not for a
+        hot path); else TypeError / ValueError naming ``name``."""
+        weight = V.tensor(f"{name}.weight", self.weight)
+        scale = V.tensor(f"{name}.scale", self.scale)
+        V.dtype(f"{name}.weight", weight, (FP8_DTYPE,))
+        V.dtype(f"{name}.scale", scale, (torch.float32,))
+        if tuple(weight.shape) != tuple(shape):
+            raise ValueError(f"{name}.weight must have shape {tuple(shape)}, got "
+                             f"{tuple(weight.shape)}")  # fmt: skip
+        _check_scale(f"{name}.scale", scale, *shape)
+        V.same_device(f"{name}.weight", weight, **{f"{name}.scale": scale})
+        if not bool(((scale > 0) & torch.isfinite(scale)).all()):
+            raise ValueError(f"{name}.scale must be finite and positive")
+        return self
+
+
+def _check_scale(name: str, scale: torch.Tensor, E: int, N: int, D: int) -> None:
+    """ValueError unless ``scale`` is (E, N) per channel or (E, ceil(N/128), ceil(D/128))."""
+    blocks = (E, -(-N // SCALE_BLOCK), -(-D // SCALE_BLOCK))
+    if tuple(scale.shape) not in ((E, N), blocks):
+        raise ValueError(
+            f"{name} must be (E, N) = {(E, N)} per channel or (E, ceil(N/128), ceil(D/128)) = "
+            f"{blocks} per block, got {tuple(scale.shape)}"
+        )
 
 
 def quantize_fp8_weights(w_END: torch.Tensor, *, block: bool = False) -> Fp8Weights:
@@ -129,12 +151,7 @@ def fp8_grouped_mm(
     E, N, D = w_END.shape
     w_scale = V.tensor("w_scale", w_scale)
     V.dtype("w_scale", w_scale, (torch.float32,))
-    blocks = (E, -(-N // SCALE_BLOCK), -(-D // SCALE_BLOCK))
-    if tuple(w_scale.shape) not in ((E, N), blocks):
-        raise ValueError(
-            f"w_scale must be (E, N) = {(E, N)} per channel or (E, ceil(N/128), ceil(D/128)) = "
-            f"{blocks} per block, got {tuple(w_scale.shape)}"
-        )
+    _check_scale("w_scale", w_scale, E, N, D)
     offsets = V.tensor("offsets", offsets)
     V.dtype("offsets", offsets, V.INDEX_DTYPES)
     V.rank("offsets", offsets, 1)

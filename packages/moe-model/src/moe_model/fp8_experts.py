@@ -21,7 +21,6 @@ from moe_kernels import Fp8Weights, quantize_fp8_weights
 from moe_model.impls import IMPLS
 
 FP8 = torch.float8_e4m3fn
-BLOCK = 128
 
 
 def _stamp(w: torch.Tensor) -> tuple[int, int]:
@@ -29,33 +28,12 @@ def _stamp(w: torch.Tensor) -> tuple[int, int]:
 
 
 def check_fp8_weights(name: str, w: object, shape: tuple[int, int, int]) -> Fp8Weights:
-    """``w`` as ``Fp8Weights`` of expert weights ``shape`` (E, N, D): float8_e4m3fn weight,
-    float32 scale (E, N) or (E, ceil(N/128), ceil(D/128)), finite and positive (read on the
-    host: a load-time check), on one device. TypeError / ValueError naming ``name``."""
+    """``w`` as ``Fp8Weights`` of expert weights ``shape`` (E, N, D) (``Fp8Weights.checked``:
+    dtypes, shapes, one device, finite and positive scales); TypeError / ValueError naming
+    ``name``."""
     if not isinstance(w, tuple) or len(w) != 2:
         raise TypeError(f"{name} must be a moe_kernels.Fp8Weights (weight, scale), got {w!r}")
-    weight, scale = w
-    for part, t in (("weight", weight), ("scale", scale)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}.{part} must be a torch.Tensor, got {type(t).__name__}")
-    if weight.dtype != FP8:
-        raise TypeError(f"{name}.weight must be float8_e4m3fn, got {weight.dtype}")
-    if scale.dtype != torch.float32:
-        raise TypeError(f"{name}.scale must be float32, got {scale.dtype}")
-    if tuple(weight.shape) != shape:
-        raise ValueError(f"{name}.weight must have shape {shape}, got {tuple(weight.shape)}")
-    E, N, D = shape
-    blocks = (E, -(-N // BLOCK), -(-D // BLOCK))
-    if tuple(scale.shape) not in ((E, N), blocks):
-        raise ValueError(
-            f"{name}.scale must be (E, N) = {(E, N)} per channel or (E, ceil(N/128), "
-            f"ceil(D/128)) = {blocks} per block, got {tuple(scale.shape)}"
-        )
-    if scale.device != weight.device:
-        raise ValueError(f"{name}.scale is on {scale.device}, {name}.weight on {weight.device}")
-    if not bool(((scale > 0) & torch.isfinite(scale)).all()):
-        raise ValueError(f"{name}.scale must be finite and positive")
-    return Fp8Weights(weight, scale)
+    return Fp8Weights(*w).checked(name, shape)
 
 
 class QuantisedExperts(nn.Module):

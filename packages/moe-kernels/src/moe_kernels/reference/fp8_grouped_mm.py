@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moe_kernels.reference.fp8_rowwise import FP8_DTYPE, FP8_MAX
-from moe_kernels.reference.grouped_mm import group_bounds
+from moe_kernels.reference.grouped_mm import row_groups
 
 SCALE_BLOCK = 128
 
@@ -24,18 +24,10 @@ def fp8_grouped_mm(
     scales), times x_scale[r] (and w_scale[e] per output channel); rows past offsets[E] and rows
     whose index is outside [0, T) zero. Offsets clamped by ``group_bounds``."""
     num_tokens, dim = x_TD.shape
-    num_experts, n, _ = w_END.shape
+    n = w_END.shape[1]
     num_rows = num_tokens if row_indices_P is None else row_indices_P.shape[0]
     y_PN = torch.zeros((num_rows, n), dtype=torch.float32, device=x_TD.device)
-    src_P = torch.arange(num_rows, device=x_TD.device) if row_indices_P is None else (
-        row_indices_P.long())  # fmt: skip
-    live_P = (src_P >= 0) & (src_P < num_tokens)
-    bounds = group_bounds(offsets_E1, num_rows)  # the host read
-    for e in range(num_experts):
-        start, end = bounds[e], bounds[e + 1]
-        if end <= start or num_tokens == 0:
-            continue
-        src = torch.where(live_P[start:end], src_P[start:end], 0)
+    for e, start, end, src, live in row_groups(num_tokens, offsets_E1, row_indices_P, num_rows):
         a = x_TD.index_select(0, src).float()
         b = w_END[e].float()
         if w_scale.dim() == 3:  # per 128 x 128 block: each K block's partial sum times its scale
@@ -47,7 +39,7 @@ def fp8_grouped_mm(
         else:
             h = (a @ b.T) * w_scale[e].float()[None, :]
         h = h * x_scale_T.index_select(0, src).float()[:, None]
-        y_PN[start:end] = torch.where(live_P[start:end, None], h, 0.0)
+        y_PN[start:end] = torch.where(live[:, None], h, 0.0)
     return y_PN.to(out_dtype)
 
 
@@ -78,12 +70,18 @@ def _quantize(w_END: torch.Tensor, block: bool) -> tuple[torch.Tensor, torch.Ten
         padded = w.new_zeros(E, nb * SCALE_BLOCK, kb * SCALE_BLOCK)
         padded[:, :N, :D] = w.abs()
         amax = padded.view(E, nb, SCALE_BLOCK, kb, SCALE_BLOCK).amax(dim=(2, 4))
-        scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
-        full = scale.repeat_interleave(SCALE_BLOCK, 1).repeat_interleave(SCALE_BLOCK, 2)
-        full = full[:, :N, :D]
     else:
         amax = w.abs().amax(dim=2)
-        scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
-        full = scale[:, :, None]
-    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = (w / broadcast_scale(scale, N, D)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+def broadcast_scale(scale: torch.Tensor, N: int, D: int) -> torch.Tensor:
+    """Weight scales (E, N) per output channel, or (E, ceil(N/128), ceil(D/128)) per 128 x 128
+    block, as a tensor that broadcasts against the (E, N, D) weights, fp32."""
+    scale = scale.float()
+    if scale.dim() == 2:
+        return scale[:, :, None]
+    full = scale.repeat_interleave(SCALE_BLOCK, 1).repeat_interleave(SCALE_BLOCK, 2)
+    return full[:, :N, :D]

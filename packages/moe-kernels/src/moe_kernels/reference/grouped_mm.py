@@ -7,6 +7,8 @@ the CPU path; the Triton kernel is the sync-free one. Inputs are assumed checked
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,38 @@ def group_bounds(offsets_E1: torch.Tensor, num_rows: int) -> list[int]:
         prev = min(max(int(b), prev), num_rows)
         bounds.append(prev)
     return bounds
+
+
+class RowGroup(NamedTuple):
+    """One non-empty group's rows [start, end) of expert ``expert``: ``src`` (end - start,) int64
+    their source rows (0 where not ``live``), ``live`` whether the source is in [0, T)."""
+
+    expert: int
+    start: int
+    end: int
+    src: torch.Tensor
+    live: torch.Tensor
+
+
+def row_groups(
+    num_tokens: int, offsets_E1: torch.Tensor, row_indices_P: torch.Tensor | None, num_rows: int
+) -> list[RowGroup]:
+    """The non-empty groups of the grouped GEMMs' references, by ``group_bounds`` (the host
+    read); rows read x[row_indices[p]] (x[p] without row indices); none when T = 0."""
+    if num_tokens == 0:
+        return []
+    device = offsets_E1.device
+    src_P = torch.arange(num_rows, device=device) if row_indices_P is None else row_indices_P
+    src_P = src_P.long()
+    live_P = (src_P >= 0) & (src_P < num_tokens)
+    bounds = group_bounds(offsets_E1, num_rows)
+    groups = []
+    for e in range(len(bounds) - 1):
+        start, end = bounds[e], bounds[e + 1]
+        if end > start:
+            live = live_P[start:end]
+            groups.append(RowGroup(e, start, end, torch.where(live, src_P[start:end], 0), live))
+    return groups
 
 
 def clamp_group_ends(group_end_offsets: torch.Tensor, bound: int) -> torch.Tensor:
@@ -50,24 +84,14 @@ def gather_grouped_mm(
     computed in fp32 (product, sum and SiLU), cast once; rows past offsets[E] and rows whose index
     is outside [0, T) are zero. Offsets clamped by ``group_bounds``."""
     num_tokens, _ = x_TD.shape
-    num_experts, n, _ = w_END.shape
+    n = w_END.shape[1]
     num_rows = num_tokens if row_indices_P is None else row_indices_P.shape[0]
     y_PN = torch.zeros((num_rows, n), dtype=torch.float32, device=x_TD.device)
-    if row_indices_P is None:
-        src_P = torch.arange(num_rows, device=x_TD.device)
-    else:
-        src_P = row_indices_P.long()
-    live_P = (src_P >= 0) & (src_P < num_tokens)
-    bounds = group_bounds(offsets_E1, num_rows)  # the host read
-    for e in range(num_experts):
-        start, end = bounds[e], bounds[e + 1]
-        if end <= start or num_tokens == 0:
-            continue
-        src = torch.where(live_P[start:end], src_P[start:end], 0)
+    for e, start, end, src, live in row_groups(num_tokens, offsets_E1, row_indices_P, num_rows):
         h = x_TD.index_select(0, src).float() @ w_END[e].float().T
         if activation == "silu":
             h = F.silu(h)
-        y_PN[start:end] = torch.where(live_P[start:end, None], h, 0.0)
+        y_PN[start:end] = torch.where(live[:, None], h, 0.0)
     return y_PN.to(x_TD.dtype)
 
 
@@ -85,19 +109,7 @@ def grouped_weight_grad(
     num_tokens, dim = x_TD.shape
     num_experts = offsets_E1.shape[0] - 1
     out = torch.zeros((num_experts, n, dim), dtype=torch.float32, device=dy_PN.device)
-    if num_tokens == 0:
-        return out.to(out_dtype)
-    src_P = torch.arange(num_rows, device=x_TD.device) if row_indices_P is None else row_indices_P
-    src_P = src_P.long()
-    live_P = (src_P >= 0) & (src_P < num_tokens)
-    bounds = group_bounds(offsets_E1, num_rows)  # the host read
-    for e in range(num_experts):
-        start, end = bounds[e], bounds[e + 1]
-        if end <= start:
-            continue
-        live = live_P[start:end, None]
-        xs = torch.where(
-            live, x_TD.index_select(0, torch.where(live[:, 0], src_P[start:end], 0)).float(), 0.0
-        )
-        out[e] = torch.where(live, dy_PN[start:end].float(), 0.0).T @ xs
+    for e, start, end, src, live in row_groups(num_tokens, offsets_E1, row_indices_P, num_rows):
+        xs = torch.where(live[:, None], x_TD.index_select(0, src).float(), 0.0)
+        out[e] = torch.where(live[:, None], dy_PN[start:end].float(), 0.0).T @ xs
     return out.to(out_dtype)
