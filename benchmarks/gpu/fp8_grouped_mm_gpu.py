@@ -20,12 +20,26 @@ import moe_kernels as mk
 from moe_kernels.reference import fp8_grouped_mm as ref
 from moe_kernels.reference.fp8_rowwise import quantize_rows
 
+try:  # FBGEMM's FP8 rowwise grouped GEMMs (fbgemm-gpu-genai), benchmarks only
+    import fbgemm_gpu.experimental.gen_ai  # noqa: F401 (registers torch.ops.fbgemm)
+    from fbgemm_gpu.experimental.gemm.triton_gemm.grouped_gemm import (
+        grouped_gemm_fp8_rowwise as FB_TRITON,
+    )
+except Exception as exc:  # noqa: BLE001
+    print("fbgemm_gpu not importable, its columns fail:", repr(exc)[:160])
+    FB_TRITON = None
+
 SHAPES = {  # name: (rows per expert, E, N, D)
     "seed-up 1024/e": (1024, 16, 1024, 2048),
     "qwen3-up 512/e": (512, 128, 1536, 2048),
     "qwen3-down 512/e": (512, 128, 2048, 768),
     "dsv3-up 256/e": (256, 256, 4096, 7168),
     "mixtral-up 2048/e": (2048, 8, 28672, 4096),
+    "qwen3-up 128/e": (128, 128, 1536, 2048),
+    "qwen3-up 256/e": (256, 128, 1536, 2048),
+    "qwen3-up 1024/e": (1024, 128, 1536, 2048),
+    "qwen3-up 2048/e": (2048, 128, 1536, 2048),
+    "sonic-up 2048/e": (2048, 128, 2048, 4096),
 }
 
 
@@ -48,19 +62,29 @@ def run(name, rows_e, E, N, D, device, dry):
         err = ((y.float() - want).abs().max() / want.abs().max()).item()
         t = bench_us(lambda q=q: mk.fp8_grouped_mm(xq, xs, q.weight, q.scale, offsets), dry=dry)
         kind = "block" if block else "chan"
+        if not block:
+            want_chan = want
         line += f" | fp8 {kind} {t:8.1f} us {t_bf16 / t:5.2f}x err {err:.1e}"
-    if device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm"):
+    if device.type == "cuda":
         q = mk.quantize_fp8_weights(w)
-        try:
-            wt = q.weight.transpose(1, 2)
-            t = bench_us(
-                lambda: torch._scaled_grouped_mm(
-                    xq, wt, xs, q.scale, offs=offsets[1:], out_dtype=torch.bfloat16
-                )
-            )
-            line += f" | torch._scaled_grouped_mm {t:8.1f} us {t_bf16 / t:5.2f}x"
-        except Exception as e:  # noqa: BLE001 (a torch build without it here)
-            line += f" | torch._scaled_grouped_mm: {type(e).__name__} {str(e)[:60]}"
+        sizes = offsets.diff().long()
+        peers = {
+            "torch._scaled_grouped_mm": lambda: torch._scaled_grouped_mm(
+                xq, q.weight.transpose(1, 2), xs.reshape(-1), q.scale,
+                offs=offsets[1:], out_dtype=torch.bfloat16),
+            "fbgemm cutlass": lambda: torch.ops.fbgemm.f8f8bf16_rowwise_grouped_stacked(
+                xq, q.weight, xs.reshape(-1), q.scale.reshape(E, N), sizes),
+        }
+        if FB_TRITON is not None:
+            peers["fbgemm triton"] = lambda: FB_TRITON(
+                xq, q.weight.reshape(E * N, D), sizes.int(), xs.reshape(-1), q.scale.reshape(-1))
+        for peer, fn in peers.items():
+            try:
+                err = ((fn().float() - want_chan).abs().max() / want_chan.abs().max()).item()
+                t = bench_us(fn)
+                line += f" | {peer} {t:8.1f} us {t_bf16 / t:5.2f}x err {err:.1e}"
+            except Exception as e:  # noqa: BLE001 (a build without it here)
+                line += f" | {peer}: {type(e).__name__} {str(e)[:60]}"
     print(line, flush=True)
 
 
