@@ -1,5 +1,5 @@
 """moe-model on a CUDA device (skipped without one): the MoE layer per impl (host-sync freedom,
-determinism, against the baseline at the seed layer's shape, compiled and replayed from a CUDA
+determinism, against the baseline at the seed layer's shape; ``fp8`` from its quantised copies, compiled and replayed from a CUDA
 graph), training steps (triton_bf16, mxfp8), the CUDA-graph rollout against eager (memory flat
 once the ring is full), and the latent decoder per memory format and runtime.
 """
@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 FULL = pytest.mark.skipif(not full_run(), reason="more compiles: MOE_GPU_FULL=1")
-IMPLS = ["torch", "triton_bf16", "triton_fp32", "mxfp8"]
+IMPLS = ["torch", "triton_bf16", "triton_fp32", "mxfp8", "fp8"]
 
 
 def _no_sync(fn) -> None:
@@ -33,6 +33,8 @@ def bf16_layer(d_model, n_experts, top_k, hidden, **kw) -> MoELayer:
     layer = MoELayer(d_model, n_experts, top_k, hidden, **kw).cuda()
     layer.in_proj.data = layer.in_proj.data.bfloat16()
     layer.out_proj.data = layer.out_proj.data.bfloat16()
+    if layer.impl == "fp8":  # its FP8 copies of the bf16 weights
+        layer.quantize_experts()
     return layer
 
 
@@ -63,7 +65,7 @@ def test_moe_layer_at_the_seed_shape_against_the_baseline(impl):
     with torch.no_grad():
         y = layer(x).float()
         assert torch.equal(layer(x).float(), y), "not deterministic"
-    if impl == "mxfp8":  # e4m3 operands: a few percent (tests/test_moe.py)
+    if impl in ("mxfp8", "fp8"):  # e4m3 operands: a few percent (tests/test_moe.py)
         rel = float((y - y_base).norm() / y_base.norm())
         assert 1e-4 < rel < 0.1, rel
     else:  # bf16 GEMM outputs and activations against the fp32 baseline
@@ -72,7 +74,7 @@ def test_moe_layer_at_the_seed_shape_against_the_baseline(impl):
 
 
 @pytest.mark.parametrize(
-    "impl", [i if i == "triton_bf16" else pytest.param(i, marks=FULL) for i in IMPLS]
+    "impl", [i if i in ("triton_bf16", "fp8") else pytest.param(i, marks=FULL) for i in IMPLS]
 )
 def test_moe_layer_compiled_and_in_a_cuda_graph(impl):
     """Compiled (fullgraph) within bf16 rounding of eager, free of host syncs, repeatable, and
