@@ -17,6 +17,7 @@ import torch
 from common import bench_us
 
 import moe_kernels as mk
+from moe_kernels._triton import fp8_grouped_mm as tri
 from moe_kernels.reference import fp8_grouped_mm as ref
 from moe_kernels.reference.fp8_rowwise import quantize_rows
 
@@ -70,14 +71,21 @@ def run(name, rows_e, E, N, D, device, dry):
         sizes = offsets.diff().long()
         peers = {
             "torch._scaled_grouped_mm": lambda: torch._scaled_grouped_mm(
-                xq, q.weight.transpose(1, 2), xs.reshape(-1), q.scale,
-                offs=offsets[1:], out_dtype=torch.bfloat16),
+                xq,
+                q.weight.transpose(1, 2),
+                xs.reshape(-1),
+                q.scale,
+                offs=offsets[1:],
+                out_dtype=torch.bfloat16,
+            ),
             "fbgemm cutlass": lambda: torch.ops.fbgemm.f8f8bf16_rowwise_grouped_stacked(
-                xq, q.weight, xs.reshape(-1), q.scale.reshape(E, N), sizes),
+                xq, q.weight, xs.reshape(-1), q.scale.reshape(E, N), sizes
+            ),
         }
         if FB_TRITON is not None:
             peers["fbgemm triton"] = lambda: FB_TRITON(
-                xq, q.weight.reshape(E * N, D), sizes.int(), xs.reshape(-1), q.scale.reshape(-1))
+                xq, q.weight.reshape(E * N, D), sizes.int(), xs.reshape(-1), q.scale.reshape(-1)
+            )
         for peer, fn in peers.items():
             try:
                 err = ((fn().float() - want_chan).abs().max() / want_chan.abs().max()).item()
@@ -88,6 +96,47 @@ def run(name, rows_e, E, N, D, device, dry):
     print(line, flush=True)
 
 
+CONFIG_SHAPES = ("qwen3-up 512/e", "dsv3-up 256/e", "sonic-up 2048/e")
+CONFIGS = {  # name: Fp8Config overrides of the plan's choice (the launcher's typed config=)
+    "fast": dict(fast_accum=True),
+    "fast 128x256": dict(fast_accum=True, block_n=256),
+    "fast 128x256 s4": dict(fast_accum=True, block_n=256, num_stages=4),
+    "fast 256x128": dict(fast_accum=True, block_m=256),
+    "128x256": dict(block_n=256),
+    "s4": dict(num_stages=4),
+    "w4": dict(num_warps=4),
+    "gm16": dict(group_m=16),
+}
+
+
+def sweep_configs(name, rows_e, E, N, D, device, dry):
+    """Per-channel FP8 on sorted rows under each ``CONFIGS`` override: us and error."""
+    if dry:
+        rows_e, E, N, D = 16, 2, 64, 128
+    g = torch.Generator(device="cpu").manual_seed(0)
+    P = rows_e * E
+    x = torch.randn(P, D, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(E, N, D, generator=g) / D**0.5).to(device, torch.bfloat16)
+    offsets = torch.arange(0, P + 1, rows_e, dtype=torch.int32, device=device)
+    xq, xs = quantize_rows(x.float(), None, None)
+    q = mk.quantize_fp8_weights(w)
+    want = ref.fp8_grouped_mm(xq, xs, q.weight, q.scale, offsets, None, torch.float32)
+    base = tri.fp8_config(P, N, D, False)
+    line = f"{name:18s}"
+    for label, kw in {"plan": {}, **CONFIGS}.items():
+        cfg = base._replace(**kw)
+        fn = lambda cfg=cfg: tri.fp8_grouped_mm(  # noqa: E731
+            xq, xs.float(), q.weight, q.scale, offsets, None, torch.bfloat16, cfg
+        )
+        try:
+            err = ((fn().float() - want).abs().max() / want.abs().max()).item()
+            t = bench_us(fn, dry=dry)
+            line += f" | {label} {t:7.1f} us {2 * P * N * D / t / 1e6:5.0f} TF/s {err:.0e}"
+        except Exception as e:  # noqa: BLE001 (out of shared memory, a compile failure)
+            line += f" | {label}: {type(e).__name__} {str(e)[:40]}"
+    print(line, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
@@ -95,6 +144,8 @@ def main() -> None:
     device = torch.device("cpu" if args.dry_run else "cuda")
     for name, shape in SHAPES.items():
         run(name, *shape, device, args.dry_run)
+    for name in CONFIG_SHAPES:
+        sweep_configs(name, *SHAPES[name], device, args.dry_run)
 
 
 if __name__ == "__main__":

@@ -37,12 +37,14 @@ SCALE_BLOCK = 128  # the block of w's block scales, both dims
 @triton.jit
 def _k_step(acc, k, a_ptrs, b_ptrs, a_desc, b_desc, a_row, b_row, s_ptr, ks, D, stride_sk,
             BK: tl.constexpr, EVEN_K: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
-            BLOCK_SCALES: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+            BLOCK_SCALES: tl.constexpr, UPCAST: tl.constexpr,
+            FAST_ACCUM: tl.constexpr):  # fmt: skip
     """acc + the K step k of the tile: A (BM, BK) at ``a_ptrs`` or from ``a_desc`` (x) at row
     ``a_row``, B (BK, BN) at ``b_ptrs`` or from ``b_desc`` (w viewed (E*N, D)) at row ``b_row``,
     transposed (columns past D read as zero); with ``BLOCK_SCALES`` the step's partial sum times
     its block scale (BK = 128). ``UPCAST`` (the interpreter): an exact fp32 dot of the fp8
-    values."""
+    values. ``FAST_ACCUM`` (per-channel scales only): the step accumulated in the MMA's own
+    accumulator (FBGEMM's ``use_fast_accum``)."""
     k0 = k * BK
     if A_TMA:
         a = a_desc.load([a_row, k0])
@@ -62,6 +64,8 @@ def _k_step(acc, k, a_ptrs, b_ptrs, a_desc, b_desc, a_row, b_row, s_ptr, ks, D, 
     # Each step's sum on its own, then added in fp32: sm_90's fp8 MMA accumulates with fewer
     # mantissa bits than fp32 (Triton's sm_90 default lets it run the whole K loop so), so the
     # step's partial sum is promoted every BK = 128 products (DeepSeek-V3's rule).
+    if FAST_ACCUM and not UPCAST:
+        return tl.dot(a, b, acc)
     part = tl.dot(a, b, input_precision="ieee") if UPCAST else tl.dot(a, b)
     if BLOCK_SCALES:
         return acc + part * tl.load(s_ptr + k * stride_sk)
@@ -75,6 +79,7 @@ def _fp8_grouped_mm_kernel(
     HAS_RIDX: tl.constexpr, BLOCK_SCALES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr,
     A_TMA: tl.constexpr, B_TMA: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOPS: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tile_pids(tl.program_id(0), tl.cdiv(P, BM) + E, tl.cdiv(N, BN), GROUP_M)
 
@@ -110,13 +115,13 @@ def _fp8_grouped_mm_kernel(
             while k < num_k:
                 acc = _k_step(acc, k, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, s_ptr, ks, D,
                               stride_sk, BK, EVEN_K, A_TMA, B_TMA, BLOCK_SCALES,
-                              UPCAST)  # fmt: skip
+                              UPCAST, FAST_ACCUM)  # fmt: skip
                 k += 1
         else:  # (a for loop: software pipelined by num_stages)
             for k in range(0, num_k):
                 acc = _k_step(acc, k, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, s_ptr, ks, D,
                               stride_sk, BK, EVEN_K, A_TMA, B_TMA, BLOCK_SCALES,
-                              UPCAST)  # fmt: skip
+                              UPCAST, FAST_ACCUM)  # fmt: skip
         acc = acc * tl.load(xs_ptr + src, mask=live, other=0.0)[:, None]
         if not BLOCK_SCALES:
             w_s = tl.load(ws_ptr + seg.to(tl.int64) * stride_se + safe_cols * stride_sn)
@@ -129,7 +134,9 @@ def _fp8_grouped_mm_kernel(
 class Fp8Config(NamedTuple):
     """Tile shape and launch parameters of one FP8 grouped-GEMM launch; ``tma``: B (and sorted
     A) through TMA descriptors where the tensors allow (pointer tiles of 128-deep fp8 K steps
-    spill: 380-1400 bytes a thread at sm_90a)."""
+    spill: 380-1400 bytes a thread at sm_90a); ``fast_accum``: per-channel scales' K loop
+    accumulated in the MMA without promoting each 128-deep step to fp32 (FBGEMM's
+    ``use_fast_accum``; a measured variant, not a default)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -138,6 +145,7 @@ class Fp8Config(NamedTuple):
     num_warps: int = 8
     num_stages: int = 3
     tma: bool = True
+    fast_accum: bool = False
 
 
 def fp8_config(
@@ -196,7 +204,7 @@ def fp8_grouped_mm(
         BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         BLOCK_E=next_pow2(num_experts + 1), EVEN_K=dim % cfg.block_k == 0,
         A_TMA=a_desc is not None, B_TMA=b_desc is not None, UPCAST=INTERPRET,
-        WHILE_LOOPS=INTERPRET,
+        WHILE_LOOPS=INTERPRET, FAST_ACCUM=cfg.fast_accum and not block_scales,
     )  # fmt: skip
     _launcher.launch(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y_PN
