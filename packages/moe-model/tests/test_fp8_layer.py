@@ -84,10 +84,43 @@ def test_same_function_as_the_unquantised_layer():
     assert 1e-4 < err < 0.1, err  # e4m3 operands: percent-level, not exact, not garbage
 
 
-def test_refuses_autograd_features_and_expert_parallelism():
-    layer = _layer()
-    with pytest.raises(ValueError, match="inference-only"):
-        layer(torch.randn(4, D, dtype=torch.bfloat16))
+@pytest.mark.parametrize("gated", [False, True])
+def test_trains_through_routed_experts_fp8(gated):
+    """With autograd the layer is ``routed_experts(fp8=True)`` on its master weights (the same
+    bits, gradients included), repeatable, near the unquantised impl; after an optimizer step
+    the inference copies are stale until ``quantize_experts()``."""
+    layer = _layer(gated, torch.float32)
+    x = torch.randn(29, D, generator=torch.Generator().manual_seed(4)).requires_grad_()
+
+    def grads(impl):
+        layer.impl = impl
+        layer.zero_grad()
+        x.grad = None
+        y = layer(x)
+        y.square().mean().backward()
+        return [y.detach(), x.grad, layer.in_proj.grad, layer.out_proj.grad,
+                layer.router.weight.grad]  # fmt: skip
+
+    got, again = grads("fp8"), grads("fp8")
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+    plan = mk.route(torch.softmax(x.detach() @ layer.router.weight.t(), -1), K)
+    with torch.no_grad():
+        direct = mk.routed_experts(x, layer.in_proj, layer.out_proj, plan, gated=gated, fp8=True)
+    assert torch.equal(got[0], direct)
+    want = grads("triton_fp32")
+    for a, b in zip(got, want, strict=True):
+        rel = float((a - b).norm() / b.norm())
+        assert 1e-4 < rel < 0.15, rel  # e4m3 operands: percent-level
+    layer.impl = "fp8"
+    with torch.no_grad():
+        layer.in_proj.sub_(1e-3 * layer.in_proj.grad)
+        with pytest.raises(RuntimeError, match="quantize_experts"):
+            layer(x)
+        layer.quantize_experts()
+        layer(x)
+
+
+def test_refuses_features_and_expert_parallelism():
     with pytest.raises(ValueError, match="biases"):
         MoELayer(D, E, K, H, gated=True, expert_biases=True, impl="fp8")
     from moe_model import ExpertParallelMoE

@@ -50,9 +50,9 @@ class MoEImpl:
     a scale or renormalisation / backpropagate / run under ``ExpertParallelMoE`` / run experts
     with features (``moe_model.expert_features``). shared_dtype:
     the shared experts' GEMM dtype (None: their weights'). needs_module: a package it imports
-    (``available``: whether that is installed). fp8_experts: its experts step reads the layer's
-    quantised experts (``MoELayer.fp8_experts()``, two ``moe_kernels.Fp8Weights``) in place of
-    ``in_proj`` / ``out_proj``.
+    (``available``: whether that is installed). fp8_experts: without autograd its experts step
+    reads the layer's quantised experts (``MoELayer.fp8_experts()``, two
+    ``moe_kernels.Fp8Weights``) in place of ``in_proj`` / ``out_proj``.
     """
 
     name: str
@@ -304,14 +304,14 @@ class Mxfp8Impl(TritonImpl):
 
 
 class Fp8Impl(TritonImpl):
-    """FP8 (e4m3) experts for inference, FBGEMM's chain: moe-kernels ``route``; the routed rows
-    gathered and quantised per row in one pass (``gather_scale_quant_dense_tokens``, unit
-    scores); ``fp8_grouped_mm`` against the layer's quantised ``in_proj`` (bf16 out); SiLU (times
-    up when gated) quantised per row in one pass (``silu_mul_quant``); ``fp8_grouped_mm`` against
-    the quantised ``out_proj`` (bf16 out); the weighted ``combine`` in fp32."""
+    """FP8 (e4m3) experts, FBGEMM's chain. Inference (no autograd): moe-kernels ``route``; the
+    routed rows gathered and quantised per row in one pass (``gather_scale_quant_dense_tokens``,
+    unit scores); ``fp8_grouped_mm`` against the layer's quantised ``in_proj`` (bf16 out); SiLU
+    (times up when gated) quantised per row in one pass (``silu_mul_quant``); ``fp8_grouped_mm``
+    against the quantised ``out_proj`` (bf16 out); the weighted ``combine`` in fp32. Training
+    (autograd): ``moe_kernels.routed_experts(fp8=True)``, the same chain with the weights (the
+    bf16 or fp32 masters) quantised on the fly and FP8 data-gradient GEMMs, one autograd node."""
 
-    experts_combine = MoEImpl.experts_combine
-    refuses_autograd = "its FP8 experts have no backward yet"
     refuses_expert_parallel = "its quantised experts stay with the layer"
     refuses_features = "it runs plain SiLU(-gated) experts only"
     fp8_experts = True
@@ -334,6 +334,14 @@ class Fp8Impl(TritonImpl):
         up_PH = h_PH[:, H:] if gated else h_PH.new_ones((1, 1)).expand(h_PH.shape[0], H)
         a8 = mk.silu_mul_quant(h_PH[:, :H], up_PH)
         return mk.fp8_grouped_mm(a8.data, a8.scale, *out_proj, rows.offsets, out_dtype=bf16)
+
+    def experts_combine(self, rows, plan, in_proj, out_proj, gated, x_TD, record):
+        if not record:  # the quantised copies (Fp8Weights)
+            return MoEImpl.experts_combine(self, rows, plan, in_proj, out_proj, gated, x_TD, record)
+        dtype = rows.source.dtype
+        y_TD = mk.routed_experts(rows.source, in_proj.to(dtype), out_proj.to(dtype), plan,
+                                 gated=gated, out_dtype=self.out_dtype, fp8=True)  # fmt: skip
+        return y_TD.to(x_TD.dtype)
 
 
 class FbgemmImpl(MoEImpl):

@@ -140,9 +140,11 @@ class MoELayer(nn.Module):
         aux_loss_coef: > 0 sets ``aux_loss`` after every forward with grad enabled, the Switch
             load-balancing loss (add it to the training loss); otherwise ``aux_loss`` is None.
         impl: the implementation (``MOE_IMPLS``); can be changed on an existing layer (TypeError
-            if it does not take the expert weights' dtype). ``"fp8"`` (inference) runs FP8 copies
-            of the experts, made when the layer is built or switched to it
-            (``quantize_experts``), or loaded (``load_fp8_experts``).
+            if it does not take the expert weights' dtype). ``"fp8"`` runs FP8 copies of the
+            experts without autograd, made when the layer is built or switched to it
+            (``quantize_experts``), or loaded (``load_fp8_experts``); with autograd it trains
+            the weights as they are (quantised on the fly; FP8 forward and data-gradient GEMMs,
+            ``moe_kernels.routed_experts(fp8=True)``).
         device, dtype: factory kwargs of the expert weights (routed and shared, the shared
             gate included); the router (weight and bias) and ``expert_bias`` stay fp32 on
             ``device``. Checked when built, naming the argument: ``device`` None (torch's
@@ -182,8 +184,8 @@ class MoELayer(nn.Module):
 
     FP8 experts (``fp8``, a ``moe_model.fp8_experts.QuantisedExperts`` or None): derived from
     ``in_proj`` / ``out_proj``, not in the state dict, re-made after ``load_state_dict``; a
-    forward of the ``"fp8"`` impl after the weights changed otherwise raises RuntimeError until
-    ``quantize_experts()`` runs again.
+    forward of the ``"fp8"`` impl without autograd after the weights changed otherwise (an
+    optimizer step) raises RuntimeError until ``quantize_experts()`` runs again.
 
     Ownership: an ``ExpertParallelMoE`` built on this layer takes its experts
     (``experts_owner`` then names it): the layer keeps the router, bias and shared experts for
@@ -556,7 +558,8 @@ class MoELayer(nn.Module):
         rows_TD = x_TD.to(impl.rows_dtype(x_TD.dtype, in_proj.dtype))
         sent = exchange.to_experts(rows_TD, plan, record)
         self.last_counts.copy_(sent.counts)  # in place: a mutation torch.compile traces
-        if impl.fp8_experts:  # its quantised copies (an ExpertParallelMoE refuses the impl)
+        if impl.fp8_experts and not record:  # its quantised copies (an ExpertParallelMoE refuses
+            # the impl); training quantises the master weights on the fly
             in_proj, out_proj = self.fp8_experts()
         if self.has_features:  # composed steps (an ExpertParallelMoE refuses such layers)
             y_TD = composed_experts_combine(
