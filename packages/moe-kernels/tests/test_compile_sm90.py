@@ -422,7 +422,8 @@ def test_fp8_grouped_mm_kernel_compiles_to_wgmma(can_compile, gathered, block_sc
                stride_se="i32", stride_sn="i32", stride_sk="i32")  # fmt: skip
     consts = dict(HAS_RIDX=gathered, BLOCK_SCALES=block_scales, BM=cfg.block_m, BN=cfg.block_n,
                   BK=cfg.block_k, GROUP_M=cfg.group_m, BLOCK_E=256, EVEN_K=True,
-                  A_TMA=not gathered, B_TMA=True, UPCAST=False, WHILE_LOOPS=False)  # fmt: skip
+                  A_TMA=not gathered, B_TMA=True, UPCAST=False, WHILE_LOOPS=False,
+                  FAST_ACCUM=cfg.fast_accum)  # fmt: skip
     if gathered:
         consts["a_desc"] = None
     else:
