@@ -108,6 +108,12 @@ CONFIGS = {  # name: Fp8Config overrides of the plan's choice (the launcher's ty
     "fast 128x256": dict(fast_accum=True, block_n=256),
     "fast 128x256 s4": dict(fast_accum=True, block_n=256, num_stages=4),
     "fast 64x256": dict(fast_accum=True, block_m=64, block_n=256),
+    # the persistent grouped GEMM's scaled form (fast accumulation; these spill 16-1940 bytes a
+    # thread at sm_90a, as its bf16 default does)
+    "pers 128x256": dict(persistent=True, block_n=256),
+    "pers 128x256 bk64 s4": dict(persistent=True, block_n=256, block_k=64, num_stages=4),
+    "pers 128x128 s4": dict(persistent=True, num_stages=4),
+    "pers 128x128": dict(persistent=True),
 }
 
 

@@ -254,26 +254,31 @@ def test_rope_kernel_mutation_analysis_sees_only_its_outputs(monkeypatch):
     assert written == ["k_cache_ptr", "q_out_ptr", "v_cache_ptr"]
 
 
-@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("layout", ["nk", "kn", "fp8"])
 def test_persistent_grouped_mm_default_config_compiles_to_wgmma_and_tma(can_compile, layout):
     """The persistent grouped GEMM's GPU config (128 x 256 x 64, flattened, A and B through TMA
-    descriptors) compiles for sm_90a to wgmma and bulk tensor copies, within the shared memory
-    of one multiprocessor (227 KiB)."""
+    descriptors; its scaled e4m3 form 128 x 256 x 128) compiles for sm_90a to wgmma and bulk
+    tensor copies, within the shared memory of one multiprocessor (227 KiB)."""
     from moe_kernels._gemm_plan import persistent_config
     from moe_kernels._triton.persistent_grouped_mm import _persistent_grouped_mm_kernel as kern
 
+    fp8 = layout == "fp8"
     cfg = persistent_config(65536, 2048, 1536, 128, interpret=False)
+    if fp8:
+        cfg = cfg._replace(block_k=128)
+    t = "fp8e4nv" if fp8 else "bf16"
     b_block = [cfg.block_k, cfg.block_n] if layout == "kn" else [cfg.block_n, cfg.block_k]
     sig = {
-        "a_ptr": "*bf16", "b_ptr": "*bf16", "offs_ptr": "*i32", "c_ptr": "*bf16",
-        "a_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
-        "b_desc": f"tensordesc<bf16{b_block}>",  # e.g. tensordesc<bf16[256, 64]>
+        "a_ptr": f"*{t}", "b_ptr": f"*{t}", "offs_ptr": "*i32", "c_ptr": "*bf16",
+        "as_ptr": "*fp32", "bs_ptr": "*fp32",
+        "a_desc": f"tensordesc<{t}[{cfg.block_m}, {cfg.block_k}]>",
+        "b_desc": f"tensordesc<{t}{b_block}>",  # e.g. tensordesc<bf16[256, 64]>
         **dict.fromkeys(("P", "N", "K", "E", "NUM_PROGS", "stride_am", "stride_be",
                          "stride_bn", "stride_bk"), "i32"),
     }  # fmt: skip
     consts = dict(B_KN=layout == "kn", BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                   BLOCK_E=128, EVEN_K=True, A_TMA=True, B_TMA=True, UPCAST=False, IEEE=False,
-                  WHILE_LOOPS=False, FLATTEN=cfg.flatten)  # fmt: skip
+                  WHILE_LOOPS=False, FLATTEN=cfg.flatten, SCALED=fp8)  # fmt: skip
     k = _compile(kern, sig, consts, cfg.num_warps, cfg.num_stages)
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx

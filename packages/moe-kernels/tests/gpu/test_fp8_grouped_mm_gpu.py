@@ -98,3 +98,26 @@ def test_fp8_training_node(gated):
     torch._dynamo.reset()
     comp = step(torch.compile(mk.routed_experts, fullgraph=True), True)
     assert all(torch.equal(a, b) for a, b in zip(got, comp, strict=True))
+
+
+@pytest.mark.skipif(DEVICE is None or DEVICE.type != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("override", [dict(fast_accum=True), dict(persistent=True),
+                                      dict(persistent=True, block_n=256)])  # fmt: skip
+def test_fast_accumulating_variants_within_their_bound(override):
+    """The measured variants that accumulate the whole K loop in the fp8 MMA (the launcher's
+    typed ``config=``): within one output rounding plus 2^-7 of the sum of |products| (the MMA
+    keeps about 13 mantissa bits over K / 32 chained steps), repeatable, tail rows zero."""
+    from moe_kernels._triton import fp8_grouped_mm as tri
+
+    xq, xs, q, offsets, _ = problem(300, 8, 2048, 768, 2, False)
+    offsets = offsets.clone()
+    offsets[-1] -= 5  # a tail of 5 rows past the groups
+    cfg = tri.fp8_config(xq.shape[0], 768, 2048, False)._replace(**override)
+    y = tri.fp8_grouped_mm(xq, xs, q.weight, q.scale, offsets, None, torch.bfloat16, cfg)
+    want = ref.fp8_grouped_mm(xq, xs, q.weight, q.scale, offsets, None, torch.float32)
+    mag = ref.fp8_grouped_mm(xq.float().abs().to(xq.dtype), xs, q.weight.float().abs().to(
+        q.weight.dtype), q.scale, offsets, None, torch.float32)  # fmt: skip
+    assert ((y.float() - want).abs() <= ULP[torch.bfloat16] * want.abs() + 2.0**-7 * mag).all()
+    assert torch.equal(y[-5:].float(), torch.zeros_like(y[-5:].float()))
+    assert torch.equal(y, tri.fp8_grouped_mm(xq, xs, q.weight, q.scale, offsets, None,
+                                             torch.bfloat16, cfg))  # fmt: skip

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET, has_tma
+from moe_kernels._gemm_plan import PersistentConfig
 from moe_kernels._triton.blocks import next_pow2, pow2_clamp
 from moe_kernels._triton.grouped_mm import (
     find_tile,
@@ -28,8 +29,10 @@ from moe_kernels._triton.grouped_mm import (
     row_sources,
     tile_pids,
     tma_descriptors,
+    zero_tail,
 )
 from moe_kernels._triton.launch import FastKernel
+from moe_kernels._triton.persistent_grouped_mm import persistent_grouped_mm
 
 SCALE_BLOCK = 128  # the block of w's block scales, both dims
 
@@ -136,7 +139,9 @@ class Fp8Config(NamedTuple):
     A) through TMA descriptors where the tensors allow (pointer tiles of 128-deep fp8 K steps
     spill: 380-1400 bytes a thread at sm_90a); ``fast_accum``: per-channel scales' K loop
     accumulated in the MMA without promoting each 128-deep step to fp32 (FBGEMM's
-    ``use_fast_accum``; a measured variant, not a default)."""
+    ``use_fast_accum``; a measured variant, not a default); ``persistent``: sorted rows with
+    per-channel scales through the persistent grouped GEMM (``persistent_grouped_mm``'s scaled
+    form: a persistent grid, tile and K loops flattened, fast accumulation)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -146,6 +151,7 @@ class Fp8Config(NamedTuple):
     num_stages: int = 3
     tma: bool = True
     fast_accum: bool = False
+    persistent: bool = False
 
 
 def fp8_config(
@@ -191,6 +197,13 @@ def fp8_grouped_mm(
     cfg = config or fp8_config(num_rows, n, dim, block_scales, row_indices_P is not None)
     if cfg.tma and not (x_TD.is_cuda and has_tma(x_TD.get_device())):
         cfg = cfg._replace(tma=False)  # (a GPU without TMA: pointer loads)
+    if cfg.persistent and not block_scales and row_indices_P is None:
+        pcfg = PersistentConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
+                                cfg.num_stages, cfg.tma, flatten=not INTERPRET)  # fmt: skip
+        y_PN = persistent_grouped_mm(x_TD, w_END, offsets_E1, "nk", pcfg,
+                                     (x_scale_T, w_scale.contiguous()), out_dtype)  # fmt: skip
+        zero_tail(y_PN, offsets_E1)
+        return y_PN
     s_strides = (*w_scale.stride(), 0)[:3]  # (per-channel scales: no K stride)
     grid = (num_programs(num_rows, n, num_experts, cfg),)
     a_desc, b_desc = tma_descriptors(x_TD, w_END, row_indices_P is None, cfg)

@@ -45,11 +45,14 @@ except ImportError:  # pragma: no cover - older triton: pointer loads only
 
 
 @triton.jit
-def _tile(a_ptr, b_ptr, c_ptr, a_desc, b_desc, N, K, stride_am, stride_be, stride_bn, stride_bk,
-          seg, row0, row_end, n_t, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, EVEN_K: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
-          UPCAST: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOPS: tl.constexpr):  # fmt: skip
-    """One BM x BN tile of c: rows [row0, min(row0 + BM, row_end)) of group seg, n-tile n_t."""
+def _tile(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, a_desc, b_desc, N, K, stride_am, stride_be,
+          stride_bn, stride_bk, seg, row0, row_end, n_t, B_KN: tl.constexpr, BM: tl.constexpr,
+          BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, A_TMA: tl.constexpr,
+          B_TMA: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+          WHILE_LOOPS: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
+    """One BM x BN tile of c: rows [row0, min(row0 + BM, row_end)) of group seg, n-tile n_t;
+    with ``SCALED`` times a's row scales and group seg's column scales (``as_ptr`` (P,),
+    ``bs_ptr`` (E, N) fp32)."""
     rows = row0 + tl.arange(0, BM)
     row_in = rows < row_end
     safe_rows = tl.where(row_in, rows, row0)  # row0 < row_end: a row of this group
@@ -78,6 +81,9 @@ def _tile(a_ptr, b_ptr, c_ptr, a_desc, b_desc, N, K, stride_am, stride_be, strid
         for k in range(0, num_k):
             acc = k_step(acc, k * BK, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, n0, ks, K, 1,
                          stride_bk, B_KN, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE)  # fmt: skip
+    if SCALED:
+        acc = acc * tl.load(as_ptr + safe_rows)[:, None]
+        acc = acc * tl.load(bs_ptr + seg.to(tl.int64) * N + safe_cols)[None, :]
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
@@ -88,6 +94,8 @@ def _persistent_grouped_mm_kernel(
     b_ptr,  # w: (E, N, K) "nk" or (E, K, N) "kn"
     offs_ptr,  # (E+1,) int32/int64
     c_ptr,  # (P, N), contiguous
+    as_ptr,  # (P,) fp32 row scales of a (SCALED only)
+    bs_ptr,  # (E, N) fp32 column scales of w (SCALED only)
     a_desc,  # TMA descriptor of a (P, K), block (BM, BK) (A_TMA only)
     b_desc,  # TMA descriptor of w viewed (E*N, K) block (BN, BK), or (E*K, N) block (BK, BN)
     P,
@@ -111,6 +119,7 @@ def _persistent_grouped_mm_kernel(
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dot instead of tf32
     WHILE_LOOPS: tl.constexpr,  # interpreter: triton 3.5's cannot range() over a runtime bound
     FLATTEN: tl.constexpr,  # one pipelined (tile, k) loop: the next loads overlap the store
+    SCALED: tl.constexpr,  # fp8 operands: the result times a's row and w's column scales
 ):
     pid = tl.program_id(0)
     idx = tl.arange(0, BLOCK_E)
@@ -123,16 +132,16 @@ def _persistent_grouped_mm_kernel(
         tile = pid
         while tile < num_tiles:
             seg, row0, row_end = find_tile(starts, ends, tiles, cum, idx, tile // num_n, BM)
-            _tile(a_ptr, b_ptr, c_ptr, a_desc, b_desc, N, K, stride_am, stride_be, stride_bn,
-                  stride_bk, seg, row0, row_end, tile % num_n, B_KN, BM, BN, BK, EVEN_K, A_TMA,
-                  B_TMA, UPCAST, IEEE, WHILE_LOOPS)  # fmt: skip
+            _tile(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, a_desc, b_desc, N, K, stride_am,
+                  stride_be, stride_bn, stride_bk, seg, row0, row_end, tile % num_n, B_KN, BM,
+                  BN, BK, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE, WHILE_LOOPS, SCALED)  # fmt: skip
             tile += NUM_PROGS
     else:
         for tile in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
             seg, row0, row_end = find_tile(starts, ends, tiles, cum, idx, tile // num_n, BM)
-            _tile(a_ptr, b_ptr, c_ptr, a_desc, b_desc, N, K, stride_am, stride_be, stride_bn,
-                  stride_bk, seg, row0, row_end, tile % num_n, B_KN, BM, BN, BK, EVEN_K, A_TMA,
-                  B_TMA, UPCAST, IEEE, WHILE_LOOPS)  # fmt: skip
+            _tile(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, a_desc, b_desc, N, K, stride_am,
+                  stride_be, stride_bn, stride_bk, seg, row0, row_end, tile % num_n, B_KN, BM,
+                  BN, BK, EVEN_K, A_TMA, B_TMA, UPCAST, IEEE, WHILE_LOOPS, SCALED)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=16)
@@ -163,15 +172,20 @@ def persistent_grouped_mm(
     offsets_E1: torch.Tensor,
     layout: str,
     config: PersistentConfig | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """(P, N) in a's dtype: ``c[p] = a[p] @ B[e]`` over the groups (module docstring); rows past
-    offsets[E] are left unwritten. ``layout``: "nk" (w (E, N, K)) or "kn" (w (E, K, N)); a's
-    rows unit-stride. Inputs are checked by the caller."""
+    """(P, N) in ``out_dtype`` (default a's dtype): ``c[p] = a[p] @ B[e]`` over the groups
+    (module docstring); rows past offsets[E] are left unwritten. ``layout``: "nk" (w (E, N, K))
+    or "kn" (w (E, K, N)); a's rows unit-stride. ``scales``: (a_scale (P,), w_scale (E, N))
+    fp32, contiguous: e4m3 operands (the FP8 grouped GEMM's per-channel form, "nk"),
+    ``c[p] = (a[p] @ w[e].T) * a_scale[p] * w_scale[e]``, each tile's K loop accumulated in the
+    MMA (fp8: FBGEMM's fast accumulation). Inputs are checked by the caller."""
     kn = layout == "kn"
     num_rows, k_dim = a_PK.shape
     num_experts = w.shape[0]
     n = w.shape[2] if kn else w.shape[1]
-    c = torch.empty((num_rows, n), dtype=a_PK.dtype, device=a_PK.device)
+    c = torch.empty((num_rows, n), dtype=out_dtype or a_PK.dtype, device=a_PK.device)
     if num_rows == 0 or n == 0 or num_experts == 0:
         return c
     if k_dim == 0:
@@ -190,8 +204,9 @@ def persistent_grouped_mm(
     sms = num_sms(a_PK.get_device()) if a_PK.is_cuda else 4
     programs = max(1, min(bound, sms * cfg.programs_per_sm))
     stride_bn, stride_bk = (w.stride(2), w.stride(1)) if kn else (w.stride(1), w.stride(2))
-    args = (a_PK, w, offsets_E1, c, a_desc, b_desc, num_rows, n, k_dim, num_experts, programs,
-            a_PK.stride(0), w.stride(0), stride_bn, stride_bk)  # fmt: skip
+    a_scale, w_scale = scales if scales is not None else (offsets_E1, offsets_E1)  # (unused)
+    args = (a_PK, w, offsets_E1, c, a_scale, w_scale, a_desc, b_desc, num_rows, n, k_dim,
+            num_experts, programs, a_PK.stride(0), w.stride(0), stride_bn, stride_bk)  # fmt: skip
     constexprs = dict(
         B_KN=kn,
         BM=cfg.block_m,
@@ -202,9 +217,10 @@ def persistent_grouped_mm(
         A_TMA=a_tma,
         B_TMA=b_tma,
         UPCAST=INTERPRET,
-        IEEE=a_PK.dtype == torch.float32,
+        IEEE=a_PK.dtype == torch.float32 or (INTERPRET and scales is not None),
         WHILE_LOOPS=INTERPRET,
         FLATTEN=cfg.flatten,
+        SCALED=scales is not None,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _launcher.launch((programs,), args, constexprs, **options)
