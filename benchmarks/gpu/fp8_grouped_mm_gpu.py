@@ -44,7 +44,8 @@ SHAPES = {  # name: (rows per expert, E, N, D)
 }
 
 
-def run(name, rows_e, E, N, D, device, dry):
+def problem(rows_e, E, N, D, device, dry):
+    """(sizes, bf16 rows and weights, equal groups, the rows' FP8 data and scales)."""
     if dry:
         rows_e, E, N, D = 16, 2, 64, 128
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -53,6 +54,11 @@ def run(name, rows_e, E, N, D, device, dry):
     w = (torch.randn(E, N, D, generator=g) / D**0.5).to(device, torch.bfloat16)
     offsets = torch.arange(0, P + 1, rows_e, dtype=torch.int32, device=device)
     xq, xs = quantize_rows(x.float(), None, None)
+    return (rows_e * E, E, N, D), x, w, offsets, xq, xs
+
+
+def run(name, rows_e, E, N, D, device, dry):
+    (P, E, N, D), x, w, offsets, xq, xs = problem(rows_e, E, N, D, device, dry)
     flop = 2 * P * N * D
     t_bf16 = bench_us(lambda: mk.gather_grouped_mm(x, w, offsets), dry=dry)
     line = f"{name:18s} bf16 {t_bf16:8.1f} us {flop / t_bf16 / 1e6:6.0f} TF/s"
@@ -119,14 +125,7 @@ CONFIGS = {  # name: Fp8Config overrides of the plan's choice (the launcher's ty
 
 def sweep_configs(name, rows_e, E, N, D, device, dry):
     """Per-channel FP8 on sorted rows under each ``CONFIGS`` override: us and error."""
-    if dry:
-        rows_e, E, N, D = 16, 2, 64, 128
-    g = torch.Generator(device="cpu").manual_seed(0)
-    P = rows_e * E
-    x = torch.randn(P, D, generator=g).to(device, torch.bfloat16)
-    w = (torch.randn(E, N, D, generator=g) / D**0.5).to(device, torch.bfloat16)
-    offsets = torch.arange(0, P + 1, rows_e, dtype=torch.int32, device=device)
-    xq, xs = quantize_rows(x.float(), None, None)
+    (P, E, N, D), x, w, offsets, xq, xs = problem(rows_e, E, N, D, device, dry)
     q = mk.quantize_fp8_weights(w)
     want = ref.fp8_grouped_mm(xq, xs, q.weight, q.scale, offsets, None, torch.float32)
     base = tri.fp8_config(P, N, D, False)
