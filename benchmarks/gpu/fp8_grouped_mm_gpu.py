@@ -149,11 +149,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
     ap.add_argument("--configs-only", action="store_true", help="the config sweep alone")
+    ap.add_argument("--shapes", help="comma-separated SHAPES names for the config sweep")
     args = ap.parse_args()
     device = torch.device("cpu" if args.dry_run else "cuda")
     for name, shape in {} if args.configs_only else SHAPES.items():
         run(name, *shape, device, args.dry_run)
-    for name in CONFIG_SHAPES:
+    for name in args.shapes.split(",") if args.shapes else CONFIG_SHAPES:
         sweep_configs(name, *SHAPES[name], device, args.dry_run)
 
 
