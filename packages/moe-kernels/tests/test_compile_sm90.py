@@ -409,6 +409,63 @@ def test_plan_from_choices_kernel_compiles(can_compile, block, idx):
     _compile(cp._plan_kernel, sig, dict(K=8, BLOCK=block, L_PAD=256), 4 if block <= 1024 else 8)
 
 
+@pytest.mark.parametrize("cap", [80, 86])
+def test_fp8_grouped_mm_decoded_kernel_compiles_before_sm89(can_compile, cap):
+    """On GPUs without the e4m3 type (A100 sm_80, RTX 30xx sm_86) the GEMM plan's
+    "triton_fp8_decoded" launch compiles: the operands' bytes decoded to bf16 for mma.sync (the
+    e4m3 kernel itself does not: "type fp8e4nv not supported in this architecture")."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_kernels._triton import fp8_grouped_mm as fm
+
+    cfg = fm.fp8_config(4096, 1024, 2048, False, True)
+    sig = dict(x_ptr="*u8", xs_ptr="*fp32", w_ptr="*u8", ws_ptr="*fp32", offs_ptr="*i32",
+               ridx_ptr="*i32", y_ptr="*bf16", T="i32", P="i32", N="i32", D="i32", E="i32",
+               stride_xt="i32", stride_we="i64", stride_wn="i32", stride_se="i32",
+               stride_sn="i32", stride_sk="i32")  # fmt: skip
+    consts = dict(a_desc=None, b_desc=None, HAS_RIDX=True, BLOCK_SCALES=False, BM=cfg.block_m,
+                  BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, BLOCK_E=256, EVEN_K=True,
+                  A_TMA=False, B_TMA=False, UPCAST=False, WHILE_LOOPS=False, FAST_ACCUM=False,
+                  DECODE=True)  # fmt: skip
+    src = ASTSource(fn=fm._fp8_grouped_mm_kernel, signature={**sig, **dict.fromkeys(consts,
+                    "constexpr")}, constexprs=consts, attrs={})  # fmt: skip
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
+    assert "mma.sync" in kernel.asm["ptx"] and "e4m3" not in kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("op", ["gather_quant", "silu_mul_quant"])
+def test_fp8_row_quantisers_compile_before_sm89(can_compile, op):
+    """The row-wise FP8 quantisers at sm_80 (A100) with the integer e4m3 rounding their launchers
+    pick there (``_dispatch.e4m3_native``): no e4m3 type in the kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_kernels._triton import gather_quant as gq
+    from moe_kernels._triton import swiglu as sw
+
+    ints = ("N", "D", "T", "E", "stride_xt", "stride_xd", "stride_st", "stride_se")
+    if op == "gather_quant":
+        kern = gq._gather_quant_kernel
+        sig = dict(q_ptr="*u8", scale_ptr="*fp32", x_ptr="*bf16", tok_ptr="*i32",
+                   exp_ptr="*i32", scores_ptr="*fp32", ub_ptr="*fp32", vtc_ptr="*i32",
+                   **dict.fromkeys(ints, "i32"))  # fmt: skip
+    else:
+        kern = sw._silu_mul_quant_kernel
+        ints = ("T", "D", "stride_0t", "stride_0d", "stride_1t", "stride_1d")
+        sig = dict(q_ptr="*u8", scale_ptr="*fp32", x0_ptr="*bf16", x1_ptr="*bf16",
+                   ub_ptr="*fp32", vtc_ptr="*i32", **dict.fromkeys(ints, "i32"))  # fmt: skip
+    consts = dict(HAS_UB=False, HAS_VTC=False, IEEE_DIV=False, NATIVE_CAST=False, BLOCK_T=4,
+                  BLOCK_D=2048, NUM_CHUNKS=1, COL64=False)  # fmt: skip
+    src = ASTSource(fn=kern, signature={**sig, **dict.fromkeys(consts, "constexpr")},
+                    constexprs=consts, attrs={})  # fmt: skip
+    kernel = triton.compile(src, target=GPUTarget("cuda", 80, 32), options=dict(num_warps=4))
+    assert "e4m3" not in kernel.asm["ptx"]
+
+
 @pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "sorted"])
 @pytest.mark.parametrize("block_scales", [False, True], ids=["channel", "block"])
 def test_fp8_grouped_mm_kernel_compiles_to_wgmma(can_compile, gathered, block_scales):
@@ -428,7 +485,7 @@ def test_fp8_grouped_mm_kernel_compiles_to_wgmma(can_compile, gathered, block_sc
     consts = dict(HAS_RIDX=gathered, BLOCK_SCALES=block_scales, BM=cfg.block_m, BN=cfg.block_n,
                   BK=cfg.block_k, GROUP_M=cfg.group_m, BLOCK_E=256, EVEN_K=True,
                   A_TMA=not gathered, B_TMA=True, UPCAST=False, WHILE_LOOPS=False,
-                  FAST_ACCUM=cfg.fast_accum)  # fmt: skip
+                  FAST_ACCUM=cfg.fast_accum, DECODE=False)  # fmt: skip
     if gathered:
         consts["a_desc"] = None
     else:

@@ -45,7 +45,7 @@ def test_route_never_direct_under_fake_tensors():
 def test_sm_major_traces_without_warning(monkeypatch):
     """Dynamo traces the cached capability query (the GEMM rules call it while tracing) with no
     warning: it warned on every compiled layer while the cache was a ``functools.lru_cache``."""
-    monkeypatch.setitem(_dispatch._SM_MAJOR, 0, 9)  # a cached sm90 device; no CUDA needed
+    monkeypatch.setitem(_dispatch._SM, 0, 90)  # a cached sm90 device; no CUDA needed
 
     def f(x):
         return x * 2 if _dispatch.sm_major(0) >= 9 else x
@@ -70,9 +70,9 @@ def test_sm_major_is_a_trace_time_constant(monkeypatch):
 
     def properties(index):
         asked.append(index)
-        return SimpleNamespace(major=9)
+        return SimpleNamespace(major=9, minor=0)
 
-    monkeypatch.setattr(_dispatch, "_SM_MAJOR", {})  # a cold process
+    monkeypatch.setattr(_dispatch, "_SM", {})  # a cold process
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
 
     def f(x):
@@ -82,8 +82,8 @@ def test_sm_major_is_a_trace_time_constant(monkeypatch):
     counter = CompileCounter()
     compiled = torch.compile(f, fullgraph=True, backend=counter)
     assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
-    assert asked == [0] and _dispatch._SM_MAJOR == {0: 9}
-    _dispatch._SM_MAJOR[0] = 8  # not seen by the compiled frame: no guard on the dict
+    assert asked == [0] and _dispatch._SM == {0: 90}
+    _dispatch._SM[0] = 80  # not seen by the compiled frame: no guard on the dict
     assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
     assert counter.frame_count == 1 and asked == [0]
     assert _dispatch.sm_major(0) == 8  # eager reads the cache

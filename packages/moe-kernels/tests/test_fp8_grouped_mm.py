@@ -10,7 +10,7 @@ import torch
 
 import moe_kernels as mk
 from moe_kernels.reference.fp8_rowwise import quantize_rows
-from moe_kernels.testing import ULP
+from moe_kernels.testing import ULP, execution_path
 
 E4M3 = torch.float8_e4m3fn
 
@@ -75,6 +75,47 @@ def test_matches_float64_oracle(case, out_dtype):
     assert (err <= ulp * want.abs() + 1e-5 * mag + 1e-30).all(), err.max().item()
     assert torch.equal(y, mk.fp8_grouped_mm(xq, xs, wq.weight, wq.scale, offsets, rows,
                                             out_dtype=out_dtype))  # fmt: skip
+
+
+INTERPRETED = execution_path(torch.device("cpu")) == "interpreter"
+if INTERPRETED:  # (a module-level kernel: the interpreter resolves names in its globals)
+    import triton
+    import triton.language as tl
+
+    from moe_kernels._triton.fp8_grouped_mm import e4m3_value
+
+    @triton.jit
+    def _decode_bytes(b_ptr, o_ptr):
+        i = tl.arange(0, 256)
+        tl.store(o_ptr + i, e4m3_value(tl.load(b_ptr + i)))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the Triton launcher on CPU: TRITON_INTERPRET=1")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decoded_kernel_matches_float64_oracle(case):
+    """The GEMM plan's "triton_fp8_decoded" (GPUs before sm_89): the kernel reads the operands'
+    bytes and decodes them (``e4m3_value``) instead of using the e4m3 type; the same bound."""
+    from moe_kernels._triton import fp8_grouped_mm as tri
+
+    T, E, D, N, k, block, gathered = case
+    xq, xs, wq, offsets, rows = problem(T, E, D, N, k, block, gathered=gathered)
+    y = tri.fp8_grouped_mm(xq, xs, wq.weight, wq.scale, offsets, rows, torch.float32, decode=True)
+    want = oracle(xq, xs, wq.weight, wq.scale, offsets, rows)
+    mag = oracle(xq.float().abs().to(E4M3), xs, wq.weight.float().abs().to(E4M3),
+                 wq.scale, offsets, rows)  # fmt: skip
+    err = (y.double() - want).abs()
+    assert (err <= ULP[torch.float32] * want.abs() + 1e-5 * mag + 1e-30).all(), err.max().item()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="a Triton function on CPU: TRITON_INTERPRET=1")
+def test_e4m3_bytes_decode_exactly():
+    """Every one of the 256 e4m3fn bytes decodes to torch's value (NaN for 0x7F and 0xFF)."""
+    b = torch.arange(256, dtype=torch.uint8)
+    got = torch.empty(256)
+    _decode_bytes[(1,)](b, got)
+    want = b.view(E4M3).float()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
 
 
 @pytest.mark.parametrize("block", [False, True])

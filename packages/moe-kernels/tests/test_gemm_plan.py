@@ -26,7 +26,8 @@ from moe_kernels._gemm_plan import (
 
 H100 = GemmDevice("triton", 9)
 B200 = GemmDevice("triton", 10)
-A100 = GemmDevice("triton", 8)
+A100 = GemmDevice("triton", 8, fp8_mma=False)  # sm_80: no e4m3 type
+L40 = GemmDevice("triton", 8)  # sm_89: e4m3 tensor cores
 INTERP = GemmDevice("interpreter", 0)
 REF = GemmDevice("reference", 0)
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -252,8 +253,9 @@ def test_portable_backend_is_read_at_import():
 @pytest.mark.parametrize(
     ("dev", "P", "want"),
     [(H100, 4096, "triton_fp8"), (H100, 1, "triton_fp8"), (INTERP, 64, "triton_fp8"),
-     (REF, 64, "reference")],
+     (L40, 64, "triton_fp8"), (A100, 64, "triton_fp8_decoded"), (REF, 64, "reference")],
 )  # fmt: skip
 def test_fp8_runs_the_triton_fp8_kernel_off_the_reference_path(dev, P, want):
-    """e4m3 operands: the FP8 kernel at every size (no GEMV for FP8 yet), the reference on CPU."""
+    """e4m3 operands: the FP8 kernel at every size (no GEMV for FP8 yet), its bytes decoded to
+    bf16 on a GPU without the e4m3 type (before sm_89), the reference on CPU."""
     assert kernel(GemmProblem("fp8", P, 256, 512, 8, torch.float8_e4m3fn), dev) == want

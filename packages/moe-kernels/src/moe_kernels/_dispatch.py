@@ -90,26 +90,39 @@ def triton_kernels(module: str) -> ModuleType:
         raise RuntimeError(TRITON_MISSING.format(where=where, why=exc)) from exc
 
 
-_SM_MAJOR: dict[int, int] = {}
+_SM: dict[int, int] = {}
 
 
 @torch.compiler.assume_constant_result
+def sm_version(index: int) -> int:
+    """The compute capability of CUDA device ``index`` as 10 * major + minor (89: sm_89), cached
+    in a plain dict (the property query costs microseconds of host time a call; Dynamo warns on
+    every ``functools.lru_cache`` it meets). Under ``torch.compile`` Dynamo calls it once while
+    tracing and keeps the result as a constant (``assume_constant_result``): it never traces the
+    dict, whose first fill inside a traced frame failed its guards (a cold process crashed)."""
+    sm = _SM.get(index)
+    if sm is None:
+        props = torch.cuda.get_device_properties(index)
+        sm = _SM[index] = 10 * props.major + props.minor
+    return sm
+
+
 def sm_major(index: int) -> int:
-    """The compute capability's major number of CUDA device ``index``, cached in a plain dict
-    (the property query costs microseconds of host time a call; Dynamo warns on every
-    ``functools.lru_cache`` it meets). Under ``torch.compile`` Dynamo calls it once while tracing
-    and keeps the result as a constant (``assume_constant_result``): it never traces the dict,
-    whose first fill inside a traced frame failed its guards (a cold process crashed)."""
-    major = _SM_MAJOR.get(index)
-    if major is None:
-        major = _SM_MAJOR[index] = torch.cuda.get_device_properties(index).major
-    return major
+    """The compute capability's major number of CUDA device ``index`` (``sm_version``)."""
+    return sm_version(index) // 10
 
 
 def has_tma(index: int) -> bool:
     """Whether kernels on CUDA device ``index`` may read through TMA descriptors: sm90 and
     later, unless ``MOE_KERNELS_BACKEND=portable``."""
     return not PORTABLE and sm_major(index) >= 9
+
+
+def e4m3_native(device: torch.device) -> bool:
+    """Whether Triton kernels on ``device`` may use the e4m3 (float8e4nv) type: CUDA sm_89 and
+    later (Ada, Hopper, Blackwell). Earlier GPUs (A100, RTX 30xx) and the interpreter take the
+    integer paths: e4m3 rounding in integer arithmetic, e4m3 bytes decoded to bf16."""
+    return device.type == "cuda" and not INTERPRET and sm_version(device.index or 0) >= 89
 
 
 def op_name(name: str) -> str:

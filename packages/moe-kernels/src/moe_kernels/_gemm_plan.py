@@ -15,7 +15,8 @@ dequantisation, then the "dequantized" problem's plan), "masked" (a per-expert m
 GEMM with static shapes), "gemv" (``_triton/grouped_gemv.py``: the forward GEMMs at a few rows
 in all, a decode step's, each touched expert's weights read once; gathers its rows, fuses SiLU or
 SwiGLU), "triton_fp8" (``_triton/fp8_grouped_mm.py``: e4m3 operands, per-row and per-channel or
-block scales; not yet tuned on a device).
+block scales; not yet tuned on a device), "triton_fp8_decoded" (the same kernel on a GPU without
+e4m3 tensor cores, before sm_89: the e4m3 bytes decoded to bf16, exactly, for bf16 MMAs).
 
 From the H200 (``benchmarks/gpu/persistent_grouped_mm_gpu.py``, torch 2.11, triton 3.6, bf16,
 two runs on two machines): the flattened persistent Triton kernel (128 x 256 x 64 tiles, 8
@@ -33,7 +34,14 @@ from typing import NamedTuple
 
 import torch
 
-from moe_kernels._dispatch import INTERPRET, PORTABLE, sm_major, triton_kernels, use_triton
+from moe_kernels._dispatch import (
+    INTERPRET,
+    PORTABLE,
+    e4m3_native,
+    sm_major,
+    triton_kernels,
+    use_triton,
+)
 from moe_kernels._triton.blocks import pow2_clamp  # plain Python: no Triton import
 
 # Mean rows per expert up to which the persistent row-grouped GEMM runs (above it CUTLASS was as
@@ -162,13 +170,15 @@ class GemmDevice(NamedTuple):
     major, 0 off CUDA), and whether this torch has ``torch._grouped_mm`` (``grouped_mm``) and
     an MXFP8 ``torch._scaled_grouped_mm`` (``scaled_grouped_mm``: torch >= 2.9). ``gemv``: the
     plan may pick the grouped GEMV (False: the plan without it, which
-    ``benchmarks/gpu/decode_gemv_gpu.py`` times it against)."""
+    ``benchmarks/gpu/decode_gemv_gpu.py`` times it against). ``fp8_mma``: Triton may use the
+    e4m3 type there (CUDA sm_89+; off CUDA the interpreter's own path decides)."""
 
     path: str
     sm_major: int = 0
     grouped_mm: bool = True
     scaled_grouped_mm: bool = True
     gemv: bool = True
+    fp8_mma: bool = True
 
 
 class GemmProblem(NamedTuple):
@@ -226,8 +236,8 @@ def choose_gemm(p: GemmProblem, dev: GemmDevice) -> GemmPlan:
         return GemmPlan("cutlass" if ok and p.k % 8 == 0 and p.n % 8 == 0 else "masked")
     if dev.path == "reference":
         return GemmPlan("reference")
-    if p.kind == "fp8":  # e4m3 x e4m3: the Triton kernel (sm89+ on CUDA; any in the interpreter)
-        return GemmPlan("triton_fp8")
+    if p.kind == "fp8":  # e4m3 x e4m3: the Triton kernel, its e4m3 bytes decoded before sm_89
+        return GemmPlan("triton_fp8" if dev.fp8_mma else "triton_fp8_decoded")
     if dev.gemv and p.kind in GEMV_KINDS and use_gemv(p.rows, p.experts):
         return GemmPlan("gemv")  # few rows in all: one read of the touched experts' weights
     if p.kind == "gather":  # a row gather or the SiLU epilogue: only the Triton GEMM has them
@@ -276,7 +286,9 @@ def gemm_device(device: torch.device) -> GemmDevice:
     else:  # the interpreter as the launchers see it: INTERPRET set, or CPU tensors
         path = "interpreter" if INTERPRET or device.type != "cuda" else "triton"
     cutlass = not PORTABLE
-    return GemmDevice(path, major, _GROUPED_MM and cutlass, _SCALED_GROUPED_MM and cutlass)
+    fp8_mma = path != "triton" or e4m3_native(device)
+    return GemmDevice(path, major, _GROUPED_MM and cutlass, _SCALED_GROUPED_MM and cutlass,
+                      fp8_mma=fp8_mma)  # fmt: skip
 
 
 def _tma(*tensors: torch.Tensor) -> bool:

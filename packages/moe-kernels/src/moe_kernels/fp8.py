@@ -93,14 +93,16 @@ def _impl(
     row_indices: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    if plan_fp8(x_TD, w_END, row_indices).kernel == "reference":
+    kernel = plan_fp8(x_TD, w_END, row_indices).kernel
+    if kernel == "reference":
         return _ref.fp8_grouped_mm(x_TD, x_scale_T, w_END, w_scale, offsets, row_indices,
                                    out_dtype)  # fmt: skip
     x_TD = x_TD if x_TD.stride(1) == 1 else x_TD.contiguous()
     w_END = w_END if w_END.stride(2) == 1 else w_END.contiguous()
-    return triton_kernels("fp8_grouped_mm").fp8_grouped_mm(
-        x_TD, x_scale_T.float(), w_END, w_scale.float(), offsets, row_indices, out_dtype
-    )
+    decode = kernel == "triton_fp8_decoded"  # (no e4m3 tensor cores: bytes decoded to bf16)
+    launch = triton_kernels("fp8_grouped_mm").fp8_grouped_mm
+    args = (x_TD, x_scale_T.float(), w_END, w_scale.float(), offsets, row_indices, out_dtype)
+    return launch(*args, decode=decode)
 
 
 def _fake(x_TD, x_scale_T, w_END, w_scale, offsets, row_indices, out_dtype):
@@ -134,7 +136,9 @@ def fp8_grouped_mm(
     products, each 128-deep K block summed by the tensor cores (on sm_90 with their reduced
     accumulator precision; exactly in fp32 on the reference path and in the interpreter) and
     added in fp32 (with block scales, times its block's scale), times the row's and (per
-    channel) the column's scale, cast once; rows past offsets[E] and rows whose index
+    channel) the column's scale, cast once (before sm_89, without e4m3 tensor cores, the e4m3
+    values are decoded to bf16 in the kernel, exactly, and their exact products summed in fp32
+    by the bf16 tensor cores); rows past offsets[E] and rows whose index
     is outside [0, T) are zero. Not differentiable (inference).
     """
     x_TD = V.tensor("x_TD", x_TD)

@@ -38,16 +38,31 @@ SCALE_BLOCK = 128  # the block of w's block scales, both dims
 
 
 @triton.jit
+def e4m3_value(bits):
+    """fp32 values of uint8 e4m3fn bits, exactly (every e4m3 value is an fp32 one): normals
+    (1 + m / 8) 2^(e - 7), subnormals m 2^-9, NaN for 0x7F / 0xFF; integer arithmetic only (no
+    e4m3 type: GPUs before sm_89)."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    mag = tl.where((e == 15) & (m == 7), float("nan"), mag)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
 def _k_step(acc, k, a_ptrs, b_ptrs, a_desc, b_desc, a_row, b_row, s_ptr, ks, D, stride_sk,
             BK: tl.constexpr, EVEN_K: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
-            BLOCK_SCALES: tl.constexpr, UPCAST: tl.constexpr,
-            FAST_ACCUM: tl.constexpr):  # fmt: skip
+            BLOCK_SCALES: tl.constexpr, UPCAST: tl.constexpr, FAST_ACCUM: tl.constexpr,
+            DECODE: tl.constexpr):  # fmt: skip
     """acc + the K step k of the tile: A (BM, BK) at ``a_ptrs`` or from ``a_desc`` (x) at row
     ``a_row``, B (BK, BN) at ``b_ptrs`` or from ``b_desc`` (w viewed (E*N, D)) at row ``b_row``,
     transposed (columns past D read as zero); with ``BLOCK_SCALES`` the step's partial sum times
     its block scale (BK = 128). ``UPCAST`` (the interpreter): an exact fp32 dot of the fp8
     values. ``FAST_ACCUM`` (per-channel scales only): the step accumulated in the MMA's own
-    accumulator (FBGEMM's ``use_fast_accum``)."""
+    accumulator (FBGEMM's ``use_fast_accum``). ``DECODE``: x and w come as uint8 bytes, decoded
+    to bf16 (exact) for a bf16 MMA (GPUs before sm_89)."""
     k0 = k * BK
     if A_TMA:
         a = a_desc.load([a_row, k0])
@@ -61,7 +76,13 @@ def _k_step(acc, k, a_ptrs, b_ptrs, a_desc, b_desc, a_row, b_row, s_ptr, ks, D, 
         b = tl.load(b_ptrs + k0)
     else:
         b = tl.load(b_ptrs + k0, mask=((k0 + ks) < D)[:, None], other=0.0)
-    if UPCAST:
+    if DECODE:
+        a = e4m3_value(a)
+        b = e4m3_value(b)
+        if not UPCAST:
+            a = a.to(tl.bfloat16)
+            b = b.to(tl.bfloat16)
+    elif UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     # Each step's sum on its own, then added in fp32: sm_90's fp8 MMA accumulates with fewer
@@ -82,7 +103,7 @@ def _fp8_grouped_mm_kernel(
     HAS_RIDX: tl.constexpr, BLOCK_SCALES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr,
     A_TMA: tl.constexpr, B_TMA: tl.constexpr, UPCAST: tl.constexpr, WHILE_LOOPS: tl.constexpr,
-    FAST_ACCUM: tl.constexpr,
+    FAST_ACCUM: tl.constexpr, DECODE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tile_pids(tl.program_id(0), tl.cdiv(P, BM) + E, tl.cdiv(N, BN), GROUP_M)
 
@@ -118,13 +139,13 @@ def _fp8_grouped_mm_kernel(
             while k < num_k:
                 acc = _k_step(acc, k, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, s_ptr, ks, D,
                               stride_sk, BK, EVEN_K, A_TMA, B_TMA, BLOCK_SCALES,
-                              UPCAST, FAST_ACCUM)  # fmt: skip
+                              UPCAST, FAST_ACCUM, DECODE)  # fmt: skip
                 k += 1
         else:  # (a for loop: software pipelined by num_stages)
             for k in range(0, num_k):
                 acc = _k_step(acc, k, a_ptrs, b_ptrs, a_desc, b_desc, row0, b_row, s_ptr, ks, D,
                               stride_sk, BK, EVEN_K, A_TMA, B_TMA, BLOCK_SCALES,
-                              UPCAST, FAST_ACCUM)  # fmt: skip
+                              UPCAST, FAST_ACCUM, DECODE)  # fmt: skip
         acc = acc * tl.load(xs_ptr + src, mask=live, other=0.0)[:, None]
         if not BLOCK_SCALES:
             w_s = tl.load(ws_ptr + seg.to(tl.int64) * stride_se + safe_cols * stride_sn)
@@ -182,9 +203,11 @@ def fp8_grouped_mm(
     row_indices_P: torch.Tensor | None,
     out_dtype: torch.dtype,
     config: Fp8Config | None = None,
+    decode: bool = False,
 ) -> torch.Tensor:
     """(P, N) in ``out_dtype``; see ``moe_kernels.fp8.fp8_grouped_mm``. Inputs checked; x and w
-    contiguous along D."""
+    contiguous along D. ``decode``: a GPU without e4m3 tensor cores (the GEMM plan's
+    "triton_fp8_decoded"): the operands' bytes decoded to bf16 in the kernel, pointer loads."""
     num_tokens, dim = x_TD.shape
     num_experts, n, _ = w_END.shape
     num_rows = num_tokens if row_indices_P is None else row_indices_P.shape[0]
@@ -195,9 +218,11 @@ def fp8_grouped_mm(
         return y_PN.zero_()
     block_scales = w_scale.dim() == 3
     cfg = config or fp8_config(num_rows, n, dim, block_scales, row_indices_P is not None)
-    if cfg.tma and not (x_TD.is_cuda and has_tma(x_TD.get_device())):
+    if cfg.tma and not (x_TD.is_cuda and has_tma(x_TD.get_device())) or decode:
         cfg = cfg._replace(tma=False)  # (a GPU without TMA: pointer loads)
-    if cfg.persistent and not block_scales and row_indices_P is None:
+    if decode:  # (the kernel reads the bytes; no e4m3 type in it)
+        x_TD, w_END = x_TD.view(torch.uint8), w_END.view(torch.uint8)
+    if cfg.persistent and not block_scales and row_indices_P is None and not decode:
         pcfg = PersistentConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
                                 cfg.num_stages, cfg.tma, flatten=not INTERPRET)  # fmt: skip
         y_PN = persistent_grouped_mm(x_TD, w_END, offsets_E1, "nk", pcfg,
@@ -217,7 +242,7 @@ def fp8_grouped_mm(
         BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         BLOCK_E=next_pow2(num_experts + 1), EVEN_K=dim % cfg.block_k == 0,
         A_TMA=a_desc is not None, B_TMA=b_desc is not None, UPCAST=INTERPRET,
-        WHILE_LOOPS=INTERPRET, FAST_ACCUM=cfg.fast_accum and not block_scales,
+        WHILE_LOOPS=INTERPRET, FAST_ACCUM=cfg.fast_accum and not block_scales, DECODE=decode,
     )  # fmt: skip
     _launcher.launch(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y_PN

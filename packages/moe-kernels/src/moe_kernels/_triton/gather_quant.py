@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels._dispatch import INTERPRET
+from moe_kernels._dispatch import e4m3_native
 from moe_kernels._triton.blocks import cdiv
 from moe_kernels._triton.fp8_rowwise import (
     RowConfig,
@@ -120,7 +120,8 @@ def gather_scale_quant(
     """(q (N, D) float8_e4m3fn, scale (N,) fp32) of x[tok] * scores[tok, exp], dead rows zero.
     ``config`` overrides the launch shape (``pick_config("gather", N, D)``); ``ieee_div=True``
     divides with IEEE division (the reference's; default: FBGEMM's ``div.full.f32`` on the GPU);
-    ``native_cast`` (default: on the GPU) picks the hardware e4m3 cast over the integer rounding.
+    ``native_cast`` (default: on GPUs with the e4m3 type, sm_89+) picks the hardware e4m3 cast over
+    the integer rounding.
     Index tensors must be contiguous."""
     num_tokens, dim = x_TD.shape
     num_rows = token_indices_N.shape[0]
@@ -148,7 +149,7 @@ def gather_scale_quant(
             HAS_UB=scale_ub is not None,
             HAS_VTC=valid_token_count is not None,
             IEEE_DIV=ieee_div,
-            NATIVE_CAST=(not INTERPRET) if native_cast is None else native_cast,
+            NATIVE_CAST=e4m3_native(x_TD.device) if native_cast is None else native_cast,
             BLOCK_T=cfg.block_t,
             BLOCK_D=cfg.block_d,
             NUM_CHUNKS=num_chunks(dim, cfg.block_d),

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import INTERPRET
+from .._dispatch import INTERPRET, e4m3_native
 from .blocks import cdiv, next_pow2
 from .launch import launch
 
@@ -363,7 +363,7 @@ def to_mxfp8(
     if M == 0 or K == 0:
         return data, scale
     bm, bk, warps = _tile(M, K, block_m, block_k)
-    native = (not INTERPRET) if native_cast is None else native_cast
+    native = e4m3_native(x_MK.device) if native_cast is None else native_cast
     grid = (cdiv(M, bm), cdiv(K, bk))
     launch(
         _mxfp8_dim0_kernel,
@@ -495,7 +495,7 @@ def to_mxfp8_dim1(
     if B * M * K > 0:
         cfg = dim1_config(M, K, block_m=block_m, block_k=block_k, config=config)
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
-        native = (not INTERPRET) if native_cast is None else native_cast
+        native = e4m3_native(x.device) if native_cast is None else native_cast
         args = (x, data.view(torch.uint8), scale.view(torch.uint8), M, K, x.stride(0), x.stride(1))
         if cfg["variant"] == "tload":
             grid = (cdiv(M, bm), cdiv(K, bk), B)

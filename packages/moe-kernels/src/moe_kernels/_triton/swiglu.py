@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels._dispatch import INTERPRET
+from moe_kernels._dispatch import e4m3_native
 from moe_kernels._triton.blocks import cdiv
 from moe_kernels._triton.fp8_rowwise import (
     RowConfig,
@@ -174,8 +174,8 @@ def silu_mul_quant(
     """(q (T, D) float8_e4m3fn, scale (T,) fp32): the row-wise quantisation of the fp32
     silu_mul value. ``config`` overrides the launch shape (``pick_config("quant", T, D)``);
     ``ieee_div=True`` divides with IEEE division (the reference's; default: FBGEMM's
-    ``div.full.f32`` on the GPU); ``native_cast`` (default: on the GPU) picks the hardware e4m3
-    cast over the integer rounding."""
+    ``div.full.f32`` on the GPU); ``native_cast`` (default: on GPUs with the e4m3 type,
+    sm_89+) picks the hardware e4m3 cast over the integer rounding."""
     num_rows, dim = x0_TD.shape
     q = torch.empty((num_rows, dim), dtype=torch.uint8, device=x0_TD.device)
     scale = torch.empty((num_rows,), dtype=torch.float32, device=x0_TD.device)
@@ -188,7 +188,7 @@ def silu_mul_quant(
             HAS_UB=scale_ub is not None,
             HAS_VTC=valid_token_count is not None,
             IEEE_DIV=ieee_div,
-            NATIVE_CAST=(not INTERPRET) if native_cast is None else native_cast,
+            NATIVE_CAST=e4m3_native(x0_TD.device) if native_cast is None else native_cast,
             BLOCK_T=cfg.block_t,
             BLOCK_D=cfg.block_d,
             NUM_CHUNKS=num_chunks(dim, cfg.block_d),
