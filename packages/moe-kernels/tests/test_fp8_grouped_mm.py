@@ -77,6 +77,15 @@ def test_matches_float64_oracle(case, out_dtype):
                                             out_dtype=out_dtype))  # fmt: skip
 
 
+def test_strided_row_scales_read_as_their_values():
+    """x_scale as a strided view (every other element of a wider tensor) gives the same bits
+    as its contiguous copy (the kernels once read it with unit stride: another row's scale)."""
+    xq, xs, wq, offsets, rows = problem(40, 4, 256, 96, 2, False)
+    wide = torch.stack([xs, torch.full_like(xs, 7.0)], dim=1)
+    got = mk.fp8_grouped_mm(xq, wide[:, 0], wq.weight, wq.scale, offsets, rows)
+    assert torch.equal(got, mk.fp8_grouped_mm(xq, xs, wq.weight, wq.scale, offsets, rows))
+
+
 INTERPRETED = execution_path(torch.device("cpu")) == "interpreter"
 if INTERPRETED:  # (a module-level kernel: the interpreter resolves names in its globals)
     import triton

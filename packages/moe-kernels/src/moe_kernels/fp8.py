@@ -101,7 +101,8 @@ def _impl(
     w_END = w_END if w_END.stride(2) == 1 else w_END.contiguous()
     decode = kernel == "triton_fp8_decoded"  # (no e4m3 tensor cores: bytes decoded to bf16)
     launch = triton_kernels("fp8_grouped_mm").fp8_grouped_mm
-    args = (x_TD, x_scale_T.float(), w_END, w_scale.float(), offsets, row_indices, out_dtype)
+    x_scale_T = x_scale_T.contiguous()  # (the kernels index it with unit stride)
+    args = (x_TD, x_scale_T, w_END, w_scale, offsets, row_indices, out_dtype)
     return launch(*args, decode=decode)
 
 

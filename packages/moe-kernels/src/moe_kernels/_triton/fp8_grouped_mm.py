@@ -218,8 +218,8 @@ def fp8_grouped_mm(
         return y_PN.zero_()
     block_scales = w_scale.dim() == 3
     cfg = config or fp8_config(num_rows, n, dim, block_scales, row_indices_P is not None)
-    if cfg.tma and not (x_TD.is_cuda and has_tma(x_TD.get_device())) or decode:
-        cfg = cfg._replace(tma=False)  # (a GPU without TMA: pointer loads)
+    if decode or (cfg.tma and not (x_TD.is_cuda and has_tma(x_TD.get_device()))):
+        cfg = cfg._replace(tma=False)  # (a GPU without TMA, or decoded bytes: pointer loads)
     if decode:  # (the kernel reads the bytes; no e4m3 type in it)
         x_TD, w_END = x_TD.view(torch.uint8), w_END.view(torch.uint8)
     if cfg.persistent and not block_scales and row_indices_P is None and not decode:
