@@ -75,7 +75,8 @@ def test_attention_equals_the_former_formula(dtype, frame):
         dict(layer=1, commit=True, kv_only=True),  # cache pass, the last layer
     ]
     for kw in passes:
-        got = attn(x, cos, sin, new, kw["layer"], bias, commit=kw["commit"], kv_only=kw["kv_only"])
+        got = attn(x, [(cos, sin)], new, kw["layer"], [bias], commit=kw["commit"],
+                   kv_only=kw["kv_only"])  # fmt: skip
         want = old_forward(attn, x, cos, sin, old, kw["layer"], bias, commit=kw["commit"],
                            kv_only=kw["kv_only"])  # fmt: skip
         assert (got is None) == (want is None)
@@ -83,3 +84,40 @@ def test_attention_equals_the_former_formula(dtype, frame):
             assert torch.equal(got, want), kw
         assert torch.equal(new.k, old.k) and torch.equal(new.v, old.v), kw
         x = torch.randn(N, d_model, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("kv_only", [False, True], ids=["layer", "last layer"])
+@pytest.mark.parametrize("frame", [1, 3, 5], ids=["filling", "just full", "full"])
+def test_commit_and_next_pass_equal_the_passes_one_after_the_other(frame, kv_only):
+    """Two passes in one call (pass 0 commits, pass 1 one frame later sees the commit): the same
+    outputs and cache as the former formula run pass by pass, the counter advanced between."""
+    torch.manual_seed(0)
+    d_model, H, Hkv, N, W, L = 64, 4, 2, 12, 3, 2
+    attn = Attention(d_model, H, Hkv).requires_grad_(False)
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.k_norm.weight.uniform_(0.5, 1.5)
+    rope = Rope3D(d_model // H, 3, 4)
+    new = KVRingCache(L, Hkv, W, N, d_model // H, dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    for t in (new.k, new.v):
+        t.copy_(torch.randn(t.shape, generator=g))
+    new.frame.fill_(frame)
+    old = KVRingCache(L, Hkv, W, N, d_model // H, dtype=torch.float32)
+    for name in ("k", "v", "frame"):
+        getattr(old, name).copy_(getattr(new, name))
+    before = new.k.clone()
+    x = torch.randn(2 * N, d_model, generator=g)
+    ropes = [rope(new.frame), rope(new.frame + 1)]
+    biases = [new.attn_bias(torch.float32, ahead=p) for p in (0, 1)]
+    got = attn(x, ropes, new, 1, biases, commit=True, kv_only=kv_only)
+    first = old_forward(attn, x[:N], *ropes[0], old, 1, old.attn_bias(torch.float32),
+                        commit=True, kv_only=kv_only)  # fmt: skip
+    old.frame.add_(1)
+    second = old_forward(attn, x[N:], *ropes[1], old, 1, old.attn_bias(torch.float32),
+                         commit=False, kv_only=False)  # fmt: skip
+    want = second if kv_only else torch.cat([first, second])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(new.k, old.k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(new.v, old.v, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(new.k[1, :, frame % W], before[1, :, frame % W])  # the commit

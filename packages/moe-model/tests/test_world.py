@@ -299,7 +299,8 @@ def test_compiled_engine_matches_eager():
 
 def test_unmasked_variant_equals_masked_once_ring_is_full():
     eng = tiny_engine(seed=6)
-    latents(eng, eng.config.window)  # ring full from now on
+    latents(eng, eng.config.window + 1)  # a frame's keys reach the ring with the next frame
+    assert int(eng.cache.frame) == eng.config.window  # ring full from now on
     z = torch.randn(4, 8, 8)
     args = (z, torch.tensor(0.5), eng._buttons, eng._mouse, eng.cache)
     with torch.no_grad():

@@ -27,7 +27,10 @@ def _hand_count() -> tuple[dict[str, int], dict[str, int]]:
     experts top-2 of hidden 32 (not gated), 16 tokens (8x8 latent of 4 channels, 2x2 patches:
     patch dim 16), window 3 (64 keys), cond 32, freq 32, 4 buttons, 2 denoise steps: 3 passes,
     the projections of 2 x 2 + 1 = 5 full layers, K/V and modulation of 6, the final layer of 2;
-    decoder channels 16, 16, 8, 4 at 8x8 (64 px) -> 16x16 -> 32x32 -> 64x64 (4096 px)."""
+    the last frame's cache pass and the first denoise pass are one forward of 32 rows, so the
+    matmuls read their weights in 2 forwards: K/V and modulation 4 times, the layers in full 4
+    (32 rows in layer 0, 16 in layer 1 and in the second denoise pass's two layers); decoder
+    channels 16, 16, 8, 4 at 8x8 (64 px) -> 16x16 -> 32x32 -> 64x64 (4096 px)."""
     cond = 32 * 32 + 32 * 32 + 4 * 32 + 2 * 32  # t_embed (2), buttons, mouse: 2240 weights
     flops = {
         "gemm": 3 * 2 * 16 * 16 * 64  # patch_embed
@@ -43,21 +46,28 @@ def _hand_count() -> tuple[dict[str, int], dict[str, int]]:
         "decode": 18 * (64 * 4 * 16 + 256 * 16 * 16 + 1024 * 16 * 8 + 4096 * 8 * 4 + 4096 * 4 * 3),
         "other": 0,
     }
+    rows = 3 * 16  # the passes' rows; 5 * 16 in the layers in full, 6 * 16 at K/V
     nbytes = {
         "gemm": 2
         * (
-            3 * (16 * 64 + 16 * 16 + 16 * 64)
+            2 * 16 * 64
+            + rows * (16 + 64)  # patch_embed
             + 3 * cond
-            + 6 * (32 * 384 + 32 + 384)
-            + 6 * (64 * 64 + 16 * 64 + 16 * 64)
-            + 5 * 2 * (64 * 64 + 16 * 64 + 16 * 64)
-            + 5 * (4 * 64 * 32 + 16 * 64 + 32 * 32)  # all 4 experts' weights, tokens, rows out
-            + 5 * (4 * 32 * 64 + 32 * 32 + 32 * 64)
+            + 4 * 32 * 384
+            + 6 * (32 + 384)  # modulation: weights, conditioning rows in and out
+            + 4 * 64 * 64
+            + 6 * 16 * (64 + 64)  # k and v
+            + 2 * (4 * 64 * 64 + 5 * 16 * (64 + 64))  # q and o
+            + 4 * 4 * 64 * 32
+            + 5 * (16 * 64 + 32 * 32)  # all 4 experts' weights, tokens, rows out
+            + 4 * 4 * 32 * 64
+            + 5 * (32 * 32 + 32 * 64)
             + 2 * (32 * 128 + 32 + 128)
             + 2 * (64 * 16 + 16 * 64 + 16 * 16)
         ),
         "attention": 5 * 2 * (2 * 16 * 64 + 2 * 64 * 32),  # q, o; K and V of 64 keys x 32
-        "routing": 5 * (64 * 4 * 4 + 16 * 64 * 2 + 16 * 4 * 4)  # fp32 router weight, scores
+        "routing": 4 * 64 * 4 * 4
+        + 5 * (16 * 64 * 2 + 16 * 4 * 4)  # fp32 weight, scores
         + 5 * 2 * (32 * 64 + 16 * 64),  # combine
         "pointwise": 2
         * (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,44 +59,57 @@ class Attention(nn.Module):
     def forward(
         self,
         x_ND: torch.Tensor,
-        cos_NP: torch.Tensor,
-        sin_NP: torch.Tensor,
+        ropes: Sequence[tuple[torch.Tensor, torch.Tensor]],
         cache: KVRingCache,
         layer: int,
-        bias_S: torch.Tensor | None,
+        biases: Sequence[torch.Tensor | None],
         *,
         commit: bool,
         kv_only: bool = False,
     ) -> torch.Tensor | None:
-        """``bias_S``: additive mask over the (window + 1) * N keys, or None when every slot is
-        filled (then SDPA can take its flash kernel). ``commit``: also write this frame's
-        keys/values into the ring slot (after attending, so the frame sees the same history as
-        in the denoise pass: the slot still holds the frame ``window`` back). ``kv_only``:
-        commit only.
+        """``x_ND`` holds P = ``len(ropes)`` passes of N tokens each, one after another (P = 1, or
+        2: the cache pass of the previous frame and a denoise pass of the next, one frame apart),
+        with pass p's RoPE tables ``ropes[p]`` ((cos_NP, sin_NP)) and additive mask ``biases[p]``
+        over the (window + 1) * N keys (None when every slot is filled: SDPA can then take its
+        flash kernel). The projections run once over all rows; each pass attends on its own.
 
-        Per pass: one ``qk_norm_rope`` call writing the scratch slot and returning q, then SDPA;
-        a commit pass adds a second call without q for the ring slot; ``kv_only`` makes only that
-        one."""
-        N = x_ND.shape[0]
+        ``commit``: pass 0 also writes its keys/values into the ring slot ``frame % window``,
+        after attending (so it sees the same history as its denoise pass: the slot still holds the
+        frame ``window`` back), before the next pass attends (which sees it). ``kv_only``: pass 0
+        commits only (no attention); the output then holds the other passes' rows (None for P = 1).
+
+        Per attending pass: one ``qk_norm_rope`` call writing the scratch slot and returning q,
+        then SDPA; a commit adds a second call without q for the ring slot."""
+        P = len(ropes)
+        N = x_ND.shape[0] // P
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         k_NC, v_NC = self.k_proj(x_ND), self.v_proj(x_ND)
+        first = 1 if kv_only else 0  # the first pass that attends
         if kv_only:
-            self._write_ring(k_NC, v_NC, cos_NP, sin_NP, cache, layer)
-            return None
-        q_HND = qk_norm_rope(
-            self.q_proj(x_ND), k_NC, v_NC, self.q_norm.weight, self.k_norm.weight, cos_NP,
-            sin_NP, cache.k, cache.v, layer, cache.scratch_slot, eps=self.k_norm.eps,
-        )  # fmt: skip
-        k_HSD, v_HSD = cache.layer_kv(layer)
+            self._write_ring(k_NC[:N], v_NC[:N], *ropes[0], cache, layer)
+            if P == 1:
+                return None
+        q_NC = self.q_proj(x_ND[first * N :])
         G = H // Hkv
-        q_HMD = q_HND.view(Hkv, G * N, Dh)  # head h = hkv * G + g
-        o_HMD = F.scaled_dot_product_attention(
-            q_HMD[None],
-            k_HSD[None],
-            v_HSD[None],
-            attn_mask=None if bias_S is None else bias_S.view(1, 1, 1, -1),
-        )[0]
-        o_ND = o_HMD.view(Hkv, G, N, Dh).permute(2, 0, 1, 3).reshape(N, H * Dh)
-        if commit:
-            self._write_ring(k_NC, v_NC, cos_NP, sin_NP, cache, layer)
-        return self.o_proj(o_ND)
+        outs = []
+        for p in range(first, P):
+            rows = slice(p * N, (p + 1) * N)
+            cos_NP, sin_NP = ropes[p]
+            q_HND = qk_norm_rope(
+                q_NC[(p - first) * N : (p - first + 1) * N], k_NC[rows], v_NC[rows],
+                self.q_norm.weight, self.k_norm.weight, cos_NP, sin_NP, cache.k, cache.v, layer,
+                cache.scratch_slot, eps=self.k_norm.eps,
+            )  # fmt: skip
+            k_HSD, v_HSD = cache.layer_kv(layer)
+            q_HMD = q_HND.view(Hkv, G * N, Dh)  # head h = hkv * G + g
+            bias_S = biases[p]
+            o_HMD = F.scaled_dot_product_attention(
+                q_HMD[None],
+                k_HSD[None],
+                v_HSD[None],
+                attn_mask=None if bias_S is None else bias_S.view(1, 1, 1, -1),
+            )[0]
+            outs.append(o_HMD.view(Hkv, G, N, Dh).permute(2, 0, 1, 3).reshape(N, H * Dh))
+            if commit and p == 0:
+                self._write_ring(k_NC[rows], v_NC[rows], cos_NP, sin_NP, cache, layer)
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))

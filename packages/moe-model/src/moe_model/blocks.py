@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,21 +64,31 @@ class Block(nn.Module):
     def forward(
         self,
         x_ND: torch.Tensor,
-        c_C: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        c_PC: torch.Tensor,
+        ropes: Sequence[tuple[torch.Tensor, torch.Tensor]],
         cache: KVRingCache,
         layer: int,
-        bias_S: torch.Tensor | None,
+        biases: Sequence[torch.Tensor | None],
         *,
         commit: bool,
         kv_only: bool = False,
     ) -> torch.Tensor:
-        mod_6D = self.modulation(c_C).view(6, -1).float()
-        shift1, scale1, gate1, shift2, scale2, gate2 = mod_6D.unbind(0)
-        h = (self.norm1(x_ND).float() * (1 + scale1) + shift1).to(x_ND.dtype)
-        a = self.attn(h, *rope, cache, layer, bias_S, commit=commit, kv_only=kv_only)
+        """``x_ND``: P = ``c_PC.shape[0]`` passes of N tokens, each with its conditioning row of
+        ``c_PC`` (``Attention.forward`` says how the passes attend). Returns the passes' new rows;
+        with ``kv_only`` pass 0 only commits, and the rows of the other passes come back
+        (``x_ND`` itself for P = 1)."""
+        P, D = c_PC.shape[0], x_ND.shape[1]
+        mod = self.modulation(c_PC).view(P, 6, 1, D).float()
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(1)  # (P, 1, D) each
+        x_PND = x_ND.view(P, -1, D)
+        h = (self.norm1(x_PND).float() * (1 + scale1) + shift1).to(x_ND.dtype)
+        a = self.attn(h.view(-1, D), ropes, cache, layer, biases, commit=commit, kv_only=kv_only)
         if a is None:
             return x_ND
-        x_ND = (x_ND.float() + gate1 * a.float()).to(x_ND.dtype)
-        h = (self.norm2(x_ND).float() * (1 + scale2) + shift2).to(x_ND.dtype)
-        return (x_ND.float() + gate2 * self.mlp(h).float()).to(x_ND.dtype)
+        if kv_only:  # pass 0 is done: the other passes go on
+            x_PND, mod = x_PND[1:], mod[1:]
+            shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(1)
+        x_PND = (x_PND.float() + gate1 * a.view(x_PND.shape).float()).to(x_ND.dtype)
+        h = (self.norm2(x_PND).float() * (1 + scale2) + shift2).to(x_ND.dtype)
+        y = self.mlp(h.view(-1, D)).view(x_PND.shape)
+        return (x_PND.float() + gate2 * y.float()).to(x_ND.dtype).view(-1, D)

@@ -5,6 +5,10 @@ Per frame: ``denoise_steps`` rectified-flow Euler steps of a new latent, from se
 (sigma 1 -> 0), each one a denoise pass that reads the KV cache (only the scratch slot is written);
 then one cache pass on the clean latent (sigma 0) that writes the frame's keys/values into the ring
 and advances the device frame counter; optionally the decoder turns the latent into an image.
+
+The cache pass of frame t runs at the start of frame t + 1, in one forward with that frame's first
+denoise pass (``WorldModel.commit_and_denoise``: 2N tokens, every weight read once for both; the
+same math as the two passes one after the other). Frame 0 runs its denoise pass alone.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from moe_model.moe import MoELayer
 from moe_model.world import WorldModel, check_config, model_parameter_counts
 
 Ctrl = Mapping[str, object] | None
+
+# A frame's work: (pair, masked) (``WorldEngine.variant``).
+VARIANTS = ((False, True), (True, True), (True, False))
 
 # torch.profiler ranges around a frame's transformer work and its decode (what ``moe-bench
 # rollout --profile`` attributes kernels by; near free when no profiler runs).
@@ -195,6 +202,9 @@ class WorldEngine:
         # Static buffers: controller state, noise, sigmas, outputs.
         self._buttons = torch.zeros(cfg.n_buttons, device=dev)
         self._mouse = torch.zeros(2, device=dev)
+        # The controller state of the last frame, whose cache pass runs with the next frame.
+        self._prev_buttons = torch.zeros_like(self._buttons)
+        self._prev_mouse = torch.zeros_like(self._mouse)
         self._last_ctrl: tuple | None = None
         self._noise = torch.zeros(cfg.latent_channels, cfg.latent_h, cfg.latent_w, device=dev)
         self._sigmas = torch.linspace(1.0, 0.0, cfg.denoise_steps + 1, device=dev)
@@ -202,9 +212,9 @@ class WorldEngine:
         self._img = torch.zeros(
             8 * cfg.latent_h, 8 * cfg.latent_w, 3, dtype=torch.uint8, device=dev
         )
-        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
         self._graph_dec: torch.cuda.CUDAGraph | None = None
-        self._frames_done = 0  # host mirror of cache.frame (chooses the masked variant)
+        self._frames_done = 0  # frames generated (chooses the variant; no device read)
         self.compiled = False
         self.set_runtime(compile=compile, cuda_graph=cuda_graph)
 
@@ -221,10 +231,10 @@ class WorldEngine:
             pass  # keep the compiled passes (and dynamo's cache)
         elif compile:
             self._step_fn = torch.compile(self._denoise_step, fullgraph=True)
-            self._cache_fn = torch.compile(self._cache_pass, fullgraph=True)
+            self._pair_fn = torch.compile(self._commit_and_step, fullgraph=True)
             self._decode_fn = torch.compile(self.model.decoder, fullgraph=True)
         else:
-            self._step_fn, self._cache_fn = self._denoise_step, self._cache_pass
+            self._step_fn, self._pair_fn = self._denoise_step, self._commit_and_step
             self._decode_fn = self.model.decoder
         self.compiled, self.cuda_graph = compile, cuda_graph
         self._graphs, self._graph_dec = {}, None
@@ -234,11 +244,11 @@ class WorldEngine:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Compile both variants of the passes and the decoder now (then reset the state), not
+        """Compile every variant of the passes and the decoder now (then reset the state), not
         at the first frame that needs each: the unmasked one would otherwise compile mid-rollout,
         at frame ``window + 1`` (about 30 s for seed-moe on the H200's host)."""
-        for masked in (True, False):
-            self._frame_work(masked)
+        for variant in VARIANTS:
+            self._frame_work(*variant)
             self._decode_work()
         self.reset()
 
@@ -254,9 +264,10 @@ class WorldEngine:
 
     # -- device work of one frame (static shapes, no host syncs) --------------------------------
 
-    # Two variants of every pass: ``masked`` while the ring is filling (the first ``window``
-    # frames), unmasked once every slot holds a frame (SDPA may then use its flash kernel). The
-    # host knows which one applies from its own frame count: no device read.
+    # Three variants of a frame's work (``VARIANTS``, ``variant()``): frame 0's denoise pass
+    # alone; later frames with the previous frame's cache pass in front (``pair``), ``masked``
+    # while the ring is filling, unmasked once every slot holds a frame (SDPA may then use its
+    # flash kernel). The host knows which one applies from its own frame count: no device read.
 
     def _denoise_step(
         self, z: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, masked: bool
@@ -265,18 +276,39 @@ class WorldEngine:
         v = self.model(z, sigma, b, m, self.cache, commit=False, masked=masked)
         return z + (sigma_next - sigma) * v
 
-    def _cache_pass(self, z: torch.Tensor, masked: bool) -> None:
-        b, m = self._buttons, self._mouse
-        self.model(z, self._sigmas[-1], b, m, self.cache, commit=True, masked=masked)
+    def _commit_and_step(
+        self,
+        clean: torch.Tensor,
+        z: torch.Tensor,
+        sigma: torch.Tensor,
+        sigma_next: torch.Tensor,
+        masked: bool,
+    ) -> torch.Tensor:
+        """The last frame's cache pass and this frame's first Euler step, one forward."""
+        v = self.model.commit_and_denoise(
+            clean, self._prev_buttons, self._prev_mouse, z, sigma, self._buttons, self._mouse,
+            self.cache, masked=masked,
+        )  # fmt: skip
         self.cache.advance()
+        return z + (sigma_next - sigma) * v
+
+    def variant(self) -> tuple[bool, bool]:
+        """(pair, masked) of the next frame's work: the cache pass of frame n - 1 runs with
+        frame n > 0; unmasked once the ring was full before that commit (n - 1 >= window)."""
+        n = self._frames_done
+        return n > 0, n == 0 or n - 1 < self.config.window
 
     @torch.no_grad()
-    def _frame_work(self, masked: bool) -> None:
-        z = self._noise
-        for i in range(self.config.denoise_steps):
-            z = self._step_fn(z, self._sigmas[i], self._sigmas[i + 1], masked)
+    def _frame_work(self, pair: bool, masked: bool) -> None:
+        z, s = self._noise, self._sigmas
+        first = 0
+        if pair:
+            z, first = self._pair_fn(self._latent, z, s[0], s[1], masked), 1
+        for i in range(first, self.config.denoise_steps):
+            z = self._step_fn(z, s[i], s[i + 1], masked)
         self._latent.copy_(z)
-        self._cache_fn(self._latent, masked)
+        self._prev_buttons.copy_(self._buttons)
+        self._prev_mouse.copy_(self._mouse)
 
     @torch.no_grad()
     def _decode_work(self) -> None:
@@ -287,19 +319,19 @@ class WorldEngine:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for masked in (True, True, False, False):
-                self._frame_work(masked)
+            for variant in VARIANTS * 2:
+                self._frame_work(*variant)
                 self._decode_work()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         # Every persistent tensor (cache, latent, image) lives outside the graphs' pool, so the
         # three graphs (never replayed concurrently) can share it.
         pool = None
-        for masked in (True, False):
+        for variant in VARIANTS:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._frame_work(masked)
+                self._frame_work(*variant)
             pool = graph.pool()
-            self._graphs[masked] = graph
+            self._graphs[variant] = graph
         self._graph_dec = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self._graph_dec, pool=pool):
             self._decode_work()
@@ -312,14 +344,15 @@ class WorldEngine:
         self.cache.reset()
         self._frames_done = 0
         self._gen.manual_seed(self.seed)
-        self._buttons.zero_()
-        self._mouse.zero_()
+        for t in (self._buttons, self._mouse, self._prev_buttons, self._prev_mouse):
+            t.zero_()
         self._last_ctrl = None
 
     @property
     def frame_index(self) -> torch.Tensor:
-        """Frames generated since the last reset (0-d int64 device tensor)."""
-        return self.cache.frame
+        """Frames generated since the last reset (0-d int64 device tensor; the last one's keys
+        and values reach the cache with the next frame)."""
+        return self.cache.frame + int(self._frames_done > 0)
 
     def _set_ctrl(self, ctrl: Ctrl) -> None:
         buttons, mouse = _ctrl_tensors(ctrl, self.config.n_buttons)
@@ -343,11 +376,11 @@ class WorldEngine:
         with record_function(FRAME_SCOPE):
             self._set_ctrl(ctrl)
             self._noise.normal_(generator=self._gen)
-            masked = self._frames_done < self.config.window
+            variant = self.variant()
             if self._graphs:
-                self._graphs[masked].replay()
+                self._graphs[variant].replay()
             else:
-                self._frame_work(masked)
+                self._frame_work(*variant)
             self._frames_done += 1
         if not return_img:
             return self._latent.clone()

@@ -51,12 +51,13 @@ class KVRingCache(nn.Module):
         self.v.zero_()
         self.frame.zero_()
 
-    def attn_bias(self, dtype: torch.dtype) -> torch.Tensor:
+    def attn_bias(self, dtype: torch.dtype, ahead: int = 0) -> torch.Tensor:
         """Additive mask (S,) over S = (window + 1) * tokens keys: 0 for the filled ring slots and
         the scratch slot, -inf for ring slots not written yet. Slots fill in order 0, 1, ..., so
-        slot s is filled once ``frame > s``."""
+        slot s is filled once ``frame > s``; ``ahead`` frames more count as committed (a pass
+        that follows a commit in the same forward)."""
         slots = torch.arange(self.window + 1, device=self.frame.device)
-        valid = (slots < self.frame) | (slots == self.window)
+        valid = (slots < self.frame + ahead) | (slots == self.window)
         bias = torch.where(valid, 0.0, float("-inf")).to(dtype)
         return bias.repeat_interleave(self.tokens)
 

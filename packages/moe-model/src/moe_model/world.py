@@ -96,19 +96,58 @@ class WorldModel(nn.Module):
         with ``commit``, write the frame's keys/values into the ring and return None.
         ``masked=False`` skips the mask of unfilled ring slots: only valid once the ring is full
         (``cache.frame >= window``)."""
+        c_PC = self.cond(sigma, buttons, mouse)[None]
+        return self._passes([z_Chw], c_PC, cache, commit=commit, masked=masked)
+
+    def commit_and_denoise(
+        self,
+        clean_Chw: torch.Tensor,
+        clean_buttons: torch.Tensor,
+        clean_mouse: torch.Tensor,
+        z_Chw: torch.Tensor,
+        sigma: torch.Tensor,
+        buttons: torch.Tensor,
+        mouse: torch.Tensor,
+        cache: KVRingCache,
+        *,
+        masked: bool = True,
+    ) -> torch.Tensor:
+        """The cache pass of a clean latent (sigma 0, its own controller state) and the denoise
+        pass of the next frame as one forward of 2N tokens: every weight is read once for both,
+        and the GEMMs see twice the rows. The same as ``forward(clean, 0, clean_buttons,
+        clean_mouse, cache, commit=True)``, ``cache.advance()``, ``forward(z, sigma, buttons,
+        mouse, cache, commit=False)``, except that the frame counter is left for the caller to
+        advance (the denoise pass runs at frame ``cache.frame + 1``). Returns the velocity of
+        ``z``. ``masked=False`` is valid once the ring is full before the commit."""
+        zero = torch.zeros_like(sigma)
+        c_PC = torch.stack(
+            [self.cond(zero, clean_buttons, clean_mouse), self.cond(sigma, buttons, mouse)]
+        )
+        return self._passes([clean_Chw, z_Chw], c_PC, cache, commit=True, masked=masked)
+
+    def _passes(
+        self,
+        zs: list[torch.Tensor],
+        c_PC: torch.Tensor,
+        cache: KVRingCache,
+        *,
+        commit: bool,
+        masked: bool,
+    ) -> torch.Tensor | None:
+        """P = ``len(zs)`` passes, pass p at frame ``cache.frame + p`` (``Block.forward``): the
+        last pass's velocity, or None for one committing pass."""
         dtype = self.patch_embed.weight.dtype
-        x_ND = self.patch_embed(self.patchify(z_Chw).to(dtype))
-        c_C = self.cond(sigma, buttons, mouse)
-        rope = self.rope(cache.frame)
-        bias_S = cache.attn_bias(dtype) if masked else None
+        x_ND = self.patch_embed(torch.cat([self.patchify(z) for z in zs]).to(dtype))
+        ropes = [self.rope(cache.frame + p) for p in range(len(zs))]
+        biases = [cache.attn_bias(dtype, ahead=p) if masked else None for p in range(len(zs))]
         last = len(self.blocks) - 1
         for l, block in enumerate(self.blocks):
             x_ND = block(
-                x_ND, c_C, rope, cache, l, bias_S, commit=commit, kv_only=commit and l == last
+                x_ND, c_PC, ropes, cache, l, biases, commit=commit, kv_only=commit and l == last
             )
-        if commit:
+        if commit and len(zs) == 1:
             return None
-        shift, scale = self.final_mod(c_C).view(2, -1).float().unbind(0)
+        shift, scale = self.final_mod(c_PC[-1]).view(2, -1).float().unbind(0)
         h = self.blocks[0].norm1(x_ND).float() * (1 + scale) + shift
         return self.unpatchify(self.final_proj(h.to(dtype)).float())
 

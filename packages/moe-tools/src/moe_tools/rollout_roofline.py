@@ -10,7 +10,9 @@ the engine's dtype (bf16: 2 B; the router's weight is fp32).
 A frame (``moe_model.engine``) is ``denoise_steps`` denoise passes (every layer, then the final
 layer) and one cache pass: layers 0..L-2 in full (they attend, then write the frame's keys and
 values into the ring), the last layer only its modulation and K/V projections and the ring write
-(no attention, no MLP, no final layer); then the decoder, once, when images are on.
+(no attention, no MLP, no final layer); then the decoder, once, when images are on. A steady
+frame runs the previous frame's cache pass and its first denoise pass as one forward of 2N rows
+(``WorldModel.commit_and_denoise``): its matmuls read each weight once for both passes.
 
 FLOPs: 2 per multiply-add of the matmuls (linear layers, the experts' R routed rows, the router),
 attention 4 H N S Dh (QK^T and PV), the decoder's 3x3 convolutions 18 Hout Wout Cin Cout. Norms,
@@ -107,37 +109,46 @@ def frame_ops(cfg: WorldModelConfig, *, itemsize: int = 2, images: bool = True) 
     S = (cfg.window + 1) * N
     den = cfg.denoise_steps  # denoise passes; + 1 cache pass
     passes, full = den + 1, den * L + (L - 1)  # passes; layers run in full per frame
+    # (rows, calls) of the forwards' matmuls: the pair forward (cache pass + first denoise pass)
+    # at 2N rows, where its last layer runs the denoise pass alone, and den - 1 denoise passes.
+    embed = [(2 * N, 1), (N, den - 1)]
+    per_layer = [(2, L), (1, (den - 1) * L)]  # modulation: one conditioning row per pass
+    kv_runs = [(2 * N, L), (N, (den - 1) * L)]
+    runs = [(2 * N, L - 1), (N, 1), (N, (den - 1) * L)]  # layers in full
     q, kv = H * Dh, Hkv * Dh
     cond_w = cfg.freq_dim * C + C * C + cfg.n_buttons * C + 2 * C
     ops = [
-        _mm("patch_embed", "gemm", N, P, D, it, passes),
+        *(_mm("patch_embed", "gemm", m, P, D, it, n) for m, n in embed),
         OpCount("cond", "gemm", 2 * cond_w, cond_w * it, passes),  # one row: weights only
-        _mm("modulation", "gemm", 1, C, 6 * D, it, passes * L),
+        *(_mm("modulation", "gemm", m, C, 6 * D, it, n) for m, n in per_layer),
         _io("norm1_modulate", "pointwise", 2 * N * D, it, passes * L),
-        _mm("k_v_proj", "gemm", N, D, 2 * kv, it, passes * L),
-        _mm("q_proj", "gemm", N, D, q, it, full),
+        *(_mm("k_v_proj", "gemm", m, D, 2 * kv, it, n) for m, n in kv_runs),
+        *(_mm("q_proj", "gemm", m, D, q, it, n) for m, n in runs),
         _io("qk_norm_rope", "pointwise", 2 * N * (q + 2 * kv), it, full),
         OpCount("attention", "attention", 4 * H * N * S * Dh, (2 * N * q + 2 * S * kv) * it, full),
-        _mm("o_proj", "gemm", N, q, D, it, full),
+        *(_mm("o_proj", "gemm", m, q, D, it, n) for m, n in runs),
         _io("residual_norm2", "pointwise", 4 * N * D, it, full),
         _io("residual", "pointwise", 3 * N * D, it, full),
         _io("kv_ring_write", "pointwise", 4 * N * kv, it, L),  # the cache pass, every layer
     ]
     if cfg.mlp == "moe":
-        E, R, F = cfg.n_experts, N * cfg.top_k, cfg.moe_hidden
-        F2, reached = F * (2 if cfg.gated else 1), min(cfg.n_experts, N * cfg.top_k)
-        ops += [
-            OpCount("router", "routing", 2 * N * D * E, D * E * 4 + N * D * it + N * E * 4, full),
-            _mm("experts_up", "gemm", R, D, F2, it, full, w_copies=reached, in_rows=N),
-            _mm("experts_down", "gemm", R, F, D, it, full, w_copies=reached),
-            _io("combine", "routing", R * D + N * D, it, full),
-        ]
+        E, F = cfg.n_experts, cfg.moe_hidden
+        F2 = F * (2 if cfg.gated else 1)
+        for m, n in runs:
+            R, reached = m * cfg.top_k, min(E, m * cfg.top_k)  # rows; experts they can reach
+            ops += [
+                OpCount("router", "routing", 2 * m * D * E, D * E * 4 + m * D * it + m * E * 4, n),
+                _mm("experts_up", "gemm", R, D, F2, it, n, w_copies=reached, in_rows=m),
+                _mm("experts_down", "gemm", R, F, D, it, n, w_copies=reached),
+                _io("combine", "routing", R * D + m * D, it, n),
+            ]
     else:
         F2 = cfg.dense_hidden * (2 if cfg.gated else 1)
-        ops += [
-            _mm("mlp_in", "gemm", N, D, F2, it, full),
-            _mm("mlp_out", "gemm", N, cfg.dense_hidden, D, it, full),
-        ]
+        for m, n in runs:
+            ops += [
+                _mm("mlp_in", "gemm", m, D, F2, it, n),
+                _mm("mlp_out", "gemm", m, cfg.dense_hidden, D, it, n),
+            ]
     latent = cfg.latent_channels * cfg.latent_h * cfg.latent_w
     ops += [
         _mm("final_mod", "gemm", 1, C, 2 * D, it, den),
@@ -147,7 +158,7 @@ def frame_ops(cfg: WorldModelConfig, *, itemsize: int = 2, images: bool = True) 
     ]
     if images:
         ops += decoder_ops(cfg, itemsize=it)
-    return ops
+    return [o for o in ops if o.calls]
 
 
 def decoder_ops(cfg: WorldModelConfig, *, itemsize: int = 2) -> list[OpCount]:
