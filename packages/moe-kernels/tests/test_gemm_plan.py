@@ -259,3 +259,27 @@ def test_fp8_runs_the_triton_fp8_kernel_off_the_reference_path(dev, P, want):
     """e4m3 operands: the FP8 kernel at every size (no GEMV for FP8 yet), its bytes decoded to
     bf16 on a GPU without the e4m3 type (before sm_89), the reference on CPU."""
     assert kernel(GemmProblem("fp8", P, 256, 512, 8, torch.float8_e4m3fn), dev) == want
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "d", "gathered", "block", "want"),
+    [  # (block_m, block_n, num_stages, fast_accum, persistent), from the H100 sweep's winners
+        (16384, 1024, 2048, False, False, (128, 256, 4, True, False)),  # seed up: 512 tiles
+        (65536, 1536, 2048, False, False, (128, 256, 3, True, True)),  # Qwen3 up: 3072 tiles
+        (65536, 2048, 768, False, False, (128, 256, 3, True, True)),  # Qwen3 down: 4096 tiles
+        (262144, 2048, 4096, False, False, (128, 256, 4, True, False)),  # SonicMoE up: K 4096
+        (65536, 128, 2048, False, False, (128, 128, 3, True, False)),  # narrow n
+        (65536, 1536, 2048, True, False, (64, 128, 3, True, False)),  # gathered rows
+        (65536, 1536, 2048, False, True, (128, 128, 3, False, False)),  # block scales
+        (65536, 1536, 2048, True, True, (64, 128, 3, False, False)),
+    ],
+)
+def test_fp8_config(rows, n, d, gathered, block, want):
+    """FP8 tiles: fast accumulation with per-channel scales (never with block scales: each K
+    step is promoted with its scale), the persistent kernel on sorted rows from 2048 tiles of
+    128 x 256 at K <= 2048."""
+    from moe_kernels._gemm_plan import fp8_config
+
+    cfg = fp8_config(rows, n, d, block, gathered, interpret=False)
+    assert (cfg.block_m, cfg.block_n, cfg.num_stages, cfg.fast_accum, cfg.persistent) == want
+    assert cfg.block_k == 128

@@ -15,8 +15,9 @@ dequantisation, then the "dequantized" problem's plan), "masked" (a per-expert m
 GEMM with static shapes), "gemv" (``_triton/grouped_gemv.py``: the forward GEMMs at a few rows
 in all, a decode step's, each touched expert's weights read once; gathers its rows, fuses SiLU or
 SwiGLU), "triton_fp8" (``_triton/fp8_grouped_mm.py``: e4m3 operands, per-row and per-channel or
-block scales; not yet tuned on a device), "triton_fp8_decoded" (the same kernel on a GPU without
-e4m3 tensor cores, before sm_89: the e4m3 bytes decoded to bf16, exactly, for bf16 MMAs).
+block scales; tiles, accumulation and grid by ``fp8_config``), "triton_fp8_decoded" (the same
+kernel on a GPU without e4m3 tensor cores, before sm_89: the e4m3 bytes decoded to bf16,
+exactly, for bf16 MMAs).
 
 From the H200 (``benchmarks/gpu/persistent_grouped_mm_gpu.py``, torch 2.11, triton 3.6, bf16,
 two runs on two machines): the flattened persistent Triton kernel (128 x 256 x 64 tiles, 8
@@ -42,7 +43,8 @@ from moe_kernels._dispatch import (
     triton_kernels,
     use_triton,
 )
-from moe_kernels._triton.blocks import pow2_clamp  # plain Python: no Triton import
+from moe_kernels._triton.blocks import cdiv, pow2_clamp  # plain Python: no Triton import
+from moe_kernels.reference.fp8_grouped_mm import SCALE_BLOCK
 
 # Mean rows per expert up to which the persistent row-grouped GEMM runs (above it CUTLASS was as
 # fast).
@@ -179,6 +181,69 @@ class GemmDevice(NamedTuple):
     scaled_grouped_mm: bool = True
     gemv: bool = True
     fp8_mma: bool = True
+
+
+class Fp8Config(NamedTuple):
+    """Tile shape and launch parameters of one FP8 grouped-GEMM launch; ``tma``: B (and sorted
+    A) through TMA descriptors where the tensors allow (pointer tiles of 128-deep fp8 K steps
+    spill: 380-1400 bytes a thread at sm_90a); ``fast_accum``: per-channel scales' K loop
+    accumulated in the MMA without promoting each 128-deep step to fp32 (FBGEMM's
+    ``use_fast_accum``, its default; within 2^-7 of the sum of |products|, against 2^-12 with
+    the promotion); ``persistent``: sorted rows with per-channel scales through the persistent
+    grouped GEMM (``persistent_grouped_mm``'s scaled form: a persistent grid, tile and K loops
+    flattened, fast accumulation)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: bool = True
+    fast_accum: bool = False
+    persistent: bool = False
+
+
+# Sorted rows, per-channel scales: the persistent kernel from this many 128 x 256 tiles on at
+# most this K (H100, session 61's sweep, docs/kernel-ops.md: it won at Qwen3-30B-A3B's up and
+# down projections, 3072 and 4096 tiles on K 2048 / 768; the plain grid won at the seed shape,
+# 512 tiles, and at SonicMoE's K 4096).
+PERSISTENT_MIN_TILES = 2048
+PERSISTENT_MAX_K = 2048
+
+
+def fp8_config(
+    num_rows: int,
+    n: int,
+    d: int,
+    block_scales: bool,
+    gathered: bool = False,
+    *,
+    interpret: bool = INTERPRET,
+) -> Fp8Config:
+    """GPU, per-channel scales (fast accumulation): sorted rows in 128 x 256 x 128 tiles, 4
+    stages, or through the persistent kernel (3 stages) from ``PERSISTENT_MIN_TILES`` tiles on
+    K <= ``PERSISTENT_MAX_K``; gathered rows in 64 x 128 x 128 tiles. Block scales: 128 x 128
+    x 128 (64 x 128 gathered), each 128-deep step promoted to fp32 with its scale. 8 warps; BN
+    down to 16 for small n. Register use at sm_90a (``moe_kernels.testing.register_use``,
+    test_compile_sm90.py): no spill for the plain grid's tiles (sorted: 234-255 registers,
+    gathered: 219-234); a gathered 128-row tile spills 350-530 bytes a thread (its A tile is
+    loaded through registers). Interpreter: few, large programs. Block scales need BK = 128 and
+    BN dividing 128."""
+    if interpret:
+        bk = SCALE_BLOCK if block_scales else pow2_clamp(d, 16, 128)
+        return Fp8Config(pow2_clamp(num_rows, 16, 32), pow2_clamp(n, 16, 128), bk, 4, 4, 1, False)
+    if block_scales or gathered:
+        return Fp8Config(
+            block_m=64 if gathered else 128,
+            block_n=pow2_clamp(n, 16, 128),
+            fast_accum=not block_scales,
+        )
+    bn = pow2_clamp(n, 16, 256)
+    tiles = cdiv(num_rows, 128) * cdiv(n, bn)
+    if bn == 256 and d <= PERSISTENT_MAX_K and tiles >= PERSISTENT_MIN_TILES:
+        return Fp8Config(block_n=bn, fast_accum=True, persistent=True)
+    return Fp8Config(block_n=bn, num_stages=4 if bn == 256 else 3, fast_accum=True)
 
 
 class GemmProblem(NamedTuple):

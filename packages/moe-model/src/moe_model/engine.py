@@ -35,7 +35,7 @@ from moe_model.world import WorldModel, check_config, model_parameter_counts
 
 Ctrl = Mapping[str, object] | None
 
-# A frame's work: (pair, masked) (``WorldEngine.variant``).
+# A frame's work: (pair, masked) (``WorldEngine._variant``).
 VARIANTS = ((False, True), (True, True), (True, False))
 
 # torch.profiler ranges around a frame's transformer work and its decode (what ``moe-bench
@@ -264,7 +264,7 @@ class WorldEngine:
 
     # -- device work of one frame (static shapes, no host syncs) --------------------------------
 
-    # Three variants of a frame's work (``VARIANTS``, ``variant()``): frame 0's denoise pass
+    # Three variants of a frame's work (``VARIANTS``, ``_variant()``): frame 0's denoise pass
     # alone; later frames with the previous frame's cache pass in front (``pair``), ``masked``
     # while the ring is filling, unmasked once every slot holds a frame (SDPA may then use its
     # flash kernel). The host knows which one applies from its own frame count: no device read.
@@ -292,7 +292,7 @@ class WorldEngine:
         self.cache.advance()
         return z + (sigma_next - sigma) * v
 
-    def variant(self) -> tuple[bool, bool]:
+    def _variant(self) -> tuple[bool, bool]:
         """(pair, masked) of the next frame's work: the cache pass of frame n - 1 runs with
         frame n > 0; unmasked once the ring was full before that commit (n - 1 >= window)."""
         n = self._frames_done
@@ -376,7 +376,7 @@ class WorldEngine:
         with record_function(FRAME_SCOPE):
             self._set_ctrl(ctrl)
             self._noise.normal_(generator=self._gen)
-            variant = self.variant()
+            variant = self._variant()
             if self._graphs:
                 self._graphs[variant].replay()
             else:

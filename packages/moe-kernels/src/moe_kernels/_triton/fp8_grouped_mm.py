@@ -13,15 +13,13 @@ grid, the offsets clamped on the device, tail rows zero). Nothing here checks ar
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from moe_kernels._dispatch import INTERPRET, has_tma
-from moe_kernels._gemm_plan import PersistentConfig
-from moe_kernels._triton.blocks import next_pow2, pow2_clamp
+from moe_kernels._gemm_plan import Fp8Config, PersistentConfig, fp8_config
+from moe_kernels._triton.blocks import next_pow2
 from moe_kernels._triton.grouped_mm import (
     find_tile,
     group_tiles,
@@ -153,42 +151,6 @@ def _fp8_grouped_mm_kernel(
         acc = tl.where(live[:, None], acc, 0.0)
         y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
-
-
-class Fp8Config(NamedTuple):
-    """Tile shape and launch parameters of one FP8 grouped-GEMM launch; ``tma``: B (and sorted
-    A) through TMA descriptors where the tensors allow (pointer tiles of 128-deep fp8 K steps
-    spill: 380-1400 bytes a thread at sm_90a); ``fast_accum``: per-channel scales' K loop
-    accumulated in the MMA without promoting each 128-deep step to fp32 (FBGEMM's
-    ``use_fast_accum``; a measured variant, not a default); ``persistent``: sorted rows with
-    per-channel scales through the persistent grouped GEMM (``persistent_grouped_mm``'s scaled
-    form: a persistent grid, tile and K loops flattened, fast accumulation)."""
-
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 128
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-    tma: bool = True
-    fast_accum: bool = False
-    persistent: bool = False
-
-
-def fp8_config(
-    num_rows: int, n: int, d: int, block_scales: bool, gathered: bool = False
-) -> Fp8Config:
-    """GPU: 128 x 128 x 128 tiles on sorted rows, 64 x 128 x 128 on gathered rows (BK = 128: one
-    block scale a K step), 8 warps, 3 stages; BN down to 16 for small n. Register use at sm_90a
-    (``moe_kernels.testing.register_use``, test_compile_sm90.py): no spill for
-    both (sorted: 255 registers, gathered: 219-234; Triton 3.6 and 3.8 alike); a gathered
-    128-row tile spills 350-530 bytes a thread (its A tile is loaded through registers). Speed
-    not yet tuned on a device. Interpreter: few, large programs. Block scales
-    need BK = 128 and BN dividing 128."""
-    if INTERPRET:
-        bk = SCALE_BLOCK if block_scales else pow2_clamp(d, 16, 128)
-        return Fp8Config(pow2_clamp(num_rows, 16, 32), pow2_clamp(n, 16, 128), bk, 4, 4, 1, False)
-    return Fp8Config(block_m=64 if gathered else 128, block_n=pow2_clamp(n, 16, 128))
 
 
 _launcher = FastKernel(_fp8_grouped_mm_kernel)
