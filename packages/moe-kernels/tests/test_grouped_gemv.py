@@ -206,7 +206,15 @@ def test_repeatable_and_batch_invariant(dtype):
     last = torch.full((40,), 1, dtype=torch.int32)
     last[37] = 3
     a, b = gemv(x, w, offsets, first, "swiglu"), gemv(x, w, offsets, last, "swiglu")
-    assert torch.equal(a[0], b[37]) and torch.equal(a[1:37], b[:36])
+    assert torch.equal(a[0], b[37])
+    if dtype == torch.float32:  # the interpreter's tl.dot is numpy's matmul: with OpenBLAS
+        # 0.3.31 an fp32 row's sum may differ in its last bit with the row's place in the block
+        # (rows 5, 11 and 15 of 16 here: a last-bit change of the gate or up sum, carried
+        # through SwiGLU); the device keeps the bits (test_grouped_gemv_gpu.py)
+        tol = 4 * ULP[torch.float32] * float(b.abs().max())
+        assert float((a[1:37] - b[:36]).abs().max()) <= tol
+    else:
+        assert torch.equal(a[1:37], b[:36])
 
 
 # --------------------------------------------------------------------------------------------
